@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Creates ./.venv with Python 3.12 and installs the project (editable) with its dev extras.
+# Idempotent: a second run only re-checks the install. Finds Python 3.12 as `python3.12` on PATH,
+# or through pyenv (PYENV_VERSION=3.12.x), or via $NOSA_PYTHON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  if [ -n "${NOSA_PYTHON:-}" ]; then echo "$NOSA_PYTHON"; return 0; fi
+  if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    echo "python3.12"; return 0
+  fi
+  if command -v pyenv >/dev/null 2>&1; then
+    local v
+    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -n 1 || true)
+    if [ -n "$v" ]; then echo "env PYENV_VERSION=$v python3.12"; return 0; fi
+  fi
+  return 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  py=$(find_python) || { echo "setup: Python 3.12 not found (put python3.12 on PATH, install it with pyenv, or set NOSA_PYTHON)" >&2; exit 1; }
+  echo "setup: creating .venv with $py"
+  $py -m venv .venv
+fi
+.venv/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' \
+  || { echo "setup: .venv is not Python 3.12; remove .venv and run again" >&2; exit 1; }
+
+stamp=.venv/.nosa-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing dependencies (first run downloads torch, several GB)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi
+echo "setup: ok ($(.venv/bin/python -c 'import torch, megatron.core as m; print("torch", torch.__version__, "| megatron-core", m.__version__)'))"
