@@ -1,0 +1,137 @@
+"""Typed data configs (plain dataclasses, primitive fields) and their single validation point.
+
+The trainer builds these from Hydra YAML (``OmegaConf.to_object``); every check lives in
+:func:`validate`, which raises a one-line ``ValueError`` naming the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+PACKING_MODES = ("document", "eod")
+CHAT_TEMPLATES = ("chatml", "tokenizer")
+OVERLONG_POLICIES = ("truncate", "drop")
+BAD_EXAMPLE_POLICIES = ("count", "error")
+
+
+@dataclass
+class DataConfig:
+    """Pretraining / CPT data over megatron-core indexed datasets (``<prefix>.bin/.idx``).
+
+    paths / weights: blend of indexed-dataset prefixes; weights None = proportional to size.
+    split: train,valid,test weights as in Megatron (e.g. "98,2,0"), applied per prefix.
+    seq_length: tokens per sample S (4096 pretraining, 16384 CPT).
+    packing: "document" emits ``cu_seqlens`` and per-document ``position_ids`` (NOSA);
+             "eod" is plain concatenation with EOD separators and running positions (dense).
+    eod_mask_loss: zero the loss where the *input* token is EOD (its label would be the first
+             token of the next, unrelated document).
+    train_samples / valid_samples: samples to index (None = one epoch); loaders wrap around.
+    """
+
+    paths: list[str] = field(default_factory=list)
+    weights: Optional[list[float]] = None
+    tokenizer: str = ""
+    split: str = "98,2,0"
+    seq_length: int = 4096
+    micro_batch_size: int = 1
+    packing: str = "document"
+    eod_mask_loss: bool = True
+    seed: int = 1234
+    train_samples: Optional[int] = None
+    valid_samples: Optional[int] = None
+    cache_dir: Optional[str] = None
+    model_vocab_size: Optional[int] = None
+    num_builder_threads: int = 1
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on chat conversations (rows with ``messages: [{role, content}]``).
+
+    path: JSONL / parquet file or HF dataset dir (``save_to_disk``) or HF data dir.
+    chat_template: "chatml" (built-in renderer) or "tokenizer" (the tokenizer's own Jinja template).
+    pack: pack several conversations per row of ``seq_length`` tokens (with ``cu_seqlens``);
+          otherwise one conversation per row, right-padded.
+    overlong: conversations longer than ``seq_length`` are "truncate"d or "drop"ped (counted).
+    on_bad_example: "count" (skip and count unknown roles / empty / no assistant) or "error".
+    """
+
+    path: str = ""
+    tokenizer: str = ""
+    seq_length: int = 4096
+    micro_batch_size: int = 1
+    chat_template: str = "chatml"
+    pack: bool = True
+    overlong: str = "truncate"
+    on_bad_example: str = "count"
+    messages_field: str = "messages"
+    seed: int = 1234
+    model_vocab_size: Optional[int] = None
+
+
+def _check_tokenizer_dir(path: str, what: str) -> None:
+    if not path:
+        raise ValueError(f"{what}.tokenizer is empty: set it to an HF tokenizer dir (e.g. from `python -m data.demo_corpus`)")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ValueError(f"{what}.tokenizer={path!r} has no tokenizer.json: point it to a saved HF fast-tokenizer dir")
+
+
+def _check_common(c, what: str, dp_size: int) -> None:
+    if c.seq_length <= 0:
+        raise ValueError(f"{what}.seq_length={c.seq_length} must be > 0")
+    if c.micro_batch_size <= 0:
+        raise ValueError(f"{what}.micro_batch_size={c.micro_batch_size} must be > 0")
+    if dp_size <= 0:
+        raise ValueError(f"dp_size={dp_size} must be > 0")
+    if c.model_vocab_size is not None and c.model_vocab_size <= 0:
+        raise ValueError(f"{what}.model_vocab_size={c.model_vocab_size} must be > 0 or null")
+
+
+def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = True) -> None:
+    """Raise a one-line ``ValueError`` for the first invalid field of ``cfg``."""
+    if isinstance(cfg, DataConfig):
+        what = "data"
+        _check_common(cfg, what, dp_size)
+        if not cfg.paths:
+            raise ValueError("data.paths is empty: give one or more indexed-dataset prefixes (<prefix>.bin/.idx from `python -m data.preprocess`)")
+        if cfg.weights is not None:
+            if len(cfg.weights) != len(cfg.paths):
+                raise ValueError(f"data.weights has {len(cfg.weights)} entries but data.paths has {len(cfg.paths)}: give one weight per path or null")
+            if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
+                raise ValueError(f"data.weights={cfg.weights} must be non-negative with a positive sum")
+        if cfg.packing not in PACKING_MODES:
+            raise ValueError(f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
+        parts = [p for p in cfg.split.replace(" ", "").split(",") if p]
+        try:
+            nums = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"data.split={cfg.split!r} must be comma-separated numbers like '98,2,0'") from None
+        if not 1 <= len(nums) <= 3 or any(n < 0 for n in nums) or sum(nums) <= 0:
+            raise ValueError(f"data.split={cfg.split!r} needs 1-3 non-negative weights with a positive sum, like '98,2,0'")
+        for n in ("train_samples", "valid_samples"):
+            v = getattr(cfg, n)
+            if v is not None and v <= 0:
+                raise ValueError(f"data.{n}={v} must be > 0 or null (one epoch)")
+        if check_files:
+            for p in cfg.paths:
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(p + ext):
+                        raise ValueError(f"data.paths entry {p!r}: {p + ext} not found; build it with `python -m data.preprocess --out {p}`")
+            _check_tokenizer_dir(cfg.tokenizer, what)
+    elif isinstance(cfg, SFTConfig):
+        what = "sft"
+        _check_common(cfg, what, dp_size)
+        if cfg.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"sft.chat_template={cfg.chat_template!r} is not one of {CHAT_TEMPLATES}")
+        if cfg.overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"sft.overlong={cfg.overlong!r} is not one of {OVERLONG_POLICIES}")
+        if cfg.on_bad_example not in BAD_EXAMPLE_POLICIES:
+            raise ValueError(f"sft.on_bad_example={cfg.on_bad_example!r} is not one of {BAD_EXAMPLE_POLICIES}")
+        if check_files:
+            if not cfg.path or not os.path.exists(cfg.path):
+                raise ValueError(f"sft.path={cfg.path!r} does not exist: give a JSONL/parquet file or an HF dataset dir")
+            _check_tokenizer_dir(cfg.tokenizer, what)
+    else:
+        raise ValueError(f"validate() got {type(cfg).__name__}: expected DataConfig or SFTConfig")

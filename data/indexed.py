@@ -1,0 +1,98 @@
+"""megatron-core indexed datasets: writing ``.bin/.idx`` and building GPT dataset splits.
+
+Each document is stored as one sequence ``[t_0 .. t_{n-1}, EOD]`` (int32 or uint16 tokens).
+``build_gpt_splits`` returns megatron-core GPTDataset / BlendedDataset objects (train, valid, test)
+with deterministic shuffling and cached index arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+def token_dtype(vocab_size: int):
+    """Smallest dtype megatron-core uses for ``vocab_size`` tokens (uint16 if it fits, else int32)."""
+    return np.uint16 if vocab_size <= 65536 else np.int32
+
+
+class IndexedWriter:
+    """Append documents (1-D int arrays) to ``<prefix>.bin`` and write ``<prefix>.idx`` on close."""
+
+    def __init__(self, prefix: str, vocab_size: int):
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        d = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(d, exist_ok=True)
+        self.prefix = prefix
+        self.dtype = token_dtype(vocab_size)
+        self._builder = IndexedDatasetBuilder(prefix + ".bin", dtype=self.dtype)
+        self.documents = 0
+        self.tokens = 0
+
+    def add(self, ids) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        self._builder.add_document(arr, [arr.size])
+        self.documents += 1
+        self.tokens += int(arr.size)
+
+    def close(self) -> None:
+        self._builder.finalize(self.prefix + ".idx")
+
+
+def write_indexed(prefix: str, docs: Iterable, vocab_size: int) -> tuple[int, int]:
+    """Write all ``docs`` (already including EOD); returns ``(documents, tokens)``."""
+    w = IndexedWriter(prefix, vocab_size)
+    for d in docs:
+        w.add(d)
+    w.close()
+    return w.documents, w.tokens
+
+
+def read_indexed(prefix: str):
+    """Open ``<prefix>.bin/.idx`` (mmap); ``ds[i]`` is document i as a numpy array."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(prefix, multimodal=False, mmap=True)
+
+
+def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_samples: Optional[int] = None):
+    """Build ``[train, valid, test]`` megatron-core datasets for a validated ``DataConfig``.
+
+    ``tokenizer``: a ``data.tokenizer.Tokenizer``. Samples hold ``seq_length`` tokens (+1 for labels).
+    Sizes None = one epoch of each split (blends with weights need sizes; a default is derived).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from data.tokenizer import MegatronTokenizerAdapter
+
+    train_samples = train_samples if train_samples is not None else cfg.train_samples
+    valid_samples = valid_samples if valid_samples is not None else cfg.valid_samples
+    blend = (list(cfg.paths), list(cfg.weights) if cfg.weights is not None else None)
+    if cfg.weights is not None and len(cfg.paths) > 1 and train_samples is None:
+        # weighted blends need an explicit size: default to one pass over the total tokens
+        total = sum(int(read_indexed(p).sequence_lengths.sum()) for p in cfg.paths)
+        train_samples = max(1, total // cfg.seq_length)
+    if cfg.weights is not None and len(cfg.paths) > 1 and valid_samples is None:
+        valid_samples = max(1, (train_samples or 1) // 50)
+    document_mode = cfg.packing == "document"
+    gcfg = GPTDatasetConfig(
+        random_seed=cfg.seed,
+        sequence_length=cfg.seq_length,
+        blend=blend,
+        split=cfg.split,
+        path_to_cache=cfg.cache_dir,
+        tokenizer=MegatronTokenizerAdapter(tokenizer),
+        reset_position_ids=document_mode,
+        reset_attention_mask=False,
+        eod_mask_loss=cfg.eod_mask_loss,
+        create_attention_mask=False,
+        inter_document_masking=document_mode,
+        num_dataset_builder_threads=cfg.num_builder_threads,
+    )
+    weighted = cfg.weights is not None and len(cfg.paths) > 1
+    sizes = [train_samples, valid_samples, valid_samples if weighted else None]
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()
