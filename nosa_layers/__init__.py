@@ -1,0 +1,26 @@
+"""NOSA attention: selection, eviction heads, reference attention, decode and locality tools.
+
+Public API (names are a contract for the rest of the framework)::
+
+    NOSAConfig, select_blocks, nosa_attention, nosa_decode_step, measure_locality,
+    EVICTION_HEADS, register_eviction_head, build_eviction_head, EvictionHead, EvictionOutput
+"""
+
+from nosa_layers.attention import nosa_attention, resolve_backend
+from nosa_layers.config import NOSAConfig
+from nosa_layers.decode import DecodeOutput, nosa_decode_step, select_decode
+from nosa_layers.eviction import (
+    EVICTION_HEADS,
+    EvictionHead,
+    EvictionOutput,
+    build_eviction_head,
+    register_eviction_head,
+)
+from nosa_layers.locality import LocalityStats, format_locality_table, measure_locality
+from nosa_layers.selection import select_blocks
+
+__all__ = [
+    "NOSAConfig", "select_blocks", "nosa_attention", "resolve_backend", "nosa_decode_step",
+    "select_decode", "DecodeOutput", "measure_locality", "LocalityStats", "format_locality_table",
+    "EVICTION_HEADS", "EvictionHead", "EvictionOutput", "build_eviction_head", "register_eviction_head",
+]

@@ -1,0 +1,89 @@
+"""``nosa_attention``: the one entry point of NOSA attention, with a backend switch.
+
+Backends: ``reference`` (pure PyTorch, CPU/GPU, fp32/fp64, the ground truth), ``triton``
+(CUDA kernels, ``nosa_layers.ops``), ``auto`` (Triton on CUDA when available, else reference).
+The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from nosa_layers.config import NOSAConfig
+from nosa_layers.reference import block_sparse_attention
+from nosa_layers.selection import _check, document_spans, select_blocks
+
+BACKENDS = ("reference", "triton", "auto")
+_SAME_AS_SCORE = "score"
+
+
+def _triton_available() -> bool:
+    try:
+        import nosa_layers.ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``auto`` to a concrete backend for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown NOSA backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        backend = os.environ.get("NOSA_ATTN_BACKEND", "auto")
+        if backend == "auto":
+            return "triton" if device.type == "cuda" and _triton_available() else "reference"
+        if backend not in ("reference", "triton"):
+            raise ValueError(f"NOSA_ATTN_BACKEND={backend!r}; use reference or triton")
+    if backend == "triton" and not _triton_available():
+        raise RuntimeError("NOSA backend 'triton' is not available (nosa_layers.ops is missing); "
+                           "use backend='reference'")
+    return backend
+
+
+def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                   cu_seqlens: Tensor | None = None, backend: str = "reference",
+                   attn_bias: Tensor | None | str = _SAME_AS_SCORE,
+                   softmax_scale: float | None = None) -> Tensor:
+    """NOSA sparse attention (training / prefill path).
+
+    Args:
+        q: ``[B, T, Hq, D]`` queries after RoPE.
+        k, v: ``[B, T, Hkv, D]`` keys after RoPE, values.
+        evict_score: ``[B, T, Hkv]`` query-agnostic eviction score (ranked by the selection), or
+            ``None`` for query-aware-only selection (InfLLM-V2).
+        cfg: selection geometry and budget.
+        cu_seqlens: ``[n_docs + 1]`` int document offsets for packed sequences (B must be 1):
+            no attention, window or block crosses a boundary; positions restart per document.
+        backend: ``reference`` | ``triton`` | ``auto``.
+        attn_bias: ``[B, T, Hkv]`` additive logit bias at full scale; default: ``evict_score``
+            (ED-DMA). ``None`` for no bias.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+
+    Returns ``[B, T, Hq, D]`` in q's dtype; differentiable in q, k, v and the bias. The selection
+    itself is not differentiable (it runs on detached tensors).
+    """
+    _check(q, k, evict_score, cu_seqlens)
+    if v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
+    bias = evict_score if isinstance(attn_bias, str) and attn_bias == _SAME_AS_SCORE else attn_bias
+    if bias is not None and bias.shape != k.shape[:3]:
+        raise ValueError(f"attn_bias must be [B, T, Hkv] = {tuple(k.shape[:3])}, got {tuple(bias.shape)}")
+
+    if resolve_backend(backend, q.device) == "triton":
+        from nosa_layers.ops import nosa_attention_triton
+
+        return nosa_attention_triton(q, k, v, evict_score, cfg, cu_seqlens=cu_seqlens, bias=bias,
+                                     softmax_scale=softmax_scale)
+
+    score = None if evict_score is None else evict_score.detach()
+    selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale)
+    outs = []
+    for s, e in document_spans(cu_seqlens, q.shape[1]):
+        outs.append(block_sparse_attention(
+            q[:, s:e], k[:, s:e], v[:, s:e], selected[:, :, s:e], cfg.block_size,
+            bias=None if bias is None else bias[:, s:e], softmax_scale=softmax_scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

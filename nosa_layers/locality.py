@@ -1,0 +1,118 @@
+"""Decode-time locality of a NOSA selection: how many blocks an offloaded KV cache must fetch.
+
+Walking a sequence token by token, step ``t`` selects the block set ``S_t`` (per KV head). The
+GPU holds ``S_{t-1}`` plus the block being written (the query's own block). Reported per head:
+
+* ``gamma(t) = |S_t ∩ S_{t-1}| / |S_t|`` (the paper's locality), for ``t >= 1``;
+* cache-hit rate ``= sum_t |S_t ∩ (S_{t-1} ∪ {own block})| / sum_t |S_t|``;
+* blocks fetched per step ``= |S_t \\ (S_{t-1} ∪ {own block})|`` (host-to-device copies).
+
+Locality bound (proved in nosa_layers/README.md): with ``E_t`` the top ``k_e`` non-forced causal
+blocks by query-agnostic score, ``k_e = topk - (init + local + select)``, every ``E_t ⊆ S_t ∩ S_{t-1}``
+(consistent tie-breaking), so ``gamma(t) >= k_e / topk`` once a sequence has ``k_e`` candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from nosa_layers.config import NOSAConfig
+from nosa_layers.decode import select_decode
+from nosa_layers.selection import select_blocks
+
+
+@dataclass
+class LocalityStats:
+    """Per-step statistics of one layer; tensors are ``[B, Hkv, T]`` (step 0 has gamma = nan)."""
+
+    gamma: Tensor
+    selected: Tensor  # |S_t|
+    fetched: Tensor  # blocks copied host -> device at step t
+    hits: Tensor  # |S_t ∩ resident|
+    extra: dict = field(default_factory=dict)
+
+    def per_head(self) -> list[dict]:
+        out = []
+        for h in range(self.gamma.shape[1]):
+            g = self.gamma[:, h, 1:]
+            out.append({
+                "head": h,
+                "gamma_mean": float(g.nanmean()),
+                "gamma_min": float(g.nan_to_num(2.0).min()),
+                "hit_rate": float(self.hits[:, h].sum() / self.selected[:, h].sum()),
+                "fetched_per_step": float(self.fetched[:, h].float().mean()),
+                "selected_per_step": float(self.selected[:, h].float().mean()),
+            })
+        return out
+
+    def summary(self) -> dict:
+        g = self.gamma[..., 1:]
+        return {
+            "gamma_mean": float(g.nanmean()),
+            "gamma_min": float(g.nan_to_num(2.0).min()),
+            "hit_rate": float(self.hits.sum() / self.selected.sum()),
+            "fetched_per_step": float(self.fetched.float().mean()),
+            "selected_per_step": float(self.selected.float().mean()),
+        }
+
+
+def step_selections(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                    walk: str = "decode") -> Tensor:
+    """``S_t`` for every step, bool ``[B, Hkv, T, nb]``.
+
+    ``walk="decode"`` runs the decode-step selection on each prefix (token by token, as an
+    inference engine would); ``"parallel"`` takes the rows of the training-path selection
+    (identical by construction and by test, much faster).
+    """
+    if walk == "parallel":
+        return select_blocks(q, k, evict_score, cfg)
+    if walk != "decode":
+        raise ValueError(f"walk must be 'decode' or 'parallel', got {walk!r}")
+    B, T, _, _ = q.shape
+    out = torch.zeros(B, k.shape[2], T, cfg.num_blocks(T), dtype=torch.bool, device=q.device)
+    for t in range(T):
+        score = None if evict_score is None else evict_score[:, :t + 1]
+        sel = select_decode(q[:, t:t + 1], k[:, :t + 1], score, cfg)
+        out[:, :, t, :sel.shape[-1]] = sel
+    return out
+
+
+def locality_from_selections(selected: Tensor, block_size: int) -> LocalityStats:
+    """Locality statistics from per-step selections ``[B, Hkv, T, nb]`` of one sequence."""
+    B, H, T, nb = selected.shape
+    prev = torch.zeros_like(selected)
+    prev[:, :, 1:] = selected[:, :, :-1]
+    own = torch.zeros_like(selected)
+    t = torch.arange(T, device=selected.device)
+    own[:, :, t, t // block_size] = True
+    resident = prev | own
+    size = selected.sum(-1)
+    kept = (selected & prev).sum(-1)
+    hits = (selected & resident).sum(-1)
+    gamma = kept.double() / size.double()
+    gamma[:, :, 0] = float("nan")
+    return LocalityStats(gamma=gamma, selected=size, fetched=size - hits, hits=hits)
+
+
+def measure_locality(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                     walk: str = "decode") -> LocalityStats:
+    """Walk one layer's sequence token by token and report gamma, cache hits and fetches.
+
+    q ``[B, T, Hq, D]``, k ``[B, T, Hkv, D]`` post-RoPE, evict_score ``[B, T, Hkv]`` or None.
+    """
+    return locality_from_selections(step_selections(q, k, evict_score, cfg, walk), cfg.block_size)
+
+
+def format_locality_table(per_layer: dict[str, LocalityStats]) -> str:
+    """Plain-text table: one row per (layer, KV head)."""
+    lines = [f"{'layer':>10} {'head':>4} {'gamma_mean':>10} {'gamma_min':>9} {'hit_rate':>8} "
+             f"{'fetch/step':>10} {'blocks/step':>11}"]
+    for name, stats in per_layer.items():
+        for row in stats.per_head():
+            lines.append(f"{name:>10} {row['head']:>4} {row['gamma_mean']:>10.4f} {row['gamma_min']:>9.4f} "
+                         f"{row['hit_rate']:>8.4f} {row['fetched_per_step']:>10.3f} "
+                         f"{row['selected_per_step']:>11.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,20 @@
+"""Session-wide test settings: offline, deterministic, small thread pools."""
+
+import os
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch():
+    """Fresh default dtype and seed for each test; the test restores nothing by hand."""
+    dtype = torch.get_default_dtype()
+    torch.manual_seed(1234)
+    yield
+    torch.set_default_dtype(dtype)
