@@ -145,7 +145,7 @@ def document_spans(cu_seqlens: Tensor | None, seq_len: int) -> list[tuple[int, i
 @torch.no_grad()
 def select_blocks(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                   cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
-                  chunk_size: int = 1024) -> Tensor:
+                  chunk_size: int = 1024, backend: str = "reference") -> Tensor:
     """Causal NOSA block selection for every query token (parallel / training path).
 
     q ``[B, T, Hq, D]`` and k ``[B, T, Hkv, D]`` post-RoPE, evict_score ``[B, T, Hkv]`` or ``None``
@@ -153,8 +153,17 @@ def select_blocks(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSACon
     document. Returns bool ``[B, Hkv, T, nb]`` with ``nb = ceil(longest document / block_size)``;
     ``True`` means the KV block is selected for that query token. Query rows are processed in
     chunks of ``chunk_size`` to bound memory (O(chunk * T / kernel_stride)).
+    ``backend``: ``reference`` | ``triton`` (CUDA kernels in ``nosa_layers.ops``) | ``auto``.
     """
     _check(q, k, evict_score, cu_seqlens)
+    if backend != "reference":
+        from nosa_layers.attention import resolve_backend
+
+        if resolve_backend(backend, q.device) == "triton":
+            from nosa_layers.ops import select_blocks_triton
+
+            return select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens,
+                                        softmax_scale=softmax_scale)
     B, T, _, _ = q.shape
     spans = document_spans(cu_seqlens, T)
     nb_max = max((cfg.num_blocks(e - s) for s, e in spans), default=0)
