@@ -13,15 +13,17 @@ def selected_sets(sel, b, t):
     return {h: set(torch.nonzero(sel[b, h, t]).flatten().tolist()) for h in range(sel.shape[1])}
 
 
-@pytest.mark.parametrize("T,Hq,Hkv,evict", [
-    (157, 4, 2, True),    # odd length, G=2
-    (130, 8, 1, True),    # G=8
-    (97, 6, 3, False),    # query-aware only (InfLLM-V2), G=2
-    (203, 16, 1, True),   # G=16
-], ids=["T157-G2", "T130-G8", "T97-G2-none", "T203-G16"])
-def test_selection_equals_brute_force_on_every_prefix(T, Hq, Hkv, evict):
+@pytest.mark.parametrize("T,Hq,Hkv,evict,geometry", [
+    (157, 4, 2, True, {}),    # odd length, G=2
+    (130, 8, 1, True, {}),    # G=8
+    (97, 6, 3, False, {}),    # query-aware only (InfLLM-V2), G=2
+    (203, 16, 1, True, {}),   # G=16
+    (150, 4, 2, True, dict(local_blocks=0, select_blocks=1, topk=5)),  # no window: causal fill
+    (140, 4, 2, True, dict(init_blocks=0, kernel_size=16, kernel_stride=8)),  # no sink, 16/8 windows
+], ids=["T157-G2", "T130-G8", "T97-G2-none", "T203-G16", "no-window", "no-sink-k16s8"])
+def test_selection_equals_brute_force_on_every_prefix(T, Hq, Hkv, evict, geometry):
     q, k, _, s = random_qkvs(2, T, Hq, Hkv, 8)
-    cfg = tiny_cfg()
+    cfg = tiny_cfg(**geometry)
     sel = select_blocks(q, k, s if evict else None, cfg)
     for b in range(2):
         for t in range(T):
