@@ -103,6 +103,8 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
                 raise ValueError(f"data.weights={cfg.weights} must be non-negative with a positive sum")
         if cfg.packing not in PACKING_MODES:
             raise ValueError(f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
+        if cfg.packing == "document" and not cfg.eod_mask_loss:
+            raise ValueError("data.eod_mask_loss=false with packing=document would train labels across documents: set it true")
         parts = [p for p in cfg.split.replace(" ", "").split(",") if p]
         try:
             nums = [float(p) for p in parts]

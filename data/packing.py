@@ -82,6 +82,8 @@ def collate(rows: Sequence[dict]) -> dict:
     for k in ("tokens", "labels", "position_ids"):
         out[k] = torch.stack([torch.as_tensor(r[k], dtype=torch.int64) for r in rows])
     out["loss_mask"] = torch.stack([torch.as_tensor(r["loss_mask"], dtype=torch.float32) for r in rows])
+    if "dataset_id" in rows[0]:
+        out["dataset_id"] = torch.tensor([int(r["dataset_id"]) for r in rows], dtype=torch.int64)
     if "cu_seqlens" in rows[0]:
         cus = [torch.as_tensor(r["cu_seqlens"], dtype=torch.int32) for r in rows]
         k = max(c.numel() for c in cus)
