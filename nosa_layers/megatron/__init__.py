@@ -1,0 +1,38 @@
+"""NOSA models on megatron-core: typed configs, presets, layer specs, model builder, CPU shim.
+
+Public API::
+
+    from nosa_layers.megatron import (ModelConfig, AttentionConfig, ParallelConfig, validate,
+        model_preset, build_model, build_transformer_config, get_nosa_layer_spec,
+        get_nosa_decoder_block_spec, NOSASelfAttention, NOSACoreAttention, DenseCoreAttention,
+        apply_cpu_shim)
+
+Names that need megatron-core are imported lazily, so the configs import without it.
+"""
+
+from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig, validate
+from nosa_layers.megatron.presets import ATTENTION_PRESETS, MODEL_PRESETS, model_preset, tiny_nosa_geometry
+
+_LAZY = {
+    "apply_cpu_shim": "nosa_layers.megatron.cpu_shim",
+    "build_model": "nosa_layers.megatron.model",
+    "build_transformer_config": "nosa_layers.megatron.model",
+    "NOSAGPTModel": "nosa_layers.megatron.model",
+    "get_nosa_layer_spec": "nosa_layers.megatron.spec",
+    "get_nosa_decoder_block_spec": "nosa_layers.megatron.spec",
+    "NOSASelfAttention": "nosa_layers.megatron.attention",
+    "NOSACoreAttention": "nosa_layers.megatron.attention",
+    "DenseCoreAttention": "nosa_layers.megatron.attention",
+    "LongRoPERotaryEmbedding": "nosa_layers.megatron.rope",
+}
+
+__all__ = ["ModelConfig", "AttentionConfig", "ParallelConfig", "validate", "model_preset", "MODEL_PRESETS",
+           "ATTENTION_PRESETS", "tiny_nosa_geometry", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nosa_layers.megatron' has no attribute {name!r}")

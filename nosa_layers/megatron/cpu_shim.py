@@ -1,0 +1,116 @@
+"""The one place that lets megatron-core run on a CPU-only machine under gloo.
+
+megatron-core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, ``device="cuda"``
+tensor factories, CUDA RNG tracker, ``torch.cuda.current_stream()``, ``Tensor.type()`` checks for
+``torch.cuda.FloatTensor``). :func:`apply_cpu_shim` redirects exactly those to the CPU
+(see ``shared/docs/MEGATRON_CPU.md`` section 3, items 1-7). It is a no-op when CUDA is available,
+so GPU runs never see it. Call it once, before building models, in CPU tests and the CPU demo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+_MODE: TorchFunctionMode | None = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` to cpu, ``.cuda()`` to identity and reports CPU tensors as
+    ``torch.cuda.*Tensor`` in ``Tensor.type()`` (megatron's optimizer asserts on it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream``: every synchronisation is a no-op on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+
+def cpu_shim_needed() -> bool:
+    """True when there is no usable CUDA device (the shim is only ever applied then)."""
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_shim(force: bool = False) -> bool:
+    """Patch torch/megatron-core for CPU + gloo. Idempotent.
+
+    Returns True if the shim is active after the call. Without ``force`` it does nothing when
+    CUDA is available.
+    """
+    global _APPLIED, _MODE
+    if _APPLIED:
+        return True
+    if not force and not cpu_shim_needed():
+        return False
+
+    # 1. torch.cuda.current_device() is used for device placement all over megatron-core.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # 3. The model-parallel RNG tracker stores/restores CUDA RNG states: use the CPU generator.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.manual_seed_all = torch.manual_seed
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # 2. stock DotProductAttention builds its causal mask on "cuda".
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    # 5. + 7. synchronisation and streams.
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.Stream = _NullStream
+    # 4. + 6. device="cuda" factories, .cuda(), .to("cuda"), Tensor.type() checks.
+    _MODE = _CudaToCpu()
+    _MODE.__enter__()
+    _APPLIED = True
+    logger.info("nosa_layers.megatron.cpu_shim: megatron-core patched for CPU/gloo")
+    return True
+
+
+def cpu_shim_active() -> bool:
+    """Whether :func:`apply_cpu_shim` has patched this process."""
+    return _APPLIED

@@ -1,0 +1,114 @@
+"""Build a megatron-core ``GPTModel`` for a NOSA model from the typed configs.
+
+``build_model(model_cfg, attn_cfg, parallel_cfg, pre_process, post_process)`` is what the trainer
+and the converters call after ``parallel_state.initialize_model_parallel``. The model's forward is
+megatron's: ``model(input_ids, position_ids, attention_mask=None, labels=labels,
+packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, ...))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig, validate
+from nosa_layers.megatron.rope import LongRoPERotaryEmbedding
+from nosa_layers.megatron.spec import get_nosa_decoder_block_spec, have_te
+from nosa_layers.rope.longrope import LongRoPEConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_transformer_config(model: ModelConfig, attn: AttentionConfig, parallel: Optional[ParallelConfig] = None,
+                             **overrides) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` of a Llama-style model (RMSNorm, SwiGLU, no biases).
+
+    Fusions are off and ``use_cpu_initialization`` follows the device (True without CUDA, which
+    also makes the initial weights independent of the TP size); override any field by keyword.
+    """
+    parallel = parallel or ParallelConfig()
+    dtype = _DTYPES[model.params_dtype]
+    kwargs = dict(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_kv_heads,
+        kv_channels=model.kv_channels, ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=model.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        softmax_scale=1.0 / math.sqrt(model.kv_channels), init_method_std=model.init_std,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context_parallel, sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if model.use_mup:
+        kwargs.update(use_mup=True, mup_base_hidden_size=model.dim_model_base, mup_embedding_mult=model.scale_emb,
+                      mup_output_mult=model.logit_scale)
+    kwargs.update(overrides)
+    if kwargs.get("apply_rope_fusion") and model.rope_type == "longrope":
+        raise ValueError("apply_rope_fusion ignores the LongRoPE attention factor; set apply_rope_fusion=False")
+    return TransformerConfig(**kwargs)
+
+
+class NOSAGPTModel(GPTModel):
+    """``GPTModel`` with optional LongRoPE (replaces ``rotary_pos_emb``); everything else is megatron's."""
+
+    def __init__(self, *args, longrope: Optional[LongRoPEConfig] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if longrope is not None:
+            self.rotary_pos_emb = LongRoPERotaryEmbedding(
+                kv_channels=self.config.kv_channels, longrope=longrope, rotary_base=self.rotary_base,
+                rotary_interleaved=self.config.rotary_interleaved,
+                use_cpu_initialization=self.config.use_cpu_initialization, cp_group=self.pg_collection.cp)
+
+
+def _check_parallel_state(parallel: ParallelConfig) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel state is not initialised; call "
+                           "parallel_state.initialize_model_parallel(...) before build_model")
+    got = (parallel_state.get_tensor_model_parallel_world_size(),
+           parallel_state.get_pipeline_model_parallel_world_size(),
+           parallel_state.get_context_parallel_world_size())
+    want = (parallel.tensor_parallel, parallel.pipeline_parallel, parallel.context_parallel)
+    if got != want:
+        raise ValueError(f"ParallelConfig (tp, pp, cp)={want} does not match the initialised megatron "
+                         f"parallel state {got}; initialise with the same sizes")
+
+
+def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[ParallelConfig] = None,
+                pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                vp_stage: Optional[int] = None, seq_length: Optional[int] = None, use_te: Optional[bool] = None,
+                **config_overrides) -> NOSAGPTModel:
+    """One pipeline stage (``vp_stage`` chunk) of the model, on this rank's TP shard.
+
+    ``pre_process`` / ``post_process`` default to this rank's pipeline position. ``seq_length``
+    (optional) is validated against the NOSA block size. Extra keywords override
+    ``TransformerConfig`` fields (e.g. ``recompute_granularity``, ``bias_activation_fusion``).
+    """
+    parallel = parallel or ParallelConfig()
+    validate(model, attn, parallel, seq_length=seq_length)
+    _check_parallel_state(parallel)
+    config = build_transformer_config(model, attn, parallel, **config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    use_te = have_te() if use_te is None else use_te
+    block_spec = get_nosa_decoder_block_spec(config, model, attn, use_te=use_te, vp_stage=vp_stage,
+                                             pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    return NOSAGPTModel(
+        config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type="rope", rotary_base=model.rope_theta, vp_stage=vp_stage,
+        longrope=model.longrope if model.rope_type == "longrope" else None)

@@ -1,0 +1,93 @@
+"""LongRoPE (Phi-3 / MiniCPM4 style) rotary frequencies, matching Hugging Face's ``longrope`` type.
+
+Math (``transformers.modeling_rope_utils._compute_longrope_parameters``)::
+
+    inv_freq_i = 1 / (factor_i * theta ** (2i / dim))         i = 0 .. dim/2 - 1
+    factor     = long_factor  if seq_len > original_max_position_embeddings else short_factor
+    cos, sin   = cos(pos * inv_freq) * attention_factor, sin(pos * inv_freq) * attention_factor
+
+``seq_len`` is the largest position + 1 of the forward pass (HF: ``max(position_ids) + 1``), so
+packed documents whose positions restart use the longest document. The default
+``attention_factor`` is ``sqrt(1 + ln(f) / ln(original))`` with
+``f = max_position_embeddings / original_max_position_embeddings`` (1.0 when ``f <= 1``).
+Pure PyTorch; no megatron-core import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LongRoPEConfig:
+    """The ``rope_scaling`` block of a ``longrope`` checkpoint (one factor per rotary frequency)."""
+
+    short_factor: list[float]
+    long_factor: list[float]
+    original_max_position_embeddings: int
+    attention_factor: float | None = None  # None: derived from the max/original ratio (HF default)
+    factor: float | None = None  # None: max_position_embeddings / original_max_position_embeddings
+
+    def validate(self, rotary_dim: int, max_position_embeddings: int) -> "LongRoPEConfig":
+        """Raise ``ValueError`` (one line, naming the fix) on inconsistent fields."""
+        half = rotary_dim // 2
+        for name in ("short_factor", "long_factor"):
+            n = len(getattr(self, name))
+            if n != half:
+                raise ValueError(f"LongRoPEConfig.{name} has {n} entries; it needs head_dim/2 = {half} "
+                                 f"(one per rotary frequency), copy it from the checkpoint's rope_scaling")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError("LongRoPEConfig.original_max_position_embeddings must be positive; "
+                             "copy it from the checkpoint's rope_scaling")
+        if max_position_embeddings <= 0:
+            raise ValueError("max_position_embeddings must be positive")
+        return self
+
+    def resolved_attention_factor(self, max_position_embeddings: int) -> float:
+        """The cos/sin multiplier (HF's ``attention_scaling``)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        factor = self.factor
+        if factor is None:
+            factor = max_position_embeddings / self.original_max_position_embeddings
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+
+    def to_hf_rope_scaling(self, rope_theta: float) -> dict:
+        """The ``rope_parameters`` / ``rope_scaling`` dict a HF config expects."""
+        out = {"rope_type": "longrope", "rope_theta": rope_theta,
+               "short_factor": list(self.short_factor), "long_factor": list(self.long_factor),
+               "original_max_position_embeddings": self.original_max_position_embeddings}
+        if self.attention_factor is not None:
+            out["attention_factor"] = self.attention_factor
+        if self.factor is not None:
+            out["factor"] = self.factor
+        return out
+
+
+def longrope_inv_freq(cfg: LongRoPEConfig, rotary_dim: int, theta: float, seq_len: int | None,
+                      device=None) -> Tensor:
+    """``[rotary_dim/2]`` fp32 inverse frequencies for a forward whose largest position is
+    ``seq_len - 1`` (``None``: short factors, as HF's init path)."""
+    long = seq_len is not None and seq_len > cfg.original_max_position_embeddings
+    ext = torch.tensor(cfg.long_factor if long else cfg.short_factor, dtype=torch.float32, device=device)
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    return 1.0 / (ext * theta ** exponent)
+
+
+def longrope_cos_sin(cfg: LongRoPEConfig, positions: Tensor, rotary_dim: int, theta: float,
+                     max_position_embeddings: int, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """``cos, sin [T, rotary_dim]`` (rotate-half layout) for integer ``positions [T]``, scaled by the
+    attention factor. ``seq_len`` defaults to ``max(positions) + 1``."""
+    if seq_len is None:
+        seq_len = int(positions.max().item()) + 1 if positions.numel() else 0
+    inv_freq = longrope_inv_freq(cfg, rotary_dim, theta, seq_len, device=positions.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    scale = cfg.resolved_attention_factor(max_position_embeddings)
+    return emb.cos() * scale, emb.sin() * scale
