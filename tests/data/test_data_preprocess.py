@@ -1,0 +1,78 @@
+"""python -m data.preprocess: .bin/.idx round-trip, bad-input accounting, other input formats."""
+
+import json
+
+import numpy as np
+import pytest
+
+from data.indexed import read_indexed
+from data.preprocess import main, preprocess
+from data.sources import BadInputError
+
+DOCS = ["def f(x):\n    return x + 1\n", "GNU GENERAL PUBLIC LICENSE\n\nVersion 3, 29 June 2007",
+        "literal <|endoftext|> in text stays text", "ünïcödé — ok"]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+
+
+def test_round_trip(tmp_path, tok):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": t, "meta": i} for i, t in enumerate(DOCS)])
+    s = preprocess(str(src), tok.path, str(tmp_path / "out"), progress=False)
+    ds = read_indexed(str(tmp_path / "out"))
+    assert len(ds) == s["documents"] == len(DOCS)
+    assert s["tokens"] == int(ds.sequence_lengths.sum())
+    for i, text in enumerate(DOCS):
+        ids = ds[i].tolist()
+        assert ids[-1] == tok.eod and tok.eod not in ids[:-1]  # literal special-token text is not EOD
+        assert tok.decode(ids[:-1]) == text
+    assert ds[0].dtype == np.uint16  # vocab < 65536 -> smallest dtype
+    assert json.loads((tmp_path / "out.summary.json").read_text())["documents"] == len(DOCS)
+
+
+def test_bad_rows_are_counted_with_reason_and_line(tmp_path, tok):
+    src = tmp_path / "bad.jsonl"
+    _write_jsonl(src, [{"text": "good one"}, "{not json", "[1, 2]", {"body": "no text key"},
+                       {"text": 5}, {"text": "   \n"}, {"text": "good two"}, ""])
+    s = preprocess(str(src), tok.path, str(tmp_path / "o"), progress=False)
+    rej = s["read"]["rejected"]
+    assert s["documents"] == 2 and s["read"]["rows"] == 7
+    assert rej == {"malformed JSON": 1, "JSON value is not an object": 1, "missing field 'text'": 1,
+                   "field 'text' is not a string": 1, "empty document": 1}
+    assert s["read"]["first_at"]["malformed JSON"].endswith("bad.jsonl:2")
+    assert s["read"]["first_at"]["empty document"].endswith("bad.jsonl:6")
+    with pytest.raises(BadInputError, match=r"bad.jsonl:2: malformed JSON"):
+        preprocess(str(src), tok.path, str(tmp_path / "o2"), strict=True, progress=False)
+
+
+def test_cli_summary_and_one_line_errors(tmp_path, tok, capsys):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"content": t} for t in DOCS] + ["oops"])
+    assert main(["--input", str(src), "--tokenizer", tok.path, "--out", str(tmp_path / "c"), "--text-key", "content"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(DOCS)} documents" in out and "skipped 1 row(s): malformed JSON" in out
+    # tokenizer vocabulary larger than the model's: refused, one line
+    rc = main(["--input", str(src), "--tokenizer", tok.path, "--out", str(tmp_path / "d"), "--model-vocab-size", "100"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "model's vocabulary is 100" in err
+    # all rows rejected (wrong key): an error, not an empty dataset
+    assert main(["--input", str(src), "--tokenizer", tok.path, "--out", str(tmp_path / "e")]) == 2
+    assert "no usable documents" in capsys.readouterr().err
+
+
+def test_parquet_and_hf_dir_match_jsonl(tmp_path, tok):
+    import datasets
+
+    rows = [{"text": t} for t in DOCS]
+    _write_jsonl(tmp_path / "a.jsonl", rows)
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "a.parquet"))
+    ds.save_to_disk(str(tmp_path / "hfdir"))
+    out = {}
+    for name, path in [("j", "a.jsonl"), ("p", "a.parquet"), ("h", "hfdir")]:
+        preprocess(str(tmp_path / path), tok.path, str(tmp_path / name), progress=False)
+        r = read_indexed(str(tmp_path / name))
+        out[name] = [r[i].tolist() for i in range(len(r))]
+    assert out["j"] == out["p"] == out["h"] and len(out["j"]) == len(DOCS)
