@@ -1,0 +1,105 @@
+"""Host-side (torch, on the tensors' device) construction of the block-sparse index.
+
+Geometry: every document of every batch row is cut into query tiles of ``block_size`` tokens,
+aligned to the document start; tile ``i`` of a document is also KV block ``i`` of that document,
+so one global tile id names both a query tile and a KV block.
+
+Forward CSR (per tile and KV head, ``w = tile * Hkv + h``): ``row_ptr[w]..row_ptr[w+1]`` indexes
+``fwd_blk`` (KV block index inside the document, ascending, the diagonal block last) and
+``fwd_word`` (int64 token bitmask: bit ``r`` set <=> query row ``r`` of the tile selected it).
+
+Inverse CSR (per KV block and KV head, ``c * Hkv + h``): ``col_ptr`` indexes ``inv_tile`` (global
+query tile id, ascending) and ``inv_word`` (the same bitmask). Built with one stable sort: the
+order, hence every reduction in the backward, is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._kernels import pack_words
+
+
+@dataclass
+class SparseIndex:
+    block: int
+    n_tiles: int
+    hkv: int
+    tiles: Tensor      # int32 [n_tiles, 8]: b, q_start, q_end, doc_start, doc_end, j (block in doc), 0, 0
+    row_ptr: Tensor    # int32 [n_tiles*Hkv + 1]
+    fwd_blk: Tensor    # int32 [nnz]
+    fwd_word: Tensor   # int64 [nnz]
+    fwd_order: Tensor  # int32 [n_tiles*Hkv]: longest list first
+    col_ptr: Tensor    # int32 [n_tiles*Hkv + 1]
+    inv_tile: Tensor   # int32 [nnz]
+    inv_word: Tensor   # int64 [nnz]
+    inv_order: Tensor  # int32 [n_tiles*Hkv]
+    words: Tensor      # int64 [n_tiles, Hkv, nb] (dense bitmask, kept for statistics)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.fwd_blk.numel())
+
+
+def make_tiles(B: int, T: int, spans: list[tuple[int, int]], block: int, device) -> Tensor:
+    rows = []
+    for b in range(B):
+        for s, e in spans:
+            n = (e - s + block - 1) // block
+            for i in range(n):
+                rows.append((b, s + i * block, min(s + (i + 1) * block, e), s, e, i, 0, 0))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 8).to(device)
+
+
+def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int) -> SparseIndex:
+    """``selected`` bool ``[B, Hkv, T, nb]`` (block indices relative to each document)."""
+    B, Hkv, T, nb = selected.shape
+    dev = selected.device
+    tiles = make_tiles(B, T, spans, block, dev)
+    n_tiles = tiles.shape[0]
+    words = pack_words(selected, tiles, block)  # [n_tiles, Hkv, nb] int64
+    nz = words != 0
+    counts = nz.sum(-1).reshape(-1)  # [n_tiles*Hkv]
+    row_ptr = torch.zeros(n_tiles * Hkv + 1, dtype=torch.int64, device=dev)
+    row_ptr[1:] = counts.cumsum(0)
+    flat = nz.reshape(-1).nonzero().squeeze(1)  # ascending: (tile, h, blk) row-major
+    fwd_blk = (flat % nb).to(torch.int32)
+    fwd_word = words.reshape(-1)[flat]
+    w_of = torch.div(flat, nb, rounding_mode="floor")  # tile*Hkv + h
+    tile_of = torch.div(w_of, Hkv, rounding_mode="floor")
+    h_of = w_of % Hkv
+    key_tile = tile_of - tiles[tile_of, 5].long() + fwd_blk.long()  # global tile id of the KV block
+    inv_key = key_tile * Hkv + h_of
+    inv_key_sorted, perm = torch.sort(inv_key, stable=True)
+    inv_counts = torch.bincount(inv_key_sorted, minlength=n_tiles * Hkv)
+    col_ptr = torch.zeros(n_tiles * Hkv + 1, dtype=torch.int64, device=dev)
+    col_ptr[1:] = inv_counts.cumsum(0)
+    inv_tile = tile_of[perm].to(torch.int32)
+    inv_word = fwd_word[perm]
+    fwd_order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
+    inv_order = torch.sort(inv_counts, descending=True, stable=True).indices.to(torch.int32)
+    return SparseIndex(block, n_tiles, Hkv, tiles, row_ptr.to(torch.int32), fwd_blk, fwd_word.contiguous(),
+                       fwd_order, col_ptr.to(torch.int32), inv_tile, inv_word.contiguous(), inv_order, words)
+
+
+def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
+    """|U| / mean per-token list length, and token density inside listed blocks."""
+    nnz = index.nnz
+    per_token = selected.sum(-1).float()  # [B, Hkv, T]
+    tile_len = (index.tiles[:, 2] - index.tiles[:, 1]).float()
+    union_sizes = (index.words != 0).sum(-1).float()  # [n_tiles, Hkv]
+    # tokens selected per listed (tile, block) pair
+    bits = torch.zeros_like(index.fwd_word)
+    w = index.fwd_word
+    for i in range(index.block):
+        bits += (w >> i) & 1
+    return {
+        "mean_blocks_per_token": float(per_token.mean()),
+        "mean_union_blocks_per_tile": float((union_sizes * tile_len[:, None]).sum() / (tile_len.sum() * index.hkv)),
+        "inflation": float((union_sizes * tile_len[:, None]).sum() / (tile_len.sum() * index.hkv) / per_token.mean()),
+        "bitmask_fill": float(bits.float().sum() / (nnz * index.block)),
+        "nnz": nnz,
+    }

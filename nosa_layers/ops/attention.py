@@ -1,0 +1,173 @@
+"""Autograd wrapper of the block-sparse NOSA attention kernels."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from nosa_layers.config import NOSAConfig
+from ._index import SparseIndex, build_index
+from ._kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
+
+# Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages.
+# Tuned on one H200 for block 64, D 128 (see docs/BENCHMARKS.md); override for experiments.
+CONFIG = {
+    "fwd": dict(HP=2, num_warps=8, num_stages=3),
+    "dq": dict(HP=2, num_warps=8, num_stages=2),
+    "dkdv": dict(HP=2, num_warps=8, num_stages=2),
+}
+
+
+def check_device(*tensors: Tensor) -> None:
+    """Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 (CPU tests)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    for t in tensors:
+        if t is not None and not t.is_cuda:
+            raise RuntimeError("nosa_layers.ops: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); "
+                               "use backend='reference' on CPU")
+
+
+def _hp(name: str, G: int, block: int) -> int:
+    hp = CONFIG[name]["HP"]
+    hp = max(1, min(hp, G))
+    while G % hp:
+        hp -= 1
+    while hp * block < 16 and hp < G:  # tl.dot needs M >= 16
+        hp *= 2
+    return hp
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, block: int) -> None:
+    D = q.shape[-1]
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"nosa_layers.ops: head dim must be a power of two in 16..256, got {D}")
+    if block not in (16, 32, 64):
+        raise ValueError(f"nosa_layers.ops: block_size must be 16, 32 or 64, got {block}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("nosa_layers.ops: q, k, v need a contiguous last dimension")
+
+
+def _strides_bias(bias: Tensor | None):
+    return (0, 0, 0) if bias is None else bias.stride()
+
+
+def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    BT = idx.block
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    hp = _hp("fwd", G, BT)
+    cfg = CONFIG["fwd"]
+    grid = (idx.n_tiles * Hkv * (G // hp),)
+    if grid[0]:
+        _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.tiles, idx.row_ptr, idx.fwd_blk,
+                          idx.fwd_word, idx.fwd_order,
+                          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+                          *o.stride()[:3], lse.stride(0), lse.stride(1),
+                          scale * LOG2E, HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None,
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, lse
+
+
+def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    BT = idx.block
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, T]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    db = torch.empty(B, T, Hkv, dtype=torch.float32, device=q.device) if need_db else None
+    if idx.n_tiles == 0:
+        return dq, dk, dv, db
+    bias_arg = q if bias is None else bias
+    hp = _hp("dq", G, BT)
+    cfg = CONFIG["dq"]
+    _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
+        q, k, v, bias_arg, do, lse, delta, dq, idx.tiles, idx.row_ptr, idx.fwd_blk, idx.fwd_word, idx.fwd_order,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    hp = _hp("dkdv", G, BT)
+    cfg = CONFIG["dkdv"]
+    dbs = db.stride() if need_db else (0, 0, 0)
+    _bwd_dkdv_kernel[(idx.n_tiles * Hkv,)](
+        q, k, v, bias_arg, do, lse, delta, dk, dv, dk if db is None else db, idx.tiles, idx.col_ptr,
+        idx.inv_tile, idx.inv_word, idx.inv_order,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dk, dv, db
+
+
+class _NosaSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, idx, scale):
+        o, lse = attention_forward(q, k, v, bias, idx, scale)
+        ctx.save_for_backward(q, k, v, bias, o, lse)
+        ctx.idx, ctx.scale, ctx.has_bias = idx, scale, bias is not None
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, bias, o, lse = ctx.saved_tensors
+        need_db = ctx.has_bias and ctx.needs_input_grad[3]
+        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db)
+        if db is not None:
+            db = db.to(bias.dtype)
+        return dq, dk, dv, db, None, None
+
+
+def _prep(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def sparse_attention_from_selection(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cfg: NOSAConfig,
+                                    cu_seqlens: Tensor | None = None, bias: Tensor | None = None,
+                                    softmax_scale: float | None = None,
+                                    index: SparseIndex | None = None) -> Tensor:
+    """Attention over a precomputed selection ``selected`` bool ``[B, Hkv, T, nb]`` (same layout as
+    ``select_blocks``); differentiable in q, k, v, bias. ``index`` (from ``build_sparse_index``)
+    skips the index construction."""
+    from nosa_layers.selection import document_spans
+
+    check_device(q, k, v, bias)
+    _check_shapes(q, k, v, cfg.block_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if index is None:
+        index = build_index(selected, document_spans(cu_seqlens, q.shape[1]), cfg.block_size)
+    if bias is not None and bias.dtype != torch.float32 and bias.dtype != q.dtype:
+        bias = bias.float()
+    return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale))
+
+
+def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None) -> SparseIndex:
+    from nosa_layers.selection import document_spans
+
+    return build_index(selected, document_spans(cu_seqlens, seq_len), cfg.block_size)
+
+
+def nosa_attention_triton(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                          cu_seqlens: Tensor | None = None, bias: Tensor | None = None,
+                          softmax_scale: float | None = None) -> Tensor:
+    """NOSA attention: Triton selection (no grad) + block-sparse attention with the bias gradient."""
+    from .selection import select_blocks_triton
+
+    check_device(q, k, v, evict_score, bias)
+    _check_shapes(q, k, v, cfg.block_size)
+    with torch.no_grad():
+        score = None if evict_score is None else evict_score.detach()
+        selected = select_blocks_triton(q.detach(), k.detach(), score, cfg, cu_seqlens=cu_seqlens,
+                                        softmax_scale=softmax_scale)
+    return sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens, bias=bias,
+                                           softmax_scale=softmax_scale)
