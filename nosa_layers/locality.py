@@ -34,29 +34,23 @@ class LocalityStats:
     hits: Tensor  # |S_t ∩ resident|
     extra: dict = field(default_factory=dict)
 
-    def per_head(self) -> list[dict]:
-        out = []
-        for h in range(self.gamma.shape[1]):
-            g = self.gamma[:, h, 1:]
-            out.append({
-                "head": h,
-                "gamma_mean": float(g.nanmean()),
-                "gamma_min": float(g.nan_to_num(2.0).min()),
-                "hit_rate": float(self.hits[:, h].sum() / self.selected[:, h].sum()),
-                "fetched_per_step": float(self.fetched[:, h].float().mean()),
-                "selected_per_step": float(self.selected[:, h].float().mean()),
-            })
-        return out
-
-    def summary(self) -> dict:
-        g = self.gamma[..., 1:]
+    def _stats(self, sl: slice, from_step: int) -> dict:
+        g = self.gamma[sl][..., max(1, from_step):]
         return {
             "gamma_mean": float(g.nanmean()),
             "gamma_min": float(g.nan_to_num(2.0).min()),
-            "hit_rate": float(self.hits.sum() / self.selected.sum()),
-            "fetched_per_step": float(self.fetched.float().mean()),
-            "selected_per_step": float(self.selected.float().mean()),
+            "hit_rate": float(self.hits[sl][..., from_step:].sum() / self.selected[sl][..., from_step:].sum()),
+            "fetched_per_step": float(self.fetched[sl][..., from_step:].float().mean()),
+            "selected_per_step": float(self.selected[sl][..., from_step:].float().mean()),
         }
+
+    def per_head(self, from_step: int = 1) -> list[dict]:
+        """One dict per KV head over steps ``>= from_step`` (gamma needs ``t >= 1``)."""
+        return [{"head": h, **self._stats((slice(None), h), from_step)} for h in range(self.gamma.shape[1])]
+
+    def summary(self, from_step: int = 1) -> dict:
+        """All heads together over steps ``>= from_step``."""
+        return self._stats((slice(None),), from_step)
 
 
 def step_selections(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
@@ -106,12 +100,12 @@ def measure_locality(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSA
     return locality_from_selections(step_selections(q, k, evict_score, cfg, walk), cfg.block_size)
 
 
-def format_locality_table(per_layer: dict[str, LocalityStats]) -> str:
-    """Plain-text table: one row per (layer, KV head)."""
+def format_locality_table(per_layer: dict[str, LocalityStats], from_step: int = 1) -> str:
+    """Plain-text table: one row per (layer, KV head), steps ``>= from_step``."""
     lines = [f"{'layer':>10} {'head':>4} {'gamma_mean':>10} {'gamma_min':>9} {'hit_rate':>8} "
              f"{'fetch/step':>10} {'blocks/step':>11}"]
     for name, stats in per_layer.items():
-        for row in stats.per_head():
+        for row in stats.per_head(from_step):
             lines.append(f"{name:>10} {row['head']:>4} {row['gamma_mean']:>10.4f} {row['gamma_min']:>9.4f} "
                          f"{row['hit_rate']:>8.4f} {row['fetched_per_step']:>10.3f} "
                          f"{row['selected_per_step']:>11.2f}")
