@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -42,20 +43,23 @@ def preprocess(
     stats = ReadStats()
     writer = IndexedWriter(out_prefix, tok.vocab_size)
     t0 = time.perf_counter()
-    last = t0
     chars = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        plain_jsonl = os.path.isfile(input_path) and not input_path.endswith((".gz", ".parquet"))
+        bar = tqdm(total=os.path.getsize(input_path) if plain_jsonl else None, unit="B" if plain_jsonl else "doc",
+                   unit_scale=True, desc="preprocess", file=sys.stderr, mininterval=1.0)
 
     def flush(batch: list[str]) -> None:
-        nonlocal last
         for ids in tok.encode_plain(batch):
             ids.append(tok.eod)
             writer.add(ids)
-        now = time.perf_counter()
-        if progress and now - last > 2.0:
-            el = now - t0
-            print(f"\r[preprocess] {writer.documents} docs, {writer.tokens / 1e6:.2f}M tokens, "
-                  f"{writer.tokens / el / 1e3:.0f}K tok/s, {el:.0f}s", end="", file=sys.stderr, flush=True)
-            last = now
+        if bar is not None:
+            bar.update((stats.bytes_read if bar.unit == "B" else writer.documents) - bar.n)
+            bar.set_postfix(docs=writer.documents, tokens=f"{writer.tokens / 1e6:.1f}M",
+                            tok_s=f"{writer.tokens / (time.perf_counter() - t0) / 1e3:.0f}K", refresh=False)
 
     batch: list[str] = []
     for text in iter_texts(input_path, text_key, stats, split=split, strict=strict):
@@ -70,8 +74,8 @@ def preprocess(
         flush(batch)
     writer.close()
     elapsed = time.perf_counter() - t0
-    if progress and writer.documents:
-        print(file=sys.stderr)
+    if bar is not None:
+        bar.close()
     summary = {
         "input": input_path, "tokenizer": tok.path, "out": out_prefix, "vocab_size": tok.vocab_size,
         "dtype": writer.dtype.__name__, "documents": writer.documents, "tokens": writer.tokens, "chars": chars,

@@ -28,6 +28,7 @@ class ReadStats:
 
     rows: int = 0
     kept: int = 0
+    bytes_read: int = 0  # JSONL only (uncompressed text bytes), for progress
     rejected: Counter = field(default_factory=Counter)
     first_at: dict = field(default_factory=dict)
 
@@ -59,6 +60,7 @@ def iter_rows(path: str, stats: ReadStats, split: str = "train", strict: bool = 
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
+                stats.bytes_read += len(line)
                 if not line.strip():
                     continue  # blank separator lines are not rows
                 stats.rows += 1
