@@ -58,6 +58,14 @@ def read_indexed(prefix: str):
     return IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
+def count_tokens(prefix: str) -> int:
+    """Total tokens stored in ``<prefix>.bin`` (keeps the mmap alive while summing)."""
+    ds = read_indexed(prefix)
+    total = int(ds.sequence_lengths.sum())
+    del ds
+    return total
+
+
 def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_samples: Optional[int] = None):
     """Build ``[train, valid, test]`` megatron-core datasets for a validated ``DataConfig``.
 
@@ -71,12 +79,13 @@ def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_
 
     train_samples = train_samples if train_samples is not None else cfg.train_samples
     valid_samples = valid_samples if valid_samples is not None else cfg.valid_samples
-    blend = (list(cfg.paths), list(cfg.weights) if cfg.weights is not None else None)
-    if cfg.weights is not None and len(cfg.paths) > 1 and train_samples is None:
+    weighted = cfg.weights is not None and len(cfg.paths) > 1  # one path: a weight means nothing
+    blend = (list(cfg.paths), list(cfg.weights) if weighted else None)
+    if weighted and train_samples is None:
         # weighted blends need an explicit size: default to one pass over the total tokens
-        total = sum(int(read_indexed(p).sequence_lengths.sum()) for p in cfg.paths)
+        total = sum(count_tokens(p) for p in cfg.paths)
         train_samples = max(1, total // cfg.seq_length)
-    if cfg.weights is not None and len(cfg.paths) > 1 and valid_samples is None:
+    if weighted and valid_samples is None:
         valid_samples = max(1, (train_samples or 1) // 50)
     document_mode = cfg.packing == "document"
     gcfg = GPTDatasetConfig(
@@ -93,6 +102,5 @@ def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_
         inter_document_masking=document_mode,
         num_dataset_builder_threads=cfg.num_builder_threads,
     )
-    weighted = cfg.weights is not None and len(cfg.paths) > 1
     sizes = [train_samples, valid_samples, valid_samples if weighted else None]
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()

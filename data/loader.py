@@ -71,6 +71,10 @@ class PretrainLoader:
             row["cu_seqlens"] = cu[:n]
         return row if "dataset_id" not in s else {**row, "dataset_id": s["dataset_id"]}
 
+    def reset(self) -> None:
+        """Restart at sample 0 (e.g. before each validation pass)."""
+        self.consumed_samples = 0
+
     def state_dict(self) -> dict:
         return {"kind": "pretrain", "consumed_samples": self.consumed_samples, "fingerprint": self.fingerprint}
 

@@ -135,3 +135,13 @@ def test_demo_corpus_long_samples(demo, tok, tmp_path, S):
     cu = row_cu_seqlens(b, 0)
     assert cu[0] == 0 and cu[-1] == S and b["max_seqlen"] == int((cu[1:] - cu[:-1]).max())
     assert torch.equal(b["tokens"][0, cu[1:-1] - 1], torch.full((len(cu) - 2,), tok.eod))
+
+
+def test_weighted_blend_without_sizes_and_single_path_weight(synth, demo, tmp_path):
+    a, docs_a, b, docs_b = synth
+    tl, vl = _loaders(_cfg([a, b], demo, tmp_path, weights=[1.0, 1.0], split="100,0,0", seq_length=32))
+    total = sum(len(d) for d in docs_a + docs_b)
+    assert vl is None and abs(len(tl.dataset) - total // 32) <= 0.01 * total // 32 + 2  # one pass by default
+    one, _ = _loaders(_cfg([a], demo, tmp_path, weights=[3.0]))
+    plain, _ = _loaders(_cfg([a], demo, tmp_path))
+    assert torch.equal(next(one)["tokens"], next(plain)["tokens"])
