@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, ".cache", "demo_data")
-BUILD_VERSION = 1  # bump when the build logic changes, to invalidate caches
+BUILD_VERSION = 3  # bump when the build logic changes, to invalidate caches
 
 
 @dataclass
@@ -164,21 +164,23 @@ _WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "garnet", "harbo
 
 
 def build_longctx(filler_paragraphs: list[str], count_tokens, spec: DemoSpec) -> list[dict]:
-    """Passkey and multi-key-needle prompts; ``context_tokens`` is the target haystack length in tokens."""
+    """Passkey and multi-key-needle prompts; the user prompt fits in ``context_tokens`` tokens
+    (``0.9 * context_tokens <= prompt_tokens <= context_tokens``, measured with the demo tokenizer)."""
     rng = random.Random(spec.seed + 1)
-    paras = [p for p in filler_paragraphs if p.strip() and not re.search(r"\d{4,}", p)]
-    lens = [count_tokens(p) + 1 for p in paras]
+    paras, lens = [], []
+    for p in filler_paragraphs:
+        if p.strip() and not re.search(r"\d{4,}", p):
+            n = count_tokens(p)
+            paras.append(p)
+            lens.append(n + 1)
     out = []
     cursor = 0
     for target in spec.longctx_lengths:
+        cap = max(32, target // 16)  # small paragraphs so trimming to the budget loses little
+        fit = [i for i, n in enumerate(lens) if n <= cap]
         for depth in spec.longctx_depths:
             for rep in range(spec.longctx_per_cell):
                 for task in ("passkey", "multikey"):
-                    hay, n = [], 0
-                    while n < target:
-                        hay.append(paras[cursor % len(paras)])
-                        n += lens[cursor % len(paras)]
-                        cursor += 1
                     if task == "passkey":
                         key = str(rng.randint(10000, 99999))
                         needles = [f"The pass key is {key}. Remember it. {key} is the pass key."]
@@ -190,13 +192,24 @@ def build_longctx(filler_paragraphs: list[str], count_tokens, spec: DemoSpec) ->
                         pick = rng.randrange(len(names))
                         question = f"What is the special magic number for {names[pick]}? Answer with the number only."
                         answer = vals[pick]
-                    pos = round(depth * len(hay))
-                    for j, nd in enumerate(needles):  # multikey: spread around the depth
-                        hay.insert(min(len(hay), pos + j * max(1, len(hay) // 16)), nd)
-                    context = "\n".join(hay)
-                    prompt = f"{context}\n\n{question}"
+                    hay, n = [], sum(count_tokens(x) + 1 for x in needles + [question])
+                    while n < 0.97 * target:
+                        i = fit[cursor % len(fit)]
+                        hay.append(paras[i])
+                        n += lens[i]
+                        cursor += 1
+                    while True:
+                        body = list(hay)
+                        pos = round(depth * len(body))
+                        for j, nd in enumerate(needles):  # multikey: spread around the depth
+                            body.insert(min(len(body), pos + j * max(1, len(body) // 16)), nd)
+                        prompt = "\n".join(body) + f"\n\n{question}"
+                        n_tok = count_tokens(prompt)
+                        if n_tok <= target:
+                            break
+                        hay.pop()
                     out.append({"task": task, "context_tokens": target, "depth": depth, "answer": answer,
-                                "prompt_tokens": count_tokens(prompt),
+                                "prompt_tokens": n_tok,
                                 "messages": [{"role": "user", "content": prompt},
                                              {"role": "assistant", "content": answer}]})
     return out
@@ -229,7 +242,7 @@ def _cached(out_dir: str, spec: DemoSpec):
     files = [p["corpus"], p["sft"], p["longctx"], p["indexed_prefix"] + ".bin", p["indexed_prefix"] + ".idx",
              os.path.join(p["tokenizer"], "tokenizer.json")]
     if man.get("hash") == _spec_hash(spec) and all(os.path.isfile(f) for f in files):
-        return man
+        return {**man, **{k: v for k, v in p.items() if k != "manifest"}}  # paths valid even if the dir moved
     return None
 
 

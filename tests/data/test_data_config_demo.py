@@ -61,7 +61,8 @@ def test_demo_contents(demo, tok):
     for x in long:
         prompt = x["messages"][0]["content"]
         assert x["answer"] in prompt and x["messages"][1]["content"] == x["answer"]
-        assert x["context_tokens"] <= x["prompt_tokens"] < 1.5 * x["context_tokens"] + 200
+        assert 0.9 * x["context_tokens"] <= x["prompt_tokens"] <= x["context_tokens"]
+        assert x["prompt_tokens"] == len(tok.encode_plain([prompt])[0])
 
 
 def test_sft_pairs_come_from_the_source_signatures():
