@@ -89,7 +89,6 @@ def apply_cpu_shim(force: bool = False) -> bool:
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     torch.cuda.manual_seed = torch.manual_seed
-    torch.cuda.manual_seed_all = torch.manual_seed
     import megatron.core.tensor_parallel.random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()

@@ -1,0 +1,112 @@
+"""Fixtures of the megatron-core tests.
+
+megatron-core runs only in torchrun subprocesses (gloo, CPU shim applied there), never in the
+pytest process, so the shim cannot leak into other test packages. One session fixture launches
+the reference run (1 process) and the parallel run (2 processes) of ``_worker.py`` once; the tests
+read what the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WORKER = HERE / "_worker.py"
+REF_TIMEOUT_S = 300
+PAR_TIMEOUT_S = 420
+
+
+def _torchrun() -> list:
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_torchrun(nproc: int, args: list, log: Path, timeout_s: int) -> int:
+    """Run ``_worker.py`` under torchrun with a hard timeout (the whole process group is killed)."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    cmd = _torchrun() + ["--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return -9
+
+
+class MegatronRuns:
+    """Results of the reference and parallel launches."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def log_tail(self, role: str, n: int = 40) -> str:
+        path = self.out / f"{role}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        keep = [ln for ln in lines if "Warning" not in ln and "warn" not in ln]
+        return "\n".join(keep[-n:])
+
+    def summary(self, role: str) -> dict:
+        path = self.out / f"summary_{role}.json"
+        if not path.exists():
+            pytest.fail(f"the {role} launch wrote no summary; log tail:\n{self.log_tail(role)}")
+        return json.loads(path.read_text())
+
+    def status(self, role: str, key: str):
+        s = self.summary(role)
+        if key not in s:
+            pytest.fail(f"{key} missing from the {role} summary; log tail:\n{self.log_tail(role)}")
+        if isinstance(s[key], str) and s[key] != "ok":
+            pytest.fail(f"{key} failed in the {role} launch:\n{s[key]}")
+        return s[key]
+
+    def result(self, case: str, layout: str) -> dict:
+        """Merged rank files of one run (each rank wrote the tensors it owns)."""
+        self.status("ref" if layout == "ref" else "par", f"{case}/{layout}")
+        merged = {"loss": None, "grad_norm": None, "grads": {}, "params": {}, "selections": {}, "init": None}
+        files = sorted(glob.glob(str(self.out / case / layout / "rank*.pt")))
+        assert files, f"no rank files for {case}/{layout}"
+        for f in files:
+            r = torch.load(f)
+            if r["loss"] is not None:
+                merged["loss"] = r["loss"]
+            merged["grad_norm"] = r["grad_norm"]
+            for k in ("grads", "params", "selections"):
+                merged[k].update(r[k])
+            if r.get("init"):
+                merged["init"] = r["init"]
+        return merged
+
+
+@pytest.fixture(scope="session")
+def megatron_ref(tmp_path_factory) -> MegatronRuns:
+    """The 1-process reference launch (TP=PP=DP=1) and its single-process checks."""
+    out = tmp_path_factory.mktemp("megatron_runs")
+    rc = run_torchrun(1, ["--role", "ref", "--out", str(out)], out / "ref.log", REF_TIMEOUT_S)
+    runs = MegatronRuns(out)
+    if rc != 0:
+        pytest.fail(f"reference launch exited with {rc}; log tail:\n{runs.log_tail('ref')}")
+    return runs
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(megatron_ref: MegatronRuns) -> MegatronRuns:
+    """The 2-process launch of every case in its layouts, started from the reference weights."""
+    out = megatron_ref.out
+    rc = run_torchrun(2, ["--role", "par", "--out", str(out)], out / "par.log", PAR_TIMEOUT_S)
+    if rc != 0:
+        pytest.fail(f"parallel launch exited with {rc}; log tail:\n{megatron_ref.log_tail('par')}")
+    return megatron_ref
