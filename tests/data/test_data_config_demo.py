@@ -82,3 +82,18 @@ def test_demo_cache_is_reused(demo):
     again = build_demo(out, SMALL)
     assert time.perf_counter() - t < 2.0 and again == demo
     assert os.path.getmtime(demo["indexed_prefix"] + ".bin") == mtime
+
+
+def test_demo_cli_prints_paths_from_cache(demo):
+    import subprocess
+    import sys
+
+    out = os.path.dirname(demo["corpus"])
+    import data
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(data.__file__)))
+    r = subprocess.run([sys.executable, "-m", "data.demo_corpus", "--small", "--out", out],
+                       capture_output=True, text=True, timeout=60, cwd=repo)
+    assert r.returncode == 0, r.stderr
+    printed = dict(line.split("=", 1) for line in r.stdout.strip().splitlines())
+    assert printed == {k: demo[k] for k in ("corpus", "tokenizer", "indexed_prefix", "sft", "longctx")}
