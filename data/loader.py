@@ -118,6 +118,7 @@ class SFTLoader:
         self.data, self.S, self.B = data, seq_length, micro_batch_size
         self.pad_id, self.dp_rank, self.dp_size, self.pack, self.seed = pad_id, dp_rank, dp_size, pack, seed
         self.epoch, self.consumed_rows = 0, 0
+        self.stats = dict(getattr(data, "stats", {}))  # truncated / dropped / skipped counts
         self._rows_epoch, self._rows = None, None
         if len(self._epoch_rows()) < self.B * self.dp_size:
             raise ValueError(f"only {len(self._rows)} packed rows but one step needs micro_batch_size*dp_size={self.B * self.dp_size}: add data or lower them")
@@ -179,9 +180,7 @@ def build_sft_loader(cfg: SFTConfig, dp_rank: int = 0, dp_size: int = 1, tokeniz
     tok = tokenizer or Tokenizer(cfg.tokenizer)
     data = load_sft(cfg, tok, log=log)
     pad = tok.pad if tok.pad >= 0 else tok.eod
-    loader = SFTLoader(data, cfg.seq_length, cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.pack, cfg.seed)
-    loader.stats = dict(data.stats)
-    return loader
+    return SFTLoader(data, cfg.seq_length, cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.pack, cfg.seed)
 
 
 def to_numpy_batch(batch: dict) -> dict:

@@ -71,19 +71,19 @@ def check_conversation(messages, field_name: str = "messages") -> str | None:
 
 
 def tokenize_conversation(tok: Tokenizer, messages: list[dict], template: str = "chatml") -> tuple[np.ndarray, np.ndarray]:
-    """Return ``ids`` int64 [n] and ``mask`` uint8 [n] (1 = assistant token incl. end-of-turn)."""
+    """Return ``ids`` int32 [n] and ``mask`` uint8 [n] (1 = assistant token incl. end-of-turn)."""
     text, spans = render_chatml(messages) if template == "chatml" else render_with_template(tok, messages)
     ids, offsets = tok.encode_with_offsets(text)
     starts = np.fromiter((o[0] for o in offsets), dtype=np.int64, count=len(offsets))
     mask = np.zeros(len(ids), dtype=np.uint8)
     for a, b in spans:
         mask[(starts >= a) & (starts < b)] = 1
-    return np.asarray(ids, dtype=np.int64), mask
+    return np.asarray(ids, dtype=np.int32), mask
 
 
 @dataclass
 class SFTData:
-    """Tokenized conversations: ``ids[i]`` int64 [n_i], ``masks[i]`` uint8 [n_i]; ``stats`` counts."""
+    """Tokenized conversations: ``ids[i]`` int32 [n_i], ``masks[i]`` uint8 [n_i]; ``stats`` counts."""
 
     ids: list = field(default_factory=list)
     masks: list = field(default_factory=list)
