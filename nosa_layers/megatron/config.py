@@ -195,5 +195,7 @@ def validate(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Paral
     if seq_length is not None:
         _need(seq_length <= model.max_position_embeddings,
               f"seq_length={seq_length} exceeds max_position_embeddings={model.max_position_embeddings}")
+        _need(not parallel.sequence_parallel or seq_length % tp == 0,
+              f"seq_length={seq_length} must be divisible by tensor_parallel={tp} with sequence_parallel")
         _need(cp == 1 or seq_length % (2 * cp) == 0,
               f"seq_length={seq_length} must be divisible by 2*context_parallel={2 * cp}")

@@ -16,6 +16,7 @@ SEQ = 256  # 16 blocks of 16 tokens; the 6-block budget makes NOSA really sparse
 class Layout:
     parallel: ParallelConfig
     world: int = 2
+    overrides: Dict[str, object] = field(default_factory=dict)  # TransformerConfig fields
 
 
 LAYOUTS: Dict[str, Layout] = {
@@ -24,6 +25,10 @@ LAYOUTS: Dict[str, Layout] = {
     "tp2_sp": Layout(ParallelConfig(tensor_parallel=2, sequence_parallel=True)),
     "pp2": Layout(ParallelConfig(pipeline_parallel=2)),
     "dp2": Layout(ParallelConfig()),
+    "tp2_recompute": Layout(ParallelConfig(tensor_parallel=2),
+                            overrides={"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}),
+    "tp4": Layout(ParallelConfig(tensor_parallel=4), world=4),
+    "tp2pp2": Layout(ParallelConfig(tensor_parallel=2, pipeline_parallel=2), world=4),
 }
 
 
@@ -52,8 +57,8 @@ def _longrope_model() -> ModelConfig:
 CASES: Dict[str, Case] = {
     "dense": Case(replace(tiny(), tie_embeddings=True), AttentionConfig(variant="dense"),
                   ["tp2", "tp2_sp", "pp2", "dp2"]),
-    "nosa": Case(tiny(), _nosa(pattern=["dense", "nosa", "nosa", "nosa"]), ["tp2", "pp2", "dp2"],
-                 record_selection=True),
+    "nosa": Case(tiny(), _nosa(pattern=["dense", "nosa", "nosa", "nosa"]),
+                 ["tp2", "tp2_sp", "tp2_recompute", "pp2", "dp2", "tp4", "tp2pp2"], record_selection=True),
     "nosa_kv1": Case(replace(tiny(), num_kv_heads=1), _nosa(), ["tp2"], record_selection=True),
     "infllm_v2": Case(replace(tiny(), num_kv_heads=1), _nosa(head="none", variant="infllm_v2"), ["tp2"],
                       record_selection=True),

@@ -163,7 +163,7 @@ def run_one(case_name: str, layout_name: str, out_dir: str, init_state) -> dict:
     case, layout = CASES[case_name], LAYOUTS[layout_name]
     par = layout.parallel
     setup(par)
-    model = build_model(case.model, case.attn, par, seq_length=SEQ, use_te=False)
+    model = build_model(case.model, case.attn, par, seq_length=SEQ, use_te=False, **layout.overrides)
     names = global_names(model)
     if init_state is None:  # reference: keep megatron's init, perturb the eviction heads
         perturb_eviction(model, case.seed)
@@ -380,6 +380,7 @@ def check_longrope(out: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["ref", "par"], required=True)
+    ap.add_argument("--world", type=int, default=2, help="par role: run the layouts of this world size")
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
@@ -387,7 +388,8 @@ def main() -> None:
     torch.manual_seed(0)
     summary = {}
     for case_name in args.cases.split(","):
-        layouts = ["ref"] if args.role == "ref" else CASES[case_name].layouts
+        layouts = ["ref"] if args.role == "ref" else [
+            lay for lay in CASES[case_name].layouts if LAYOUTS[lay].world == args.world]
         for layout in layouts:
             init_state = None
             if args.role == "par":
@@ -407,7 +409,8 @@ def main() -> None:
                 summary[check.__name__] = traceback.format_exc()
                 print(summary[check.__name__], file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
-        with open(os.path.join(args.out, f"summary_{args.role}.json"), "w") as fh:
+        role = args.role if args.role == "ref" else f"par{args.world}"
+        with open(os.path.join(args.out, f"summary_{role}.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
     dist.barrier()
     dist.destroy_process_group()

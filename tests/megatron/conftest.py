@@ -75,7 +75,9 @@ class MegatronRuns:
 
     def result(self, case: str, layout: str) -> dict:
         """Merged rank files of one run (each rank wrote the tensors it owns)."""
-        self.status("ref" if layout == "ref" else "par", f"{case}/{layout}")
+        from tests.megatron._cases import LAYOUTS
+
+        self.status("ref" if layout == "ref" else f"par{LAYOUTS[layout].world}", f"{case}/{layout}")
         merged = {"loss": None, "grad_norm": None, "grads": {}, "params": {}, "selections": {}, "init": None}
         files = sorted(glob.glob(str(self.out / case / layout / "rank*.pt")))
         assert files, f"no rank files for {case}/{layout}"
@@ -105,8 +107,20 @@ def megatron_ref(tmp_path_factory) -> MegatronRuns:
 @pytest.fixture(scope="session")
 def megatron_runs(megatron_ref: MegatronRuns) -> MegatronRuns:
     """The 2-process launch of every case in its layouts, started from the reference weights."""
-    out = megatron_ref.out
-    rc = run_torchrun(2, ["--role", "par", "--out", str(out)], out / "par.log", PAR_TIMEOUT_S)
+    return _launch_par(megatron_ref, 2)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs4(megatron_ref: MegatronRuns) -> MegatronRuns:
+    """The 4-process launch (TP=4 with replicated KV heads, TP=2 x PP=2); 4 ranks on few cores."""
+    return _launch_par(megatron_ref, 4)
+
+
+def _launch_par(ref: MegatronRuns, world: int) -> MegatronRuns:
+    out = ref.out
+    role = f"par{world}"
+    rc = run_torchrun(world, ["--role", "par", "--world", str(world), "--out", str(out)], out / f"{role}.log",
+                      PAR_TIMEOUT_S)
     if rc != 0:
-        pytest.fail(f"parallel launch exited with {rc}; log tail:\n{megatron_ref.log_tail('par')}")
-    return megatron_ref
+        pytest.fail(f"{world}-process launch exited with {rc}; log tail:\n{ref.log_tail(role)}")
+    return ref

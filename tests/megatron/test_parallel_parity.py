@@ -1,4 +1,5 @@
-"""TP=2, TP=2+SP, PP=2 (megatron 1F1B schedule) and DP=2 (distributed optimizer) vs TP=PP=DP=1.
+"""TP=2, TP=2+SP, TP=2 with selective core-attention recompute, PP=2 (megatron 1F1B schedule),
+DP=2 (distributed optimizer), TP=4 (KV heads replicated) and TP=2 x PP=2 vs TP=PP=DP=1.
 
 One training step of a tiny GPT (dense, NOSA with each eviction head, InfLLM-V2, packed documents,
 MiniCPM4 muP, LongRoPE), fp32, started from identical weights: same loss, grad norm, gradients
@@ -14,7 +15,7 @@ import math
 
 import pytest
 
-from tests.megatron._cases import CASES
+from tests.megatron._cases import CASES, LAYOUTS
 
 PAIRS = [(c, lay) for c, case in CASES.items() for lay in case.layouts]
 RTOL = 1e-5  # loss, grad norm, whole-model gradient, updated weights (fp32)
@@ -26,7 +27,8 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("case,layout", PAIRS, ids=[f"{c}-{lay}" for c, lay in PAIRS])
-def test_one_step_matches_single_process(megatron_runs, case, layout):
+def test_one_step_matches_single_process(request, case, layout):
+    megatron_runs = request.getfixturevalue("megatron_runs4" if LAYOUTS[layout].world == 4 else "megatron_runs")
     ref = megatron_runs.result(case, "ref")
     got = megatron_runs.result(case, layout)
     report = {}
