@@ -1,0 +1,44 @@
+"""megatron-core AdamW (optionally distributed) and its LR scheduler, configured in optimizer steps."""
+
+from __future__ import annotations
+
+import torch
+
+from train.config import RunConfig
+
+
+def mixed_precision(cfg: RunConfig, device: torch.device) -> str:
+    """Effective precision: bf16/fp16 on GPU as configured, fp32 on CPU."""
+    return cfg.train.precision if device.type == "cuda" else "fp32"
+
+
+def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optim
+    ocfg = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        bf16=precision == "bf16", fp16=precision == "fp16",
+        params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32),
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+    )
+    return get_megatron_optimizer(ocfg, model_chunks)
+
+
+def build_scheduler(cfg: RunConfig, optimizer):
+    """Linear warmup from 0, then WSD (stable + final decay), cosine or constant; one unit = one step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, steps = cfg.optim, cfg.train.max_steps
+    style = {"wsd": "WSD", "cosine": "cosine", "constant": "constant"}[o.schedule]
+    wsd_steps = None
+    if o.schedule == "wsd":
+        wsd_steps = max(1, min(steps - o.warmup_steps, round(o.wsd_decay_fraction * steps)))
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=steps, lr_decay_style=style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=steps, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False, wsd_decay_steps=wsd_steps,
+        lr_wsd_decay_style=o.wsd_decay_style if o.schedule == "wsd" else None)

@@ -1,0 +1,306 @@
+"""The training loop on megatron-core: model chunks, DDP, optimizer, schedules, checkpoints.
+
+``Trainer(cfg, env).run()`` builds everything, resumes or initialises from the previous stage,
+trains ``train.max_steps`` optimizer steps (or stops after ``train.exit_after_steps`` with a
+checkpoint), validates, logs and saves. Forward/backward over micro-batches and pipeline stages
+is megatron-core's ``get_forward_backward_func``; the loss is a per-token mean over the whole
+global batch (``calculate_per_token_loss``), so SFT masks of any density weigh tokens equally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from train import checkpointing as ckpt
+from train.config import RunConfig
+from train.distributed import DistEnv
+from train.metrics import MetricsLogger, peak_flops, train_flops_per_token
+from train.optim import build_optimizer, build_scheduler, mixed_precision
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def log0(env: DistEnv, msg: str) -> None:
+    if env.is_main:
+        print(msg, flush=True)
+
+
+def to_microbatch(batch: dict, device: torch.device) -> dict:
+    """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens."""
+    out = {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    if "cu_seqlens" in batch:
+        from data.packing import flat_cu_seqlens
+
+        out = {k: v.reshape(1, -1) for k, v in out.items()}
+        out["cu_seqlens"] = flat_cu_seqlens(batch).to(device)
+        out["max_seqlen"] = int(batch["max_seqlen"])
+    return out
+
+
+def forward_step(data_iterator, model):
+    """megatron-core forward step: returns the per-token losses and the loss function."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    mb = next(data_iterator)
+    psp = None
+    if "cu_seqlens" in mb:
+        cu = mb["cu_seqlens"]
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                              max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
+    output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp)
+    return output, partial(_loss_func, mb["loss_mask"])
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.run_dir = Path(cfg.run_dir)
+        self.step = 0
+        self.precision = mixed_precision(cfg, env.device)
+        self.micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.dp_size)
+
+    # ------------------------------------------------------------------ build
+    def build(self) -> "Trainer":
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
+
+        from nosa_layers.megatron import build_model
+
+        cfg, env = self.cfg, self.env
+        model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
+                                        .get(self.precision, "float32"))
+        overrides = dict(calculate_per_token_loss=True)
+        if cfg.train.recompute == "selective":
+            overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+        elif cfg.train.recompute == "full":
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+        chunks = []
+        for i in range(vpp or 1):
+            m = build_model(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
+                            seq_length=cfg.train.seq_length, **overrides)
+            if env.device.type == "cuda":
+                m.cuda(torch.cuda.current_device())
+            if self.precision in ("bf16", "fp16"):
+                m = Float16Module(m.config, m)
+            chunks.append(m)
+        self.model_config = chunks[0].config
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+            overlap_param_gather=cfg.parallel.overlap_param_gather,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+        self.model = [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m,
+                                              disable_bucketing=i > 0) for i, m in enumerate(chunks)]
+        for m in self.model:
+            m.broadcast_params()
+        self.optimizer = build_optimizer(cfg, self.model, self.precision)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        mc = self.model_config
+        mc.finalize_model_grads_func = finalize_model_grads
+        mc.grad_scale_func = self.optimizer.scale_loss
+        mc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+
+        n_params = sum(p.numel() for m in self.model for p in m.parameters())
+        log0(env, f"model: {cfg.model.family}_{cfg.model.size}, attention={cfg.attention.variant}"
+                  f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
+                  f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
+                  f"PP={ps.get_pipeline_model_parallel_world_size()} DP={env.dp_size}), precision={self.precision}, "
+                  f"device={env.device.type}")
+        self._build_data()
+        self.flops_per_token = train_flops_per_token(cfg.model, cfg.attention, cfg.train.seq_length)
+        self.peak = peak_flops(env.device)
+        return self
+
+    def _build_data(self) -> None:
+        cfg, env = self.cfg, self.env
+        if cfg.stage.kind == "sft":
+            from data.loader import build_sft_loader
+
+            self.train_loader = build_sft_loader(dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size),
+                                                 env.dp_rank, env.dp_size, log=partial(log0, env))
+            self.valid_loader = None
+        else:
+            from data.loader import build_pretrain_loaders
+
+            need = cfg.train.max_steps * cfg.train.global_batch_size
+            dcfg = dataclasses.replace(cfg.data, model_vocab_size=cfg.model.vocab_size,
+                                       train_samples=cfg.data.train_samples or need,
+                                       valid_samples=cfg.data.valid_samples or max(
+                                           1, cfg.train.eval_iters * cfg.train.global_batch_size))
+            self.train_loader, self.valid_loader = build_pretrain_loaders(dcfg, env.dp_rank, env.dp_size)
+
+    # ------------------------------------------------------------------ start point
+    def restore(self) -> None:
+        """``checkpoint.resume=auto``: continue this run; else ``init_from``: weights of a previous stage."""
+        cfg, env = self.cfg, self.env
+        latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(str(self.run_dir))) \
+            if cfg.checkpoint.resume == "auto" else None
+        if latest is not None:
+            self.step, loader_state, _ = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
+            self.train_loader.load_state_dict(loader_state)
+            log0(env, f"resumed from {latest} at step {self.step}")
+        elif cfg.init_from:
+            src = ckpt.load_weights(cfg.init_from, self.model, log=partial(log0, env))
+            for m in self.model:  # keep every DP replica identical after a partial load
+                m.broadcast_params()
+            if self.precision in ("bf16", "fp16"):
+                self.optimizer.reload_model_params()
+            log0(env, f"initialised weights from {src}")
+
+    # ------------------------------------------------------------------ steps
+    def _microbatches(self, loader) -> list[dict]:
+        return [to_microbatch(next(loader), self.env.device) for _ in range(self.micro_batches)]
+
+    def _forward_backward(self, mbs: list[dict], forward_only: bool) -> torch.Tensor | None:
+        """Run megatron's schedule; returns [loss_sum, tokens] summed over DP on the last stage."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        seq = mbs[0]["tokens"].shape[1]
+        mbsz = mbs[0]["tokens"].shape[0]
+        iters = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=self.model,
+            num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbsz, forward_only=forward_only)
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        total = torch.stack([o["lm loss"] for o in out]).sum(0)
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        return total
+
+    def _loss_on_all_ranks(self, total: torch.Tensor | None) -> float:
+        """The mean loss, broadcast from the last pipeline stage to every rank (NaN handling)."""
+        from megatron.core import parallel_state as ps
+
+        t = torch.zeros(1, dtype=torch.float64, device=self.env.device)
+        if total is not None:
+            t[0] = float(total[0] / total[1].clamp(min=1))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            src = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+        return float(t[0])
+
+    def train_step(self) -> dict:
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs = self._microbatches(self.train_loader)
+        loss = self._loss_on_all_ranks(self._forward_backward(mbs, forward_only=False))
+        if not math.isfinite(loss):
+            if self.cfg.train.nan_policy == "stop":
+                raise NonFiniteLossError(
+                    f"loss is {loss} at step {self.step + 1}; stopping (last good checkpoint is kept). "
+                    f"Lower optim.lr, check the data, or set train.nan_policy=skip to skip such steps")
+            return {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "skipped": True,
+                    "grad_norm": float("nan")}
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR this step applies
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return {"loss": loss, "lr": lr, "skipped": not ok,
+                "grad_norm": float(grad_norm) if grad_norm is not None else None}
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_loader is None or self.cfg.train.eval_iters == 0:
+            return None
+        for m in self.model:
+            m.eval()
+        self.valid_loader.reset()
+        totals = []
+        for _ in range(self.cfg.train.eval_iters):
+            t = self._forward_backward(self._microbatches(self.valid_loader), forward_only=True)
+            totals.append(t if t is not None else torch.zeros(2, device=self.env.device))
+        for m in self.model:
+            m.train()
+        total = torch.stack(totals).sum(0)
+        return self._loss_on_all_ranks(total if self.env.is_last_stage else None)
+
+    def save(self) -> None:
+        ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
+                             self.train_loader.state_dict(), {"recipe": self.cfg.recipe},
+                             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env))
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        self.build()
+        self.restore()
+        logger = MetricsLogger(str(self.run_dir), enabled=env.owns_loss, wandb_mode=cfg.logging.wandb,
+                               wandb_project=cfg.logging.wandb_project, run_name=cfg.recipe,
+                               config=dataclasses.asdict(cfg), resume_step=self.step)
+        tokens_per_step = t.global_batch_size * t.seq_length
+        start_step, saved_at = self.step, self.step
+        last: dict = {}
+        log0(env, f"training {cfg.recipe}: steps {self.step} -> {t.max_steps}, {self.micro_batches} "
+                  f"micro-batches/step, {tokens_per_step} tokens/step, run dir {self.run_dir}")
+        try:
+            while self.step < t.max_steps:
+                if t.exit_after_steps is not None and self.step - start_step >= t.exit_after_steps:
+                    log0(env, f"exit_after_steps={t.exit_after_steps} reached at step {self.step}")
+                    break
+                t0 = time.perf_counter()
+                out = self.train_step()
+                dt = time.perf_counter() - t0
+                self.step += 1
+                row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
+                       "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_step / dt,
+                       "step_time_s": dt, "skipped": out["skipped"]}
+                if self.peak:
+                    row["mfu"] = tokens_per_step * self.flops_per_token / dt / (self.peak * env.world_size)
+                if t.eval_interval and self.step % t.eval_interval == 0:
+                    row["val_loss"] = self.evaluate()
+                if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                    logger.log(row)
+                    if env.owns_loss:
+                        print(_format_row(row, t.max_steps), flush=True)
+                last = row
+                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                    self.save()
+                    saved_at = self.step
+            if self.step == t.max_steps and self.valid_loader is not None and t.eval_iters and \
+                    not (t.eval_interval and self.step % t.eval_interval == 0):
+                last = {**last, "step": self.step, "val_loss": self.evaluate()}
+                logger.log({"step": self.step, "val_loss": last["val_loss"]})
+            if self.step != saved_at:
+                self.save()
+        finally:
+            if env.owns_loss and cfg.logging.plot:
+                png = logger.plot()
+                if png:
+                    print(f"loss curve: {png}", flush=True)
+            logger.close()
+        return last
+
+
+def _format_row(r: dict, max_steps: int) -> str:
+    parts = [f"step {r['step']:>6}/{max_steps}", f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss -",
+             f"lr {r['lr']:.3e}"]
+    if r.get("grad_norm") is not None:
+        parts.append(f"grad_norm {r['grad_norm']:.3f}")
+    parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("val_loss") is not None:
+        parts.append(f"val_loss {r['val_loss']:.4f}")
+    if r.get("skipped"):
+        parts.append("SKIPPED")
+    return " | ".join(parts)
