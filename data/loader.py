@@ -68,7 +68,10 @@ class PretrainLoader:
             cu = s["cu_seqlens"]
             S = row["tokens"].shape[0]
             n = int(torch.nonzero(cu == S)[0]) + 1
-            row["cu_seqlens"] = cu[:n]
+            row["cu_seqlens"] = cu = cu[:n]
+            if n > 2:  # a document's last token never learns the next document's first token,
+                row["loss_mask"] = lm = row["loss_mask"].clone()  # even in .bin files without EOD
+                lm[cu[1:-1].long() - 1] = 0.0
         return row if "dataset_id" not in s else {**row, "dataset_id": s["dataset_id"]}
 
     def reset(self) -> None:

@@ -145,3 +145,19 @@ def test_weighted_blend_without_sizes_and_single_path_weight(synth, demo, tmp_pa
     one, _ = _loaders(_cfg([a], demo, tmp_path, weights=[3.0]))
     plain, _ = _loaders(_cfg([a], demo, tmp_path))
     assert torch.equal(next(one)["tokens"], next(plain)["tokens"])
+
+
+def test_boundaries_without_eod_still_mask_cross_document_labels(demo, tmp_path):
+    from data.indexed import write_indexed
+
+    # foreign .bin written without EOD after each document (megatron preprocess without --append-eod)
+    docs = [np.arange(1 + 1000 * i, 1 + 1000 * i + n) for i, n in enumerate([5, 9, 3, 20, 7, 11, 4, 30] * 10)]
+    write_indexed(str(tmp_path / "noeod"), docs, vocab_size=1 << 20)
+    tl, _ = _loaders(_cfg([str(tmp_path / "noeod")], demo, tmp_path, seq_length=32, micro_batch_size=1))
+    for _ in range(len(tl)):
+        b = next(tl)
+        cu = row_cu_seqlens(b, 0)
+        lm, tok, lab = b["loss_mask"][0], b["tokens"][0], b["labels"][0]
+        for s, e in zip(cu[:-2].tolist(), cu[1:-1].tolist()):
+            assert lm[e - 1] == 0 and tok[e - 1] // 1000 != lab[e - 1] // 1000  # cross-doc label is masked
+            assert (lm[s:e - 1] == 1).all()  # everything inside the document trains
