@@ -252,3 +252,18 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, Tiles, ColPtr, Q
              mask=kvalid[:, None])
     if NEED_DB:
         tl.store(DB + bk * s_db_b + kp * s_db_t + h * s_db_h, db, mask=kvalid)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, Delta, T, H, s_ob, s_ot, s_oh, s_db, s_dt, s_dh, s_lb, s_lh,
+                      BM: tl.constexpr, D: tl.constexpr):
+    """Delta[b, h, t] = sum_d dO[b, t, h, d] * O[b, t, h, d] in fp32."""
+    t = tl.program_id(0) * BM + tl.arange(0, BM)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    offs_d = tl.arange(0, D)
+    tm = t < T
+    o = tl.load(O + b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_d[None, :], mask=tm[:, None], other=0.0)
+    do = tl.load(DO + b * s_db + t[:, None].to(tl.int64) * s_dt + h * s_dh + offs_d[None, :], mask=tm[:, None], other=0.0)
+    tl.store(Delta + b * s_lb + h * s_lh + t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=tm)

@@ -6,11 +6,12 @@ import math
 import os
 
 import torch
+import triton
 from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
 from ._index import SparseIndex, build_index
-from ._kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
+from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 
 # Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages.
 # Tuned on one H200 for block 64, D 128 (see docs/BENCHMARKS.md); override for experiments.
@@ -19,6 +20,19 @@ CONFIG = {
     "dq": dict(HP=2, num_warps=8, num_stages=2),
     "dkdv": dict(HP=2, num_warps=8, num_stages=2),
 }
+
+
+POISON_OUTPUTS = False  # tests: fill every output buffer with NaN before the kernels write it
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    out = torch.empty_like(x)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def _empty(*shape, **kw) -> Tensor:
+    out = torch.empty(*shape, **kw)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
 def interpreting() -> bool:
@@ -65,8 +79,8 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     Hkv = k.shape[2]
     G = Hq // Hkv
     BT = idx.block
-    o = torch.empty_like(q)
-    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    o = _empty_like(q)
+    lse = _empty(B, Hq, T, dtype=torch.float32, device=q.device)
     hp = _hp("fwd", G, BT)
     cfg = CONFIG["fwd"]
     grid = (idx.n_tiles * Hkv * (G // hp),)
@@ -86,11 +100,14 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     G = Hq // Hkv
     BT = idx.block
     do = do if do.stride(-1) == 1 else do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, T]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    db = torch.empty(B, T, Hkv, dtype=torch.float32, device=q.device) if need_db else None
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    if T:
+        _bwd_delta_kernel[(triton.cdiv(T, 64), B * Hq)](o, do, delta, T, Hq, *o.stride()[:3], *do.stride()[:3],
+                                                        delta.stride(0), delta.stride(1), BM=64, D=D)
+    dq = _empty_like(q)
+    dk = _empty_like(k)
+    dv = _empty_like(v)
+    db = _empty(B, T, Hkv, dtype=torch.float32, device=q.device) if need_db else None
     if idx.n_tiles == 0:
         return dq, dk, dv, db
     bias_arg = q if bias is None else bias

@@ -1,0 +1,315 @@
+"""Benchmark of the NOSA Triton attention kernels against dense cuDNN SDPA and FlexAttention.
+
+One process, one GPU, identical inputs. For every shape (T, HQ) with Hkv=2, D=128, bf16:
+
+* dense causal SDPA (cuDNN backend; K/V expanded to HQ heads outside the timed region);
+* "P1" block lists: per 128-token query block, sink + 8-block window (diagonal included) + random
+  past blocks up to 32 blocks of 128 tokens. FlexAttention runs them as 128x128 blocks (its
+  64-token sparse backward does not compile on torch 2.11) without bias and with a per-key bias
+  with gradient; ours runs the very same key sets as 64-token blocks (64 blocks per row), with the
+  bias gradient (db) and without it. Identical math and density for Flex and ours.
+* "NOSA": a real NOSA selection (``select_blocks_triton``, default config, k=64 blocks of 64) of
+  synthetic inputs: per-token lists, run by ours as union lists + token bitmask; reports the
+  selection time, the index build time and the union inflation.
+
+Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s (fwd = 4 x D x HQ
+x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
+"x ideal" = time / (density x dense cuDNN time of the same run).
+
+Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--no-flex]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from triton.testing import do_bench  # noqa: E402
+
+from nosa_layers import NOSAConfig  # noqa: E402
+from nosa_layers.ops import CONFIG, build_sparse_index, select_blocks_triton, sparse_attention_from_selection  # noqa: E402
+from nosa_layers.ops._index import union_inflation  # noqa: E402
+
+D, HKV = 128, 2
+DT = torch.bfloat16
+DEV = "cuda"
+ROWS: list[dict] = []
+
+
+def bench(fn):
+    ms = do_bench(fn, warmup=50, rep=300, quantiles=[0.5, 0.2, 0.8])
+    return ms[0], ms[1], ms[2]
+
+
+def emit(**kw):
+    ROWS.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def p1_lists(T: int, seed: int, qb: int = 128, topk: int = 32, win: int = 8):
+    """Per 128-query-block lists; returns (flex BlockMask pieces, 64-block selection, useful keys)."""
+    g = torch.Generator().manual_seed(seed)
+    nqb = T // qb
+    full_idx = torch.zeros(nqb, nqb, dtype=torch.int32)
+    full_num = torch.zeros(nqb, dtype=torch.int32)
+    part_idx = torch.zeros(nqb, nqb, dtype=torch.int32)
+    part_num = torch.ones(nqb, dtype=torch.int32)
+    sel128 = torch.zeros(nqb, nqb, dtype=torch.bool)
+    for i in range(nqb):
+        fb = set(range(max(0, i + 1 - win), i))
+        if i > 0:
+            fb.add(0)
+        cand = [j for j in range(1, i) if j not in fb]
+        need = topk - 1 - len(fb)
+        if need > 0 and cand:
+            fb.update(cand[p] for p in torch.randperm(len(cand), generator=g)[:need].tolist())
+        fb = sorted(fb)
+        full_num[i] = len(fb)
+        full_idx[i, :len(fb)] = torch.tensor(fb, dtype=torch.int32)
+        part_idx[i, 0] = i
+        sel128[i, fb] = True
+        sel128[i, i] = True
+    # 64-token view: query half-block r of 128-block i takes the 64-blocks of sel128[i], causal
+    sel64 = sel128.repeat_interleave(2, 0).repeat_interleave(2, 1)  # [nqb64, nb64]
+    nqb64 = 2 * nqb
+    sel64 &= torch.arange(nqb64)[None, :] <= torch.arange(nqb64)[:, None]
+    keys = 0
+    for i in range(nqb64):
+        nfull = int(sel64[i, :i].sum())
+        keys += 64 * 64 * nfull + 64 * 65 // 2
+    sel = sel64.repeat_interleave(64, 0)[None, None].expand(1, HKV, T, nqb64).contiguous()
+    return (part_num, part_idx, full_num, full_idx), sel.to(DEV), keys
+
+
+def useful_keys(sel: torch.Tensor, bs: int) -> int:
+    """sum over (KV head, row) of visible keys of the selected blocks, divided by Hkv (per head avg)."""
+    B, H, T, nb = sel.shape
+    t = torch.arange(T, device=sel.device)
+    blk = torch.arange(nb, device=sel.device)
+    nkeys = ((t[:, None] + 1 - blk[None, :] * bs).clamp(0, bs))  # [T, nb] visible keys of block
+    return int((sel.float() * nkeys.float()).sum().item()) // H
+
+
+def dense(T, HQ, dense_ms):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, HQ, T, D, device=DEV, dtype=DT, requires_grad=True)
+    k = torch.randn(1, HQ, T, D, device=DEV, dtype=DT, requires_grad=True)
+    v = torch.randn(1, HQ, T, D, device=DEV, dtype=DT, requires_grad=True)
+    do = torch.randn_like(q)
+    fl = 2.0 * HQ * T * T * D
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        tf = bench(f)
+        o = f()
+        tb = bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+    dense_ms[(T, HQ)] = (tf[0], tb[0])
+    emit(kind="dense_sdpa_cudnn", T=T, HQ=HQ, fwd_ms=tf[0], bwd_ms=tb[0], fwd_tflops=fl / tf[0] / 1e9,
+         bwd_tflops=2.5 * fl / tb[0] / 1e9, density=1.0)
+
+
+def _row(kind, T, HQ, keys, tf, tb, dense_ms, **extra):
+    fl = 4.0 * HQ * keys * D
+    fl_dense = 2.0 * HQ * T * T * D
+    dens = fl / fl_dense
+    df, db = dense_ms.get((T, HQ), (float("nan"), float("nan")))
+    emit(kind=kind, T=T, HQ=HQ, density=round(dens, 4), fwd_ms=tf, bwd_ms=tb,
+         fwd_tflops=fl / tf / 1e9 if tf else None, bwd_tflops=2.5 * fl / tb / 1e9 if tb else None,
+         fwd_x_ideal=tf / (dens * df) if tf else None, bwd_x_ideal=tb / (dens * db) if tb else None, **extra)
+
+
+def make_inputs(T, HQ, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(1, T, HQ, D, device=DEV, dtype=DT, generator=g)
+    k = torch.randn(1, T, HKV, D, device=DEV, dtype=DT, generator=g)
+    v = torch.randn(1, T, HKV, D, device=DEV, dtype=DT, generator=g)
+    bias = 0.1 * torch.randn(1, T, HKV, device=DEV, dtype=torch.float32, generator=g)
+    return q, k, v, bias
+
+
+def ours(T, HQ, sel, keys, dense_ms, kind, cfg, inputs, extra=None):
+    q, k, v, bias = inputs
+    t0 = time.time()
+    idx = build_sparse_index(sel, cfg, T)
+    torch.cuda.synchronize()
+    t_index = bench(lambda: build_sparse_index(sel, cfg, T))[0]
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+    bg = bias.clone().requires_grad_(True)
+    f = lambda: sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)  # noqa: E731
+    o = f()
+    do = torch.randn_like(o)
+    torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True)
+    torch.cuda.synchronize()
+    ct = time.time() - t0
+    tf = bench(f)
+    tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
+    o2 = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bias, index=idx)
+    tb_nodb = bench(lambda: torch.autograd.grad(o2, (qg, kg, vg), do, retain_graph=True))
+    infl = union_inflation(idx, sel)
+    _row(kind, T, HQ, keys, tf[0], tb[0], dense_ms, bwd_nodb_ms=tb_nodb[0], fwd_p20_p80=tf[1:], bwd_p20_p80=tb[1:],
+         index_ms=t_index, first_call_s=round(ct, 2), inflation=round(infl["inflation"], 3),
+         bitmask_fill=round(infl["bitmask_fill"], 3), **(extra or {}))
+    return o.detach()
+
+
+def flex(T, HQ, pieces, keys, dense_ms, inputs, ours_out):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 256
+    G = HQ // HKV
+    pn, pi, fn_, fi = (x[None, None].to(DEV) for x in pieces)
+    bm = BlockMask.from_kv_blocks(pn, pi, fn_, fi, BLOCK_SIZE=(128, 128), mask_mod=lambda b, h, qi, ki: qi >= ki,
+                                  seq_lengths=(T, T))
+    q, k, v, bias = inputs
+    qf, kf, vf = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    bias_t = bias.transpose(1, 2).contiguous()  # [1, Hkv, T]
+    bias_g = bias_t.clone().requires_grad_(True)
+    do = torch.randn_like(qf)
+    cf = torch.compile(flex_attention, dynamic=False)
+
+    def sm_grad(s, b, h, qi, ki):
+        return s + bias_g[b, h // G, ki]
+
+    for name, sm, ins in (("flex_p1_nobias", None, (qf, kf, vf)), ("flex_p1_bias_grad", sm_grad, (qf, kf, vf, bias_g))):
+        try:
+            t0 = time.time()
+            f = lambda: cf(qf, kf, vf, score_mod=sm, block_mask=bm, enable_gqa=True)  # noqa: E731
+            o = f()
+            torch.autograd.grad(o, ins, do, retain_graph=True)
+            torch.cuda.synchronize()
+            ct = time.time() - t0
+            err = None
+            if sm is not None and ours_out is not None:
+                err = (o.transpose(1, 2).float() - ours_out.float()).abs().max().item()
+            tf = bench(f)
+            tb = bench(lambda: torch.autograd.grad(o, ins, do, retain_graph=True))
+            _row(name, T, HQ, keys, tf[0], tb[0], dense_ms, compile_s=round(ct, 1), max_abs_diff_vs_ours=err)
+        except Exception as e:  # noqa: BLE001
+            emit(kind=name, T=T, HQ=HQ, error=(type(e).__name__ + ": " + str(e))[:300])
+
+
+def synthetic_nosa_inputs(T, HQ, seed, smooth):
+    """q/k for a NOSA selection: iid (smooth=0) or with a slowly varying shared component."""
+    q, k, v, bias = make_inputs(T, HQ, seed)
+    if smooth:
+        g = torch.Generator(device=DEV).manual_seed(seed + 1)
+        walk = torch.randn(1, T // 256 + 2, 1, D, device=DEV, generator=g)
+        walk = F.interpolate(walk.permute(0, 2, 3, 1).reshape(1, D, -1), size=T, mode="linear").reshape(1, D, T)
+        walk = walk.permute(0, 2, 1)[:, :, None, :]
+        q = (q.float() * 0.5 + 2.0 * walk).to(DT)
+        k = (k.float() * 0.5 + 2.0 * walk).to(DT)
+    return q, k, v, bias
+
+
+def sweep(T, HQ, dense_ms):
+    """Pick the fastest launch config of each kernel at one shape (others fixed)."""
+    pieces, sel, keys = p1_lists(T, seed=1)
+    cfg = NOSAConfig()
+    q, k, v, bias = make_inputs(T, HQ)
+    idx = build_sparse_index(sel, cfg, T)
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+    bg = bias.clone().requires_grad_(True)
+    do = torch.randn_like(q)
+    space = {
+        "fwd": [dict(HP=1, num_warps=4, num_stages=s) for s in (2, 3)] +
+               [dict(HP=2, num_warps=8, num_stages=s) for s in (2, 3)] +
+               [dict(HP=4, num_warps=8, num_stages=s) for s in (2, 3)],
+        "dq": [dict(HP=1, num_warps=4, num_stages=s) for s in (1, 2)] +
+              [dict(HP=2, num_warps=8, num_stages=s) for s in (1, 2)],
+        "dkdv": [dict(HP=1, num_warps=4, num_stages=s) for s in (1, 2)] +
+                [dict(HP=2, num_warps=4, num_stages=2)] + [dict(HP=2, num_warps=8, num_stages=s) for s in (1, 2)],
+    }
+    for kern, cands in space.items():
+        best = None
+        for c in cands:
+            old = CONFIG[kern]
+            CONFIG[kern] = c
+            try:
+                o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
+                if kern == "fwd":
+                    t = bench(lambda: sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx))[0]
+                else:
+                    t = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
+                emit(kind="sweep", kernel=kern, cfg=c, T=T, HQ=HQ, ms=t)
+                if best is None or t < best[0]:
+                    best = (t, c)
+            except Exception as e:  # noqa: BLE001
+                emit(kind="sweep", kernel=kern, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
+            CONFIG[kern] = old
+        if best:
+            CONFIG[kern] = best[1]
+    emit(kind="config", config={k: dict(v) for k, v in CONFIG.items()})
+
+
+def table():
+    lines = ["| case | T | HQ | density | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x ideal | bwd x ideal | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        if "fwd_ms" not in r:
+            continue
+        f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        notes = []
+        for key in ("bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s", "max_abs_diff_vs_ours"):
+            if r.get(key) is not None:
+                notes.append(f"{key}={r[key]:.3g}" if isinstance(r[key], float) else f"{key}={r[key]}")
+        lines.append(f"| {r['kind']} | {r['T']} | {r['HQ']} | {r['density']:.3f} | {f(r['fwd_ms'])} | {f(r['bwd_ms'])} | "
+                     f"{f(r['fwd_tflops'], 0)} | {f(r['bwd_tflops'], 0)} | {f(r.get('fwd_x_ideal'))} | "
+                     f"{f(r.get('bwd_x_ideal'))} | {' '.join(notes)} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shapes", default="32768x32,32768x16,16384x32,16384x16")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, cmd=" ".join(sys.argv))
+    emit(kind="meta", **meta)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    dense_ms: dict = {}
+    for T, HQ in shapes:
+        dense(T, HQ, dense_ms)
+    if args.sweep:
+        sweep(*shapes[0], dense_ms)
+    cfg = NOSAConfig()
+    for T, HQ in shapes:
+        pieces, sel, keys = p1_lists(T, seed=1)
+        inputs = make_inputs(T, HQ)
+        out = ours(T, HQ, sel, keys, dense_ms, "ours_p1_db", cfg, inputs)
+        if not args.no_flex and time.time() - t_start < args.budget_s:
+            flex(T, HQ, pieces, keys, dense_ms, inputs, out)
+        del sel
+        for smooth in (0, 1):
+            q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
+            sel = select_blocks_triton(q, k, bias, cfg)
+            t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
+            keys_n = useful_keys(sel, cfg.block_size)
+            ours(T, HQ, sel, keys_n, dense_ms, f"ours_nosa_{'smooth' if smooth else 'iid'}_db", cfg, (q, k, v, bias),
+                 extra=dict(select_ms=t_sel))
+            del sel
+        torch.cuda.empty_cache()
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    with open(os.path.join(args.out, "attention_bench.json"), "w") as fh:
+        json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
