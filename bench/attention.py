@@ -222,13 +222,12 @@ def sweep(T, HQ, dense_ms):
     bg = bias.clone().requires_grad_(True)
     do = torch.randn_like(q)
     space = {
-        "fwd": [dict(HP=1, num_warps=4, num_stages=s) for s in (2, 3)] +
-               [dict(HP=2, num_warps=8, num_stages=s) for s in (2, 3)] +
-               [dict(HP=4, num_warps=8, num_stages=s) for s in (2, 3)],
-        "dq": [dict(HP=1, num_warps=4, num_stages=s) for s in (1, 2)] +
-              [dict(HP=2, num_warps=8, num_stages=s) for s in (1, 2)],
-        "dkdv": [dict(HP=1, num_warps=4, num_stages=s) for s in (1, 2)] +
-                [dict(HP=2, num_warps=4, num_stages=2)] + [dict(HP=2, num_warps=8, num_stages=s) for s in (1, 2)],
+        "fwd": [dict(HP=hp, num_warps=8, num_stages=st, PAIR=pr) for hp in (2, 4) for pr in (True, False)
+                for st in (2, 3)],
+        "dq": [dict(HP=1, num_warps=4, num_stages=st, PAIR=pr) for pr in (True, False) for st in (2, 3)] +
+              [dict(HP=2, num_warps=8, num_stages=2, PAIR=pr) for pr in (True, False)],
+        "dkdv": [dict(HP=1, num_warps=4, num_stages=st) for st in (1, 2)] +
+                [dict(HP=2, num_warps=8, num_stages=st) for st in (1, 2, 3)] + [dict(HP=2, num_warps=4, num_stages=1)],
     }
     for kern, cands in space.items():
         best = None
@@ -300,6 +299,14 @@ def main():
             q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
             sel = select_blocks_triton(q, k, bias, cfg)
             t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
+            if smooth == 0:
+                from nosa_layers.ops.selection import _topk_mask, block_scores_triton
+                t_scores = bench(lambda: block_scores_triton(q, k, cfg))[0]
+                bq = block_scores_triton(q, k, cfg)
+                t_topk = bench(lambda: _topk_mask(bq, cfg.query_aware_blocks))[0]
+                emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=t_sel, scoring_kernels_ms=t_scores,
+                     one_topk_ms=t_topk)
+                del bq
             keys_n = useful_keys(sel, cfg.block_size)
             ours(T, HQ, sel, keys_n, dense_ms, f"ours_nosa_{'smooth' if smooth else 'iid'}_db", cfg, (q, k, v, bias),
                  extra=dict(select_ms=t_sel))

@@ -50,6 +50,33 @@ def pack_words(selected: torch.Tensor, tiles: torch.Tensor, block: int) -> torch
 
 
 @triton.jit
+def _key_tile(Blk, Word, e, e1, ds, de, jq, r, BT: tl.constexpr, PAIR: tl.constexpr):
+    """Keys of list entry ``e`` (and ``e + 1`` when PAIR): token ids, validity, whether the
+    tile needs masking, and the per-(row, key) selection bit (only meaningful when masked)."""
+    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    BN: tl.constexpr = BT * 2 if PAIR else BT
+    offs_n = tl.arange(0, BN)
+    j = tl.load(Blk + e)
+    word = tl.load(Word + e)
+    if PAIR:
+        has2 = (e + 1) < e1
+        j2 = tl.load(Blk + e + 1, mask=has2, other=0)
+        w2 = tl.load(Word + e + 1, mask=has2, other=0)
+        second = offs_n >= BT
+        ktok = ds + tl.where(second, j2, j) * BT + (offs_n % BT)
+        kvalid = (ktok < de) & (has2 | (offs_n < BT))
+        need = (word != FULL) | (j == jq) | (w2 != FULL) | (j2 == jq) | (e + 1 >= e1)
+        wsel = tl.where(second, w2, word)
+        bit = ((wsel[None, :] >> r[:, None].to(tl.int64)) & 1) != 0
+    else:
+        ktok = ds + j * BT + offs_n
+        kvalid = ktok < de
+        need = (word != FULL) | (j == jq)
+        bit = (((word >> r.to(tl.int64)) & 1) != 0)[:, None] & (offs_n >= 0)[None, :]
+    return ktok, kvalid, need, bit
+
+
+@triton.jit
 def _tile_rows(Tiles, tile, BT: tl.constexpr, HP: tl.constexpr):
     b = tl.load(Tiles + tile * 8 + 0)
     qs = tl.load(Tiles + tile * 8 + 1)
@@ -69,7 +96,7 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Tiles, RowPtr, Blk, Word, Order,
                 s_ob, s_ot, s_oh, s_lb, s_lh,
                 qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                HAS_BIAS: tl.constexpr, PAIR: tl.constexpr):
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * BT
     pid = tl.program_id(0)
@@ -89,14 +116,11 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Tiles, RowPtr, Blk, Word, Order,
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    STEP: tl.constexpr = 2 if PAIR else 1
     e0 = tl.load(RowPtr + w)
     e1 = tl.load(RowPtr + w + 1)
-    for e in range(e0, e1):
-        j = tl.load(Blk + e)
-        word = tl.load(Word + e)
-        ktok = ds + j * BT + offs_n
-        kvalid = ktok < de
+    for e in range(e0, e1, STEP):
+        ktok, kvalid, need, bit = _key_tile(Blk, Word, e, e1, ds, de, jq, r, BT, PAIR)
         kp = ktok.to(tl.int64)
         k = tl.load(K + b * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         v = tl.load(V + b * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
@@ -104,9 +128,8 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Tiles, RowPtr, Blk, Word, Order,
         if HAS_BIAS:
             bias = tl.load(Bias + b * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32)
             s += bias[None, :] * 1.4426950408889634
-        if (word != FULL) | (j == jq):
-            bit = ((word >> r.to(tl.int64)) & 1) != 0
-            allowed = bit[:, None] & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
+        if need:
+            allowed = bit & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -129,7 +152,7 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, Blk, Word, 
                    s_ob, s_ot, s_oh, s_lb, s_lh,
                    qk_scale, sm_scale,
                    HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, PAIR: tl.constexpr):
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * BT
     pid = tl.program_id(0)
@@ -150,14 +173,11 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, Blk, Word, 
     lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
     dq = tl.zeros([M, D], tl.float32)
-    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    STEP: tl.constexpr = 2 if PAIR else 1
     e0 = tl.load(RowPtr + w)
     e1 = tl.load(RowPtr + w + 1)
-    for e in range(e0, e1):
-        j = tl.load(Blk + e)
-        word = tl.load(Word + e)
-        ktok = ds + j * BT + offs_n
-        kvalid = ktok < de
+    for e in range(e0, e1, STEP):
+        ktok, kvalid, need, bit = _key_tile(Blk, Word, e, e1, ds, de, jq, r, BT, PAIR)
         kp = ktok.to(tl.int64)
         k = tl.load(K + b * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         v = tl.load(V + b * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
@@ -166,9 +186,8 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, Blk, Word, 
             bias = tl.load(Bias + b * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32)
             s += bias[None, :] * 1.4426950408889634
         p = tl.math.exp2(s - lse[:, None])
-        if (word != FULL) | (j == jq):
-            bit = ((word >> r.to(tl.int64)) & 1) != 0
-            allowed = bit[:, None] & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
+        if need:
+            allowed = bit & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
             p = tl.where(allowed, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         dsc = p * (dp - delta[:, None])
@@ -215,7 +234,9 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, Tiles, ColPtr, Q
     FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
     e0 = tl.load(ColPtr + w)
     e1 = tl.load(ColPtr + w + 1)
-    for e in range(e0, e1):
+    for it in range(e0 * NP, e1 * NP):
+        e = it // NP
+        pk = it % NP
         qt = tl.load(QTile + e)
         word = tl.load(Word + e)
         qs = tl.load(Tiles + qt * 8 + 1)
@@ -224,27 +245,25 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, Tiles, ColPtr, Q
         tok = qs + r
         rvalid = tok < qe
         row_off = tok[None, :].to(tl.int64)
-        masked = (word != FULL) | (jq == jk)
-        bit = ((word >> r.to(tl.int64)) & 1) != 0
-        allowed = bit[None, :] & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
-        for pk in range(NP):
-            head = h * G + pk * HP + hh
-            qT = tl.load(Q + bk * s_qb + row_off * s_qt + head[None, :] * s_qh + offs_d[:, None],
-                         mask=rvalid[None, :], other=0.0)  # [D, M]
-            do = tl.load(DO + bk * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
-                         mask=rvalid[:, None], other=0.0)  # [M, D]
-            lse = tl.load(LSE + bk * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
-            delta = tl.load(Delta + bk * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
-            sT = tl.dot(k, qT) * qk_scale + bias[:, None]
-            pT = tl.math.exp2(sT - lse[None, :])
-            if masked:
-                pT = tl.where(allowed, pT, 0.0)
-            dv += tl.dot(pT.to(do.dtype), do)
-            dpT = tl.dot(v, tl.trans(do))
-            dsT = pT * (dpT - delta[None, :])
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
-            if NEED_DB:
-                db += tl.sum(dsT, 1)
+        head = h * G + pk * HP + hh
+        qT = tl.load(Q + bk * s_qb + row_off * s_qt + head[None, :] * s_qh + offs_d[:, None],
+                     mask=rvalid[None, :], other=0.0)  # [D, M]
+        do = tl.load(DO + bk * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
+                     mask=rvalid[:, None], other=0.0)  # [M, D]
+        lse = tl.load(LSE + bk * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
+        delta = tl.load(Delta + bk * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
+        sT = tl.dot(k, qT) * qk_scale + bias[:, None]
+        pT = tl.math.exp2(sT - lse[None, :])
+        if (word != FULL) | (jq == jk):
+            bit = ((word >> r.to(tl.int64)) & 1) != 0
+            allowed = bit[None, :] & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
+            pT = tl.where(allowed, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+        if NEED_DB:
+            db += tl.sum(dsT, 1)
     dk = dk * sm_scale
     tl.store(DK + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=kvalid[:, None])

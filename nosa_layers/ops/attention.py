@@ -16,9 +16,9 @@ from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 # Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages.
 # Tuned on one H200 for block 64, D 128 (see docs/BENCHMARKS.md); override for experiments.
 CONFIG = {
-    "fwd": dict(HP=2, num_warps=8, num_stages=3),
-    "dq": dict(HP=2, num_warps=8, num_stages=2),
-    "dkdv": dict(HP=2, num_warps=8, num_stages=2),
+    "fwd": dict(HP=4, num_warps=8, num_stages=2, PAIR=True),
+    "dq": dict(HP=1, num_warps=4, num_stages=2, PAIR=True),
+    "dkdv": dict(HP=2, num_warps=8, num_stages=1),
 }
 
 
@@ -90,7 +90,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1),
                           scale * LOG2E, HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          PAIR=cfg.get("PAIR", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 
@@ -117,7 +117,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         q, k, v, bias_arg, do, lse, delta, dq, idx.tiles, idx.row_ptr, idx.fwd_blk, idx.fwd_word, idx.fwd_order,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
         *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None,
+        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None, PAIR=cfg.get("PAIR", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     hp = _hp("dkdv", G, BT)
     cfg = CONFIG["dkdv"]

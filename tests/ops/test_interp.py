@@ -68,6 +68,18 @@ def test_attention_fp16_and_no_bias():
 
 
 @pytest.mark.usefixtures("interp")
+def test_unpaired_key_tiles(monkeypatch):
+    from nosa_layers.ops import CONFIG
+
+    for kern in ("fwd", "dq"):
+        monkeypatch.setitem(CONFIG, kern, dict(CONFIG[kern], PAIR=False))
+    out, grads, ref_out, ref_grads = _run_attention(1, 100, 16, 2, 16, torch.float32, seed=12)
+    _close(out, ref_out, 1e-5)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r, 1e-5)
+
+
+@pytest.mark.usefixtures("interp")
 def test_end_to_end_with_triton_selection():
     """Triton selection + attention equals the reference end to end (short: dense causal)."""
     from nosa_layers.ops import nosa_attention_triton
