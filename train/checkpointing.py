@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 LATEST = "latest"
-OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
 
 def checkpoints_dir(run_dir: str) -> Path:
@@ -50,9 +50,17 @@ def latest_checkpoint(path: str | os.PathLike) -> Path | None:
     return None
 
 
+def unwrap(model):
+    """The bare megatron model inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _model_sharded_state(model_chunks: list) -> dict:
     from megatron.core import parallel_state as ps
 
+    model_chunks = [unwrap(m) for m in model_chunks]
     meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     if len(model_chunks) == 1:
         return {"model": model_chunks[0].sharded_state_dict(metadata=meta)}
@@ -132,16 +140,41 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def _init_empty_adam_states(optimizer) -> None:
+    """Give every parameter of a fresh torch Adam(W) a (zero) state, ``step`` included.
+
+    megatron-core's optimizers build their loading templates from the current state; without
+    Apex/TE a torch optimizer that never stepped has none. The values are overwritten on load.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
 def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int, dict, dict]:
     """Full resume: model, optimizer, scheduler, RNG. Returns ``(step, loader_state, extra)``."""
     from megatron.core import dist_checkpointing
 
+    from train.compat import patch_distributed_optimizer_step_state, untie_adam_step_tensors
+
+    patch_distributed_optimizer_step_state()
+    _init_empty_adam_states(optimizer)
     sd = _model_sharded_state(model_chunks)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
     sd["rng_state"] = _rng_sharded(dist.get_world_size(), dist.get_rank())
     loaded = dist_checkpointing.load(sd, str(ckpt))
     _load_model(model_chunks, loaded, strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
+    untie_adam_step_tensors(optimizer)
+    scheduler.num_steps = 0  # megatron's load_state_dict *adds* the saved step count
     scheduler.load_state_dict(loaded["scheduler"])
     _set_rng_state(loaded["rng_state"])
     return int(loaded["step"]), loaded["data"], loaded.get("extra", {})
@@ -151,7 +184,7 @@ def _load_model(model_chunks, loaded: dict, strict: bool) -> list[str]:
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     missing_all = []
     for key, m in zip(keys, model_chunks):
-        result = m.load_state_dict(loaded[key], strict=strict)
+        result = unwrap(m).load_state_dict(loaded[key], strict=strict)
         if not strict:
             missing_all.extend(result.missing_keys)
     return missing_all

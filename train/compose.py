@@ -31,10 +31,22 @@ def compose_dict(overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    _register_defaults()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(recipes_dir), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def _register_defaults() -> None:
+    """Every RunConfig field with its default, as the base node ``run_defaults`` of config.yaml.
+
+    A plain (untyped) node, so every key can be overridden without ``+`` and misspelled keys are
+    rejected by Hydra; types are checked when converting to dataclasses.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="run_defaults", node=dataclasses.asdict(RunConfig()))
 
 
 def load_config(overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> RunConfig:

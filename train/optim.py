@@ -28,7 +28,7 @@ def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
 
 
 def build_scheduler(cfg: RunConfig, optimizer):
-    """Linear warmup from 0, then WSD (stable + final decay), cosine or constant; one unit = one step."""
+    """Linear warmup (lr/warmup at step 1), then WSD (stable + final decay), cosine or constant; one unit = one step."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o, steps = cfg.optim, cfg.train.max_steps
@@ -36,9 +36,11 @@ def build_scheduler(cfg: RunConfig, optimizer):
     wsd_steps = None
     if o.schedule == "wsd":
         wsd_steps = max(1, min(steps - o.warmup_steps, round(o.wsd_decay_fraction * steps)))
-    return OptimizerParamScheduler(
+    scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
         lr_decay_steps=steps, lr_decay_style=style, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=steps, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False, wsd_decay_steps=wsd_steps,
         lr_wsd_decay_style=o.wsd_decay_style if o.schedule == "wsd" else None)
+    scheduler.step(increment=1)  # step k (1-based) trains with lr(k); the decay ends at the last step
+    return scheduler
