@@ -219,6 +219,8 @@ def load_weights(path: str, model_chunks, log=print) -> Path:
     unexpected = [k for k in missing if k not in skipped and not any(m in k for m in NEW_STAGE_PARAM_MARKERS)]
     if unexpected:
         raise KeyError(f"init_from={ckpt}: parameters not restored: {unexpected}")
-    if skipped:
-        log(f"init_from {ckpt}: new parameters kept at their initial values: {sorted(skipped)}")
+    new_params = sorted(n for n in skipped if "_extra_state" not in n)
+    if new_params:
+        log(f"init_from {ckpt}: {len(new_params)} new parameters keep their initial values "
+            f"(e.g. {new_params[0]})")
     return ckpt

@@ -185,6 +185,12 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _need(p.sequence_parallel is False or p.tensor_model_parallel_size > 1,
           "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
 
+    if cfg.init_from and check_files:
+        from train.checkpointing import latest_checkpoint
+
+        _need(latest_checkpoint(cfg.init_from) is not None,
+              f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "
+              f"checkpoints/ dir, or an iter_* dir)")
     validate_model(cfg.model, cfg.attention, p.model_parallel(), seq_length=t.seq_length)
     data = cfg.sft if cfg.stage.kind == "sft" else cfg.data
     _need(data.seq_length == t.seq_length,
