@@ -16,9 +16,9 @@ from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 # Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages.
 # Tuned on one H200 for block 64, D 128 (see docs/BENCHMARKS.md); override for experiments.
 CONFIG = {
-    "fwd": dict(HP=4, num_warps=8, num_stages=2, PAIR=True),
-    "dq": dict(HP=1, num_warps=4, num_stages=2, PAIR=True),
-    "dkdv": dict(HP=2, num_warps=8, num_stages=1),
+    "fwd": dict(HP=4, num_warps=8, num_stages=2, PAIR=False),
+    "dq": dict(HP=1, num_warps=4, num_stages=2, PAIR=False),
+    "dkdv": dict(HP=2, num_warps=8, num_stages=2),
 }
 
 

@@ -205,22 +205,33 @@ def _agnostic_scores(score: Tensor, cfg: NOSAConfig, L: int) -> Tensor:
 
 
 def select_rows_triton(q: Tensor, k: Tensor, score: Tensor | None, cfg: NOSAConfig,
-                       softmax_scale: float | None = None) -> Tensor:
-    """Selection for one document (positions 0..L-1): bool ``[B, Hkv, L, nb]``."""
-    L = q.shape[1]
+                       softmax_scale: float | None = None, row_chunk: int = 2048) -> Tensor:
+    """Selection for one document (positions 0..L-1): bool ``[B, Hkv, L, nb]``.
+
+    The top-k stages run on row chunks whose width is cut to the blocks the chunk can see
+    (``<=`` its last query block): about half the top-k work of full-width rows."""
+    B, L = q.shape[:2]
+    Hkv = k.shape[2]
     nb = cfg.num_blocks(L)
     b_qa = block_scores_triton(q, k, cfg, softmax_scale)
-    blk = torch.arange(nb, device=q.device)
-    future = blk[None, :] > (torch.arange(L, device=q.device) // cfg.block_size)[:, None]  # [L, nb]
-    if score is None:
-        return _topk_mask(b_qa, min(cfg.topk, nb)) & ~future
-    qa = _topk_mask(b_qa, min(cfg.query_aware_blocks, nb))
-    del b_qa
-    b_qg = _agnostic_scores(score, cfg, L)
-    forced = (blk[None, :] < cfg.init_blocks) | (
-        (blk[None, :] >= (torch.arange(L, device=q.device) // cfg.block_size)[:, None] - cfg.local_blocks) & ~future)
-    b_qg = b_qg.masked_fill(forced | qa, float("inf")).masked_fill(future, float("-inf"))
-    return _topk_mask(b_qg, min(cfg.topk, nb)) & ~future
+    b_qg_all = None if score is None else _agnostic_scores(score, cfg, L)
+    out = torch.zeros(B, Hkv, L, nb, dtype=torch.bool, device=q.device)
+    for c0 in range(0, L, row_chunk):
+        c1 = min(c0 + row_chunk, L)
+        w = (c1 - 1) // cfg.block_size + 1  # visible blocks of the chunk
+        pos = torch.arange(c0, c1, device=q.device)
+        blk = torch.arange(w, device=q.device)
+        qb = (pos // cfg.block_size)[:, None]
+        future = blk[None, :] > qb
+        bq = b_qa[:, :, c0:c1, :w]
+        if score is None:
+            out[:, :, c0:c1, :w] = _topk_mask(bq, min(cfg.topk, w)) & ~future
+            continue
+        qa = _topk_mask(bq, min(cfg.query_aware_blocks, w))
+        forced = (blk[None, :] < cfg.init_blocks) | ((blk[None, :] >= qb - cfg.local_blocks) & ~future)
+        b_qg = b_qg_all[:, :, c0:c1, :w].masked_fill(forced | qa, float("inf")).masked_fill(future, float("-inf"))
+        out[:, :, c0:c1, :w] = _topk_mask(b_qg, min(cfg.topk, w)) & ~future
+    return out
 
 
 def _supported(cfg: NOSAConfig, D: int) -> bool:
