@@ -14,6 +14,7 @@ parameters (dense -> NOSA), which keep their initial values (A = 0).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 LATEST = "latest"
+MODEL_CONFIG = "nosa_config.json"  # {"model": ModelConfig, "attention": AttentionConfig, ...} as dicts
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
 
@@ -104,8 +106,12 @@ def _state_dict(model_chunks, optimizer, scheduler, step: int, loader_state: dic
 
 
 def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler, loader_state: dict,
-                    extra: dict, keep_last: int = 0, log=print) -> Path:
-    """Save a complete checkpoint of ``step`` and move ``latest`` to it (all ranks call this)."""
+                    extra: dict, keep_last: int = 0, log=print, model_config: dict | None = None) -> Path:
+    """Save a complete checkpoint of ``step`` and move ``latest`` to it (all ranks call this).
+
+    ``model_config`` (model + attention configs as plain dicts) is written next to the tensors as
+    ``nosa_config.json`` so that converters can rebuild the model without the training config.
+    """
     from megatron.core import dist_checkpointing
 
     root = checkpoints_dir(run_dir)
@@ -118,6 +124,8 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
     dist_checkpointing.save(_state_dict(model_chunks, optimizer, scheduler, step, loader_state, extra), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
+        if model_config is not None:
+            (tmp / MODEL_CONFIG).write_text(json.dumps({**model_config, "step": step}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -237,7 +237,10 @@ class Trainer:
     def save(self) -> None:
         ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
                              self.train_loader.state_dict(), {"recipe": self.cfg.recipe},
-                             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env))
+                             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
+                             model_config={"model": dataclasses.asdict(self.cfg.model),
+                                           "attention": dataclasses.asdict(self.cfg.attention),
+                                           "recipe": self.cfg.recipe})
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
