@@ -126,16 +126,6 @@ def test_selection_matches_reference(cfg, B, T, Hq, Hkv, D, cu, evict):
 
 
 @pytest.mark.usefixtures("interp")
-def test_selection_row_chunks():
-    from nosa_layers.ops.selection import select_rows_triton
-
-    cfg = tiny_cfg()
-    q, k, _, s = random_qkvs(1, 150, 4, 2, 16, dtype=torch.float32, seed=8)
-    assert torch.equal(select_rows_triton(q, k, s, cfg, row_chunk=32), select_blocks(q, k, s, cfg))
-    assert torch.equal(select_rows_triton(q, k, None, cfg, row_chunk=48), select_blocks(q, k, None, cfg))
-
-
-@pytest.mark.usefixtures("interp")
 def test_block_scores_match_reference_values():
     from nosa_layers.ops.selection import block_scores_triton
 
