@@ -1,0 +1,236 @@
+"""Shared pieces of the converters: trainer-checkpoint discovery, typed configs, tensor I/O.
+
+Layering: this package imports ``nosa_layers`` (configs, megatron builders) and never ``train/``;
+the few trainer conventions it relies on are re-stated here (``latest`` pointer, ``nosa_config.json``
+next to the tensors, the model's sharded state under key ``model``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
+
+LATEST = "latest"
+MODEL_CONFIG = "nosa_config.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --- trainer checkpoints ------------------------------------------------------------------------
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir."""
+    p = Path(path)
+    for candidate in (p, p / "checkpoints"):
+        pointer = candidate / LATEST
+        if pointer.is_file():
+            ckpt = candidate / pointer.read_text().strip()
+            if (ckpt / "metadata.json").is_file():
+                return ckpt
+            raise ConversionError(f"{pointer} names {ckpt.name}, which is not a complete checkpoint")
+    if (p / "metadata.json").is_file():
+        return p
+    raise ConversionError(f"--ckpt {path}: no distributed checkpoint there (expected a run dir, its "
+                          f"checkpoints/ dir with a 'latest' pointer, or an iter_* dir with metadata.json)")
+
+
+def read_model_config(ckpt: Path):
+    """``nosa_config.json`` -> (ModelConfig, AttentionConfig, extra dict)."""
+    path = Path(ckpt) / MODEL_CONFIG
+    if not path.is_file():
+        raise ConversionError(f"{path} is missing: the converter needs the model + attention config the "
+                              f"trainer writes next to the tensors")
+    raw = json.loads(path.read_text())
+    model, attn = configs_from_dict(raw)
+    return model, attn, {k: v for k, v in raw.items() if k not in ("model", "attention")}
+
+
+def configs_from_dict(raw: dict):
+    from nosa_layers.config import NOSAConfig
+    from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+    from nosa_layers.rope.longrope import LongRoPEConfig
+
+    m = dict(raw["model"])
+    if m.get("longrope") is not None:
+        m["longrope"] = _build(LongRoPEConfig, m["longrope"], "model.longrope")
+    model = _build(ModelConfig, m, "model")
+    a = dict(raw.get("attention") or {})
+    if a.get("nosa") is not None:
+        a["nosa"] = _build(NOSAConfig, a["nosa"], "attention.nosa")
+    attn = _build(AttentionConfig, a, "attention")
+    return model, attn
+
+
+def configs_to_dict(model, attn) -> dict:
+    return {"model": dataclasses.asdict(model), "attention": dataclasses.asdict(attn)}
+
+
+def _build(cls, d: dict, where: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(d) - names)
+    if extra:
+        raise ConversionError(f"{MODEL_CONFIG}: unknown keys in {where}: {extra}")
+    return cls(**d)
+
+
+def geometry(model, attn, fold_mup: bool = True) -> Geometry:
+    variants = attn.layer_variants(model.num_layers)
+    head = attn.nosa.eviction_head if "nosa" in variants else "none"
+    mup = None
+    if model.use_mup and fold_mup:
+        mup = {"emb": float(model.scale_emb), "residual": float(model.residual_scale),
+               "logits": float(model.logit_scale)}
+    return Geometry(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                    num_heads=model.num_attention_heads, num_kv_heads=model.num_kv_heads,
+                    head_dim=model.kv_channels, ffn_hidden_size=model.ffn_hidden_size,
+                    vocab_size=model.vocab_size, padded_vocab_size=model.padded_vocab_size,
+                    tie_embeddings=model.tie_embeddings, layer_variants=variants, eviction_head=head, mup=mup)
+
+
+def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
+    """The model tensors of a megatron-core ``torch_dist`` checkpoint, as global (unsharded) tensors.
+
+    Reads with ``torch.distributed.checkpoint`` directly (no process group, no model build): TP/PP/DP
+    shards are reassembled by the format itself, so every layout converts the same way.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta_json = Path(ckpt) / "metadata.json"
+    backend = json.loads(meta_json.read_text()).get("sharded_backend") if meta_json.is_file() else None
+    if backend != "torch_dist":
+        raise ConversionError(f"{ckpt}: sharded_backend={backend!r}; only megatron-core 'torch_dist' "
+                              f"checkpoints are supported")
+    reader = dcp.FileSystemReader(str(ckpt))
+    meta = reader.read_metadata()
+    sd = {}
+    for key, m in meta.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata) and not key.startswith(NON_MODEL_PREFIXES):
+            sd[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    if not sd:
+        raise ConversionError(f"{ckpt}: no model tensors in the checkpoint")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+# --- output directories -------------------------------------------------------------------------
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir)."""
+    out = Path(out).resolve()
+    if out.exists() and not overwrite:
+        raise ConversionError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+def save_safetensors_sharded(sd: Dict[str, Tensor], out: Path, max_shard_bytes: int = 4 << 30) -> List[str]:
+    """HF-style shards ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    (a single ``model.safetensors`` when everything fits one shard)."""
+    from safetensors.torch import save_file
+
+    names = list(sd)
+    shards: List[List[str]] = [[]]
+    size = 0
+    for n in names:
+        b = sd[n].numel() * sd[n].element_size()
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += b
+    total = sum(sd[n].numel() * sd[n].element_size() for n in names)
+    files = []
+    if len(shards) == 1:
+        save_file({n: sd[n].contiguous() for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    weight_map = {}
+    for i, group in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: sd[n].contiguous() for n in group}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in group})
+        files.append(fname)
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return files
+
+
+def load_safetensors_dir(path: Path) -> Dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"{path}: no *.safetensors weights (pytorch_model.bin is not supported)")
+    sd: Dict[str, Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(path / f)))
+    return sd
+
+
+def cast(sd: Dict[str, Tensor], dtype: torch.dtype) -> Dict[str, Tensor]:
+    """Cast floating tensors; the eviction scale ``A`` stays fp32 (tiny, and it sets exp(bias))."""
+    return {k: (v if not v.is_floating_point() or k.endswith("self_attn.A") else v.to(dtype)) for k, v in sd.items()}
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def max_abs(a: Tensor, b: Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)
+
+
+def check_layer_count(names, expected: int) -> Optional[str]:
+    from checkpoints_convert.mapping import num_hf_layers
+
+    n = num_hf_layers(names)
+    return None if n == expected else f"weights have {n} layers, config says {expected}"
+
+
+def describe(model, attn) -> Tuple[str, str]:
+    variants = attn.layer_variants(model.num_layers)
+    kinds = sorted(set(variants))
+    return model.family, "+".join(kinds)

@@ -1,0 +1,373 @@
+"""Hugging Face model of a NOSA / InfLLM-V2 Llama (shipped into every sparse export by
+``checkpoints_convert.to_hf``; loaded with ``trust_remote_code=True``).
+
+Needs only ``torch`` and ``transformers``. The NOSA math is NOT re-implemented here: the files
+``nosa_config.py``, ``nosa_eviction.py``, ``nosa_selection.py``, ``nosa_reference.py``,
+``nosa_attention.py`` and ``nosa_decode.py`` next to this one are copies of the training
+framework's pure-PyTorch reference (``nosa_layers``), written by the exporter with their imports
+made relative. When the framework itself is installed and the tensors are on a GPU, the prefill
+runs its Triton kernels (``nosa_attention(..., backend="auto")``); otherwise everything is PyTorch.
+
+Weight names follow the public ``openbmb/NOSA-*`` checkpoints: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
+``self_attn.A``, ``self_attn.delta.weight`` (Locret ablation: ``self_attn.fc1/fc2``), ``mlp.{gate,up,down}_proj``.
+
+Differences from the public remote code (all deliberate, see the framework's README):
+
+* batch > 1 works: every sequence uses its own positions and blocks (left or right padding,
+  different lengths), in prefill and decode; nothing is kept in module state;
+* the decode step recomputes the selection from the cached keys and eviction scores of that
+  sequence (``nosa_decode_step``), so it equals the parallel (training) path row by row;
+* CPU works (pure PyTorch reference); prefill rows are processed in chunks to bound memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from .nosa_attention import nosa_attention, resolve_backend
+from .nosa_config import NOSAConfig
+from .nosa_decode import nosa_decode_step
+from .nosa_eviction import build_eviction_head
+from .nosa_reference import block_sparse_attention
+from .nosa_selection import select_rows
+
+VALUE_ONLY_HEADS = ("ed_dma", "dma", "s_dma")
+_GEOMETRY = ("block_size", "kernel_size", "kernel_stride", "init_blocks", "local_blocks", "select_blocks", "topk")
+# Bound on the fp32 attention logits of one chunk of prefill rows in the PyTorch path.
+ROW_CHUNK_ELEMENTS = 1 << 27
+
+
+def _cache_field(cls) -> str:
+    """Name of the cache field of an output dataclass (``cache`` in transformers 5, else ``past_key_values``)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def nosa_settings(config) -> dict:
+    raw = getattr(config, "nosa_config", None)
+    if not isinstance(raw, dict):
+        raise ValueError("config.json has no 'nosa_config' block: this modeling file runs NOSA / InfLLM-V2 "
+                         "exports of checkpoints_convert.to_hf")
+    return raw
+
+
+class NOSAAttention(nn.Module):
+    """Llama attention whose layer variant is dense, InfLLM-V2 (query-aware blocks) or NOSA (+ eviction head).
+
+    The eviction head's parameters sit directly on this module (``A``, ``delta``), as in the public
+    checkpoints; the head object of the reference module is kept unregistered and re-pointed at
+    them before every use.
+    """
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        s = nosa_settings(config)
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.variant = s["layer_variants"][layer_idx]
+        self.backend = s.get("backend", "auto")
+        bias = bool(getattr(config, "attention_bias", False))
+        d, h = self.head_dim, config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.cfg: Optional[NOSAConfig] = None
+        self._head_params: tuple = ()
+        self._head_children: tuple = ()
+        object.__setattr__(self, "_evict", None)
+        if self.variant in ("nosa", "infllm_v2"):
+            head = s["eviction_head"] if self.variant == "nosa" else "none"
+            self.cfg = NOSAConfig(**{k: int(s[k]) for k in _GEOMETRY}, eviction_head=head,
+                                  detach_value=bool(s.get("detach_value", False))).validate()
+            if head != "none":
+                ev = build_eviction_head(head, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                         head_dim=d, bias=bool(s.get("eviction_bias", False)))
+                self._head_children = tuple(n for n, _ in ev.named_children())
+                self._head_params = tuple(n for n, _ in ev.named_parameters(recurse=False))
+                for n, m in ev.named_children():
+                    self.add_module(n, m)
+                for n, p in ev.named_parameters(recurse=False):
+                    self.register_parameter(n, p)
+                object.__setattr__(self, "_evict", ev)
+        elif self.variant != "dense":
+            raise ValueError(f"layer {layer_idx}: unknown attention variant {self.variant!r}")
+        self.record_selection = False  # test hook: keep the blocks selected by the last call
+        self.last_selection: list = []
+
+    # ------------------------------------------------------------------ eviction head
+    def _head(self):
+        ev = self._evict
+        for n in self._head_children:
+            ev._modules[n] = self._modules[n]
+        for n in self._head_params:
+            ev._parameters[n] = self._parameters[n]
+        return ev
+
+    def _scores(self, q: Tensor, k: Tensor, v: Tensor, v_all: Tensor, cache, fresh: bool):
+        """Eviction score and bias ``[B, L, Hkv]`` of every cached token (L = cache length)."""
+        if self._evict is None:
+            return None, None
+        head = self._head()
+        if head.name in VALUE_ONLY_HEADS:  # a function of v alone: recompute from the value cache
+            ev = head(None, None, v_all)
+            return ev.score, ev.bias
+        ev = head(q, k, v)  # needs the token's own pre-RoPE q/k: keep a side cache of the outputs
+        if cache is None:
+            return ev.score, ev.bias
+        store = cache.__dict__.setdefault("_nosa_eviction", {})
+        prev = None if fresh else store.get(self.layer_idx)
+        score = ev.score if prev is None else torch.cat([prev[0], ev.score], dim=1)
+        bias = ev.bias if prev is None else torch.cat([prev[1], ev.bias], dim=1)
+        if score.shape[1] != v_all.shape[1]:
+            raise RuntimeError(f"layer {self.layer_idx}: eviction-score cache ({score.shape[1]}) out of step with "
+                               f"the KV cache ({v_all.shape[1]}); {head.name!r} heads do not support cache edits")
+        store[self.layer_idx] = (score, bias)
+        return score, bias
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: Tensor, valid: Tensor, position_embeddings, cache=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(hidden_states).view(B, T, Hq, D)
+        k = self.k_proj(hidden_states).view(B, T, Hkv, D)
+        v = self.v_proj(hidden_states).view(B, T, Hkv, D)
+        cos, sin = position_embeddings  # [B, T, D]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        q_r = q * cos + rotate_half(q) * sin
+        k_r = k * cos + rotate_half(k) * sin
+        fresh = cache is None or cache.get_seq_length(self.layer_idx) == 0
+        if cache is not None:
+            k_all, v_all = cache.update(k_r.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, L, Hkv, D]
+        else:
+            k_all, v_all = k_r, v
+        score, bias = self._scores(q, k, v, v_all, cache, fresh)
+        out = self._attend(q_r, k_all, v_all, score, bias, valid)
+        return self.o_proj(out.reshape(B, T, Hq * D)), None
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, score, bias, valid: Tensor) -> Tensor:
+        """Per sequence: drop padded slots, attend the valid new rows to the valid prefix."""
+        B, T = q.shape[:2]
+        L = k.shape[1]
+        P = L - T
+        out = q.new_zeros(q.shape)
+        self.last_selection = []
+        for b in range(B):
+            idx = valid[b].nonzero().squeeze(-1)
+            rows = valid[b, P:].nonzero().squeeze(-1)
+            m, n = rows.numel(), idx.numel()
+            if m == 0:
+                self.last_selection.append(None)
+                continue
+            if not torch.equal(idx[n - m:], rows + P):
+                raise ValueError("padding between new tokens and the cached prefix is not supported; "
+                                 "pad on the left or on the right")
+            qb, kb, vb = q[b:b + 1, rows], k[b:b + 1, idx], v[b:b + 1, idx]
+            sb = None if score is None else score[b:b + 1, idx]
+            bb = None if bias is None else bias[b:b + 1, idx]
+            out[b, rows] = self._attend_one(qb, kb, vb, sb, bb)[0]
+        return out
+
+    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, score, bias) -> Tensor:
+        """q ``[1, m, Hq, D]`` = the last m of n tokens, k/v ``[1, n, Hkv, D]``, score/bias ``[1, n, Hkv]``."""
+        m, n = q.shape[1], k.shape[1]
+        if self.cfg is None:  # dense layer
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+            return o.transpose(1, 2)
+        cfg = self.cfg
+        if m == 1:  # decode step (or a one-token prompt)
+            step = nosa_decode_step(q, k, v, score, cfg, bias_cache=bias)
+            if self.record_selection:
+                self.last_selection.append(step.selected[0][:, None].cpu())
+            return step.out
+        if m == n and resolve_backend(self.backend, q.device) == "triton":  # GPU prefill: the kernels
+            if self.record_selection:
+                from .nosa_selection import select_blocks
+
+                self.last_selection.append(select_blocks(q, k, score, cfg)[0].cpu())
+            return nosa_attention(q, k, v, score, cfg, backend="triton", attn_bias=bias)
+        # PyTorch path: the reference selection and attention, rows in chunks to bound memory
+        chunk = max(1, ROW_CHUNK_ELEMENTS // max(1, self.num_heads * n))
+        outs, sels = [], []
+        with torch.no_grad():
+            sc = None if score is None else score.detach()
+        for r0 in range(0, m, chunk):
+            r1 = min(m, r0 + chunk)
+            pos = torch.arange(n - m + r0, n - m + r1, device=q.device)
+            kv_len = n - m + r1
+            sel = select_rows(q[:, r0:r1].detach(), k[:, :kv_len].detach(),
+                              None if sc is None else sc[:, :kv_len], pos, cfg)
+            outs.append(block_sparse_attention(q[:, r0:r1], k[:, :kv_len], v[:, :kv_len], sel, cfg.block_size,
+                                               bias=None if bias is None else bias[:, :kv_len],
+                                               q_offset=n - m + r0))
+            if self.record_selection:
+                nb = cfg.num_blocks(n)
+                full = torch.zeros(*sel.shape[:-1], nb, dtype=torch.bool)
+                full[..., :sel.shape[-1]] = sel.cpu()
+                sels.append(full[0])
+        if self.record_selection:
+            self.last_selection.append(torch.cat(sels, dim=1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class NOSADecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = NOSAAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: Tensor, valid: Tensor, position_embeddings, cache=None) -> Tensor:
+        attn, _ = self.self_attn(self.input_layernorm(hidden_states), valid, position_embeddings, cache)
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class NOSALlamaPreTrainedModel(LlamaPreTrainedModel):
+    _no_split_modules = ["NOSADecoderLayer"]
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _supports_attention_backend = False
+    _can_record_outputs = {}
+
+    def _init_weights(self, module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, NOSAAttention) and "A" in module._parameters:
+            with torch.no_grad():
+                module.A.zero_()  # NOSA initialises the eviction scale at zero
+
+
+class NOSALlamaModel(NOSALlamaPreTrainedModel):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([NOSADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache is None:
+            use_cache = getattr(self.config, "use_cache", False)
+        if use_cache and cache is None:
+            try:
+                cache = DynamicCache(config=self.config)
+            except TypeError:
+                cache = DynamicCache()
+        B, T = inputs_embeds.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            valid = torch.ones(B, past + T, dtype=torch.bool, device=inputs_embeds.device)
+        else:
+            if attention_mask.dim() != 2:
+                raise ValueError("NOSA models take a 2D attention_mask [batch, past + new tokens] (1 = token, 0 = pad)")
+            valid = attention_mask.to(torch.bool)
+            if valid.shape[1] == T and past > 0:  # mask of the new tokens only
+                valid = torch.cat([valid.new_ones(B, past), valid], dim=1)
+            if valid.shape[1] != past + T:
+                raise ValueError(f"attention_mask covers {valid.shape[1]} positions; expected past + new = {past + T}")
+        if position_ids is None:  # per-sequence positions: padding does not shift a sequence
+            position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        h = inputs_embeds
+        for layer in self.layers:
+            h = layer(h, valid, position_embeddings, cache)
+        h = self.norm(h)
+        return BaseModelOutputWithPast(**{"last_hidden_state": h, _cache_field(BaseModelOutputWithPast): cache})
+
+
+class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = LlamaForCausalLM._tied_weights_keys
+    _tp_plan = {}
+    _pp_plan = {}
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model = NOSALlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache)
+        h = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        field = _cache_field(CausalLMOutputWithPast)
+        return CausalLMOutputWithPast(**{"loss": loss, "logits": logits, field: getattr(out, _cache_field(type(out)))})
+
+    def selections(self) -> dict:
+        """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""
+        return {i: layer.self_attn.last_selection for i, layer in enumerate(self.model.layers)
+                if layer.self_attn.cfg is not None}
+
+    def record(self, on: bool = True) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.record_selection = on
+
+
+__all__ = ["NOSALlamaForCausalLM", "NOSALlamaModel", "NOSALlamaPreTrainedModel", "NOSAAttention"]
+

@@ -1,0 +1,199 @@
+"""Megatron distributed checkpoint (any TP/PP/DP layout) -> Hugging Face directory.
+
+    python -m checkpoints_convert.to_hf --ckpt runs/demo/sft --out runs/demo/hf \
+        [--dtype fp32|bf16|fp16] [--tokenizer DIR] [--max-shard-size 4GB]
+
+``--ckpt`` is a run dir, its ``checkpoints/`` dir (``latest`` pointer) or one ``iter_*`` dir. The
+model is described by the ``nosa_config.json`` the trainer writes next to the tensors. Output:
+
+* ``config.json`` (``model_type: llama``; LongRoPE ``rope_scaling`` with explicit factors and
+  ``attention_factor``; NOSA settings in ``nosa_config``; provenance in ``nosa_export``);
+* ``model.safetensors`` or shards + ``model.safetensors.index.json``;
+* sparse models (NOSA / InfLLM-V2 layers): ``modeling_nosa.py`` + the reference modules it
+  imports, and ``auto_map`` so ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)``
+  runs them; dense models are stock ``LlamaForCausalLM`` (no remote code);
+* tokenizer files when ``--tokenizer`` is given; ``generation_config.json``.
+
+Any mismatch (missing / extra tensors, shapes, unknown variant) raises one error listing the names;
+the output directory is written to a temp dir and renamed at the end, so it is never partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from checkpoints_convert.common import (
+    DTYPES,
+    atomic_dir,
+    cast,
+    geometry,
+    load_megatron_tensors,
+    read_model_config,
+    resolve_checkpoint,
+    save_safetensors_sharded,
+)
+from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
+from checkpoints_convert.mapping import ConversionError, megatron_to_hf
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def is_sparse(attn, num_layers: int) -> bool:
+    return any(v != "dense" for v in attn.layer_variants(num_layers))
+
+
+def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tokens: Optional[dict] = None) -> dict:
+    """The ``config.json`` of an export (plain dict; transformers 4.4x-5.x read it as ``LlamaConfig``)."""
+    variants = attn.layer_variants(model.num_layers)
+    bad = sorted({v for v in variants if v not in ("dense", "infllm_v2", "nosa")})
+    if bad:
+        raise ConversionError(f"unknown attention variant(s) {bad}; the exporter knows dense, infllm_v2, nosa")
+    sparse = is_sparse(attn, model.num_layers)
+    cfg = {
+        "architectures": [MODEL_CLASS if sparse else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": model.init_std,
+        "tie_word_embeddings": bool(model.tie_embeddings and not model.use_mup),
+        "use_cache": True,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+    if model.rope_type == "longrope":
+        lr = model.longrope
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope", "type": "longrope",
+            "short_factor": [float(x) for x in lr.short_factor], "long_factor": [float(x) for x in lr.long_factor],
+            "original_max_position_embeddings": int(lr.original_max_position_embeddings),
+            "attention_factor": float(lr.resolved_attention_factor(model.max_position_embeddings)),
+            "factor": float(lr.factor if lr.factor is not None
+                            else model.max_position_embeddings / lr.original_max_position_embeddings),
+        }
+    if tokens:
+        cfg.update(tokens)
+    if sparse:
+        n = attn.nosa
+        head = n.eviction_head if "nosa" in variants else "none"
+        cfg["auto_map"] = dict(AUTO_MAP)
+        cfg["nosa_config"] = {
+            "layer_variants": variants, "eviction_head": head, "eviction_bias": bool(attn.eviction_bias),
+            "block_size": n.block_size, "kernel_size": n.kernel_size, "kernel_stride": n.kernel_stride,
+            "init_blocks": n.init_blocks, "local_blocks": n.local_blocks, "select_blocks": n.select_blocks,
+            "topk": n.topk, "detach_value": bool(n.detach_value), "backend": "auto",
+        }
+    export = {"family": model.family, "size": model.size,
+              "variant": attn.variant if attn.layer_pattern is None else "pattern",
+              "padded_vocab_size": model.padded_vocab_size,
+              "make_vocab_size_divisible_by": model.make_vocab_size_divisible_by,
+              "tied_in_megatron": bool(model.tie_embeddings)}
+    if model.use_mup:  # folded into the weights; recorded only so that from_hf can unfold it
+        export["mup_folded"] = {"scale_emb": model.scale_emb, "scale_depth": model.scale_depth,
+                                "dim_model_base": model.dim_model_base}
+    if extra:
+        export.update({k: extra[k] for k in ("recipe", "step") if k in extra})
+    cfg["nosa_export"] = export
+    return cfg
+
+
+def tokenizer_ids(tokenizer_dir: Path) -> dict:
+    """bos / eos / pad ids of a tokenizer directory (``<|im_end|>`` joins eos for chat models)."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except Exception as e:  # noqa: BLE001 - a tokenizer we cannot parse is still copied
+        print(f"warning: could not read token ids from {tokenizer_dir}: {e}", file=sys.stderr)
+        return {}
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
+    if im_end is not None and im_end not in eos:
+        eos.append(im_end)
+    out = {"bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    return out
+
+
+def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = None,
+           max_shard_bytes: int = 4 << 30, log=print) -> Path:
+    t0 = time.time()
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}; use one of fp32, bf16, fp16")
+    torch_dtype = DTYPES[dtype]
+    ck = resolve_checkpoint(ckpt)
+    model, attn, extra = read_model_config(ck)
+    from nosa_layers.megatron.config import validate
+
+    validate(model, attn)
+    geo = geometry(model, attn)
+    tensors = load_megatron_tensors(ck)
+    hf = cast(megatron_to_hf(tensors, geo), torch_dtype)
+    tok_dir = Path(tokenizer) if tokenizer else None
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise ConversionError(f"--tokenizer {tokenizer}: not a directory")
+    tokens = tokenizer_ids(tok_dir) if tok_dir is not None else {}
+    cfg = hf_config(model, attn, torch_dtype, extra, tokens)
+    with atomic_dir(out) as tmp:
+        files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps({**gen, "do_sample": False}, indent=2) + "\n")
+        shipped = write_modeling_files(tmp) if "auto_map" in cfg else []
+        if tok_dir is not None:
+            for f in sorted(tok_dir.iterdir()):
+                if f.is_file():
+                    shutil.copy2(f, tmp / f.name)
+    n_params = sum(t.numel() for t in hf.values())
+    log(f"exported {ck} ({model.family}, {'/'.join(sorted(set(attn.layer_variants(model.num_layers))))}, "
+        f"{n_params / 1e6:.2f}M params, {dtype}) -> {Path(out).resolve()}: {len(files)} weight file(s)"
+        f"{', modeling code ' + ', '.join(shipped) if shipped else ' (stock LlamaForCausalLM)'}"
+        f"{', tokenizer' if tok_dir else ''} in {time.time() - t0:.1f}s")
+    return Path(out).resolve()
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    for suf, mul in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
+        if s.endswith(suf):
+            return int(float(s[:-len(suf)]) * mul)
+    return int(s)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
+    ap.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory to copy into the export")
+    ap.add_argument("--max-shard-size", default="4GB")
+    args = ap.parse_args(argv)
+    try:
+        export(args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size))
+    except (ConversionError, ValueError, FileNotFoundError) as e:
+        print(f"to_hf: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
