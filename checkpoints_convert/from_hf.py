@@ -1,0 +1,163 @@
+"""Hugging Face Llama / NOSA directory -> Megatron distributed checkpoint the trainer can start from.
+
+    python -m checkpoints_convert.from_hf --hf <dir> --out <ckpt dir> [--dtype fp32|bf16]
+        [--mup keep|unfold] [--make-vocab-size-divisible-by 8] [--family llama3|minicpm4]
+
+Writes ``<out>/iter_0000000/`` (megatron-core ``torch_dist``; the model's tensors under key
+``model``, global shapes, so any TP/PP layout can load them), its ``nosa_config.json`` and a
+``<out>/latest`` pointer: ``train/main.py ... init_from=<out>`` starts a stage from it (a dense
+Llama checkpoint becomes a NOSA model there: the new eviction-head parameters keep their init).
+
+Accepted: dense ``LlamaForCausalLM`` checkpoints (``model_type: llama``, SiLU, no biases,
+default or ``longrope`` RoPE) and this framework's NOSA / InfLLM-V2 exports (``nosa_config``).
+
+muP: MiniCPM4 exports carry their muP multipliers folded into the weights. ``--mup keep`` (the
+default) imports them as they are (a plain Llama parametrisation; bitwise round trip);
+``--mup unfold`` divides the folds back out and records ``use_mup`` (needed to continue with a
+muP recipe such as ``nosa_8b_*``; the round trip is then exact to about one ulp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir
+from checkpoints_convert.mapping import ConversionError, hf_to_megatron
+
+
+def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: int | None = None,
+                    family: str | None = None):
+    """HF ``config.json`` dict -> (ModelConfig, AttentionConfig)."""
+    from nosa_layers.config import NOSAConfig
+    from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+    from nosa_layers.rope.longrope import LongRoPEConfig
+
+    problems = []
+    if cfg.get("model_type") != "llama":
+        problems.append(f"model_type={cfg.get('model_type')!r} (only 'llama' layouts are supported)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg.get('hidden_act')!r} (SwiGLU with silu only)")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            problems.append(f"{key}=true (biases are not supported)")
+    if problems:
+        raise ConversionError("unsupported Hugging Face config: " + "; ".join(problems))
+    export = cfg.get("nosa_export") or {}
+    hq = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    longrope = None
+    if rope_type == "longrope":
+        orig = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings"))
+        factor = rope.get("factor")
+        if factor is not None and math.isclose(float(factor), max_pos / orig):
+            factor = None
+        longrope = LongRoPEConfig(short_factor=[float(x) for x in rope["short_factor"]],
+                                  long_factor=[float(x) for x in rope["long_factor"]],
+                                  original_max_position_embeddings=orig,
+                                  attention_factor=rope.get("attention_factor"), factor=factor)
+    elif rope_type not in ("default", None):
+        raise ConversionError(f"unsupported rope type {rope_type!r}; use default or longrope")
+    folded = export.get("mup_folded")
+    if mup not in ("keep", "unfold"):
+        raise ConversionError(f"--mup {mup!r}; use keep or unfold")
+    if mup == "unfold" and not folded:
+        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded)")
+    use_mup = mup == "unfold"
+    fam = family or export.get("family") or "llama3"
+    model = ModelConfig(
+        family=fam, size=str(export.get("size", "hf")), num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=int(cfg["hidden_size"]), num_attention_heads=hq,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or hq), head_dim=int(head_dim),
+        ffn_hidden_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+        make_vocab_size_divisible_by=int(make_vocab_size_divisible_by or export.get("make_vocab_size_divisible_by", 8)),
+        max_position_embeddings=max_pos, rope_theta=theta, rope_type="longrope" if longrope else "default",
+        longrope=longrope, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)) or (use_mup and export.get("tied_in_megatron", False)),
+        init_std=float(cfg.get("initializer_range", 0.02)), use_mup=use_mup,
+        scale_emb=float(folded["scale_emb"]) if use_mup else 1.0,
+        scale_depth=float(folded["scale_depth"]) if use_mup else 1.0,
+        dim_model_base=int(folded["dim_model_base"]) if use_mup else None)
+    n = cfg.get("nosa_config")
+    if n is None:
+        attn = AttentionConfig(variant="dense")
+    else:
+        variants = list(n["layer_variants"])
+        if len(variants) != model.num_layers:
+            raise ConversionError(f"nosa_config.layer_variants has {len(variants)} entries for "
+                                  f"{model.num_layers} layers")
+        geo = {k: int(n[k]) for k in ("block_size", "kernel_size", "kernel_stride", "init_blocks", "local_blocks",
+                                      "select_blocks", "topk")}
+        nosa = NOSAConfig(**geo, eviction_head=n.get("eviction_head", "ed_dma") if "nosa" in variants else "ed_dma",
+                          detach_value=bool(n.get("detach_value", False)))
+        same = len(set(variants)) == 1
+        attn = AttentionConfig(variant=variants[0] if same else "nosa" if "nosa" in variants else variants[-1],
+                               layer_pattern=None if same else variants, nosa=nosa,
+                               eviction_bias=bool(n.get("eviction_bias", False)))
+    from nosa_layers.megatron.config import validate
+
+    validate(model, attn)
+    return model, attn
+
+
+def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
+              family=None, log=print) -> Path:
+    t0 = time.time()
+    src = Path(hf)
+    if not (src / "config.json").is_file():
+        raise ConversionError(f"--hf {hf}: no config.json there")
+    cfg = json.loads((src / "config.json").read_text())
+    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family)
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}; use fp32, bf16 or fp16")
+    torch_dtype = DTYPES[dtype]
+    model.params_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+    geo = geometry(model, attn, fold_mup=True)
+    if not model.use_mup and (cfg.get("nosa_export") or {}).get("mup_folded"):
+        geo.mup = None
+    hf_sd = load_safetensors_dir(src)
+    if model.tie_embeddings and "lm_head.weight" in hf_sd and not model.use_mup:
+        if not torch.equal(hf_sd["lm_head.weight"], hf_sd["model.embed_tokens.weight"]):
+            raise ConversionError("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
+        hf_sd = {k: v for k, v in hf_sd.items() if k != "lm_head.weight"}
+    tensors = hf_to_megatron(hf_sd, geo, unfold_mup=model.use_mup)
+    tensors = {k: v.to(torch_dtype) for k, v in tensors.items()}
+    from checkpoints_convert.megatron_io import save_dist_checkpoint
+
+    with atomic_dir(out) as tmp:
+        save_dist_checkpoint(tensors, tmp, model, attn, extra={"source": str(src.resolve())})
+    n_params = sum(t.numel() for t in tensors.values())
+    log(f"imported {src} ({model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. vocab padding, "
+        f"{dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} in {time.time() - t0:.1f}s")
+    return Path(out).resolve()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.from_hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    ap.add_argument("--out", required=True, help="output checkpoint dir (gets iter_0000000/ and latest)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--mup", default="keep", choices=["keep", "unfold"])
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
+    ap.add_argument("--family", default=None, choices=["llama3", "minicpm4"])
+    args = ap.parse_args(argv)
+    try:
+        import_hf(args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by, args.family)
+    except (ConversionError, ValueError, FileNotFoundError) as e:
+        print(f"from_hf: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The parts of the converters that need megatron-core: writing a trainer-loadable distributed
+checkpoint and running the Megatron forward (for ``verify``). Single process, gloo, CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from checkpoints_convert.common import LATEST, MODEL_CONFIG, configs_to_dict
+
+ITER0 = "iter_0000000"
+
+
+def init_single_process() -> None:
+    """A world-size-1 process group (gloo) for megatron-core, unless one exists already."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        from nosa_layers.megatron.cpu_shim import apply_cpu_shim
+
+        apply_cpu_shim()
+    if dist.is_initialized():
+        return
+    store_dir = tempfile.mkdtemp(prefix="nosa_convert_pg_")
+    store = dist.FileStore(os.path.join(store_dir, "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def save_dist_checkpoint(tensors: Dict[str, Tensor], out: Path, model_cfg, attn_cfg, step: int = 0,
+                         extra: Optional[dict] = None) -> Path:
+    """Write ``out/iter_0000000`` (megatron ``torch_dist``, the model under key ``model``), its
+    ``nosa_config.json`` and the ``out/latest`` pointer: what the trainer's ``init_from`` and
+    ``to_hf --ckpt`` read. ``tensors`` are global; layer tensors stacked on a leading axis."""
+    init_single_process()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = Path(out)
+    ckpt = out / ITER0
+    ckpt.mkdir(parents=True)
+    sharded = {k: ShardedTensor.from_rank_offsets(k, t.contiguous(), replica_id=0) for k, t in tensors.items()}
+    dist_checkpointing.save({"model": sharded}, str(ckpt))
+    cfg = {**configs_to_dict(model_cfg, attn_cfg), "recipe": None, "step": step}
+    if extra:
+        cfg.update(extra)
+    (ckpt / MODEL_CONFIG).write_text(json.dumps(cfg, indent=2))
+    (out / LATEST).write_text(ITER0 + "\n")
+    return ckpt
+
+
+def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: str = "reference") -> Tensor:
+    """Logits ``[B, T, vocab_size]`` (fp32) of the Megatron model (TP=PP=1) loaded from ``ckpt``."""
+    from dataclasses import replace
+
+    init_single_process()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nosa_layers.megatron import ParallelConfig, build_model
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1)
+    attn = replace(attn_cfg, backend=backend)
+    model = build_model(replace(model_cfg, params_dtype="float32"), attn, ParallelConfig(), use_te=False,
+                        perform_initialization=False)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    model.load_state_dict(loaded["model"], strict=True)
+    model.eval()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device)
+    outs = []
+    with torch.no_grad():
+        for row in tokens:
+            ids = row[None].to(device)
+            pos = torch.arange(ids.shape[1], device=device)[None]
+            outs.append(model(ids, pos, None).float()[..., :model_cfg.vocab_size].cpu())
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,163 @@
+"""Check an export: tensor round trip and logits against the Megatron model.
+
+    python -m checkpoints_convert.verify --hf <export dir> [--ckpt <megatron ckpt or run dir>]
+        [--prompts prompts.txt --tokenizer DIR] [--random 2 --seq-len 512] [--tol 1e-4] [--decode-steps 8]
+
+1. Tensors: HF -> Megatron -> HF must be bitwise equal; with ``--ckpt`` also Megatron -> HF must equal
+   the export (after the export's dtype cast) and HF -> Megatron must give back the checkpoint's tensors.
+2. Logits (with ``--ckpt``): the Megatron forward (TP=PP=1, reference attention, fp32) vs
+   ``AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True)`` in fp32 on the prompts
+   (one per line of ``--prompts``, tokenised with ``--tokenizer`` or the export's tokenizer) or on
+   random token rows; reports the relative L2 error, max |diff|, KL and top-1 agreement.
+3. Decode: the KV-cache path (one token at a time) vs the full forward on the last tokens.
+Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from checkpoints_convert.common import (
+    cast,
+    geometry,
+    load_megatron_tensors,
+    load_safetensors_dir,
+    max_abs,
+    read_model_config,
+    rel_err,
+    resolve_checkpoint,
+)
+from checkpoints_convert.mapping import ConversionError, hf_to_megatron, megatron_to_hf
+
+
+def tensor_roundtrip(hf_dir: Path, ckpt: Optional[Path]) -> list[str]:
+    """Returns a list of failures (empty = all bitwise equal)."""
+    from checkpoints_convert.from_hf import configs_from_hf
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model, attn = configs_from_hf(cfg)
+    geo = geometry(model, attn)
+    hf = load_safetensors_dir(hf_dir)
+    back = megatron_to_hf(hf_to_megatron(hf, geo), geo)
+    fails = [f"HF->Megatron->HF: {k} differs" for k in hf if k in back and not torch.equal(hf[k], back[k].to(hf[k].dtype))]
+    fails += [f"HF->Megatron->HF: {k} lost" for k in hf if k not in back and k != "lm_head.weight"]
+    if ckpt is not None:
+        m_model, m_attn, _ = read_model_config(ckpt)
+        m_geo = geometry(m_model, m_attn)
+        mg = load_megatron_tensors(ckpt)
+        exported = megatron_to_hf(mg, m_geo)
+        dtype = next(iter(hf.values())).dtype
+        exported = cast(exported, dtype)
+        fails += [f"Megatron->HF: {k} differs from the export" for k in hf
+                  if k not in exported or not torch.equal(hf[k], exported[k].to(hf[k].dtype))]
+        if dtype == torch.float32 and not m_model.use_mup:
+            again = hf_to_megatron(exported, m_geo)
+            for k, v in again.items():
+                orig = mg.get(k)
+                if orig is None:
+                    continue
+                if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    v, orig = v[:m_model.vocab_size], orig[:m_model.vocab_size]
+                if not torch.equal(v, orig.to(v.dtype)):
+                    fails.append(f"Megatron->HF->Megatron: {k} differs")
+    return fails
+
+
+def load_hf_model(hf_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True, dtype=torch.float32)
+    return model.eval()
+
+
+def make_tokens(args, vocab: int) -> torch.Tensor:
+    if args.prompts:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.hf)
+        lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        rows = [torch.tensor(tok(ln)["input_ids"]) for ln in lines]
+        n = min(len(r) for r in rows)
+        return torch.stack([r[:n] for r in rows])
+    gen = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, vocab, (args.random, args.seq_len), generator=gen)
+
+
+def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
+    la, lb = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    kl = float((lb.exp() * (lb - la)).sum(-1).mean())
+    return {"rel": rel_err(a, b), "max_abs": max_abs(a, b), "kl": kl,
+            "top1": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+
+
+def decode_check(model, tokens: torch.Tensor, steps: int) -> dict:
+    """Teacher-forced decode of the last ``steps`` tokens with the KV cache vs the full forward."""
+    with torch.no_grad():
+        full = model(tokens).logits
+        p = tokens.shape[1] - steps
+        out = model(tokens[:, :p], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        logits = [out.logits[:, -1:]]
+        for t in range(p, tokens.shape[1] - 1):
+            kw = {"cache": cache} if hasattr(out, "cache") else {"past_key_values": cache}
+            out = model(tokens[:, t:t + 1], use_cache=True, **kw)
+            logits.append(out.logits)
+        inc = torch.cat(logits, dim=1)
+    return compare_logits(inc, full[:, p - 1:-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--ckpt", default=None, help="megatron checkpoint / run dir the export came from")
+    ap.add_argument("--prompts", default=None, help="text file, one prompt per line")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--random", type=int, default=2, help="random rows when no prompts are given")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tol", type=float, default=1e-4, help="max relative L2 error of the logits")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    hf_dir = Path(args.hf)
+    report: dict = {"hf": str(hf_dir)}
+    ok = True
+    try:
+        ckpt = resolve_checkpoint(args.ckpt) if args.ckpt else None
+        fails = tensor_roundtrip(hf_dir, ckpt)
+    except ConversionError as e:
+        print(f"verify: error: {e}", file=sys.stderr)
+        return 2
+    report["tensor_roundtrip"] = "ok" if not fails else fails
+    ok &= not fails
+    model = load_hf_model(hf_dir)
+    tokens = make_tokens(args, model.config.vocab_size)
+    report["tokens"] = list(tokens.shape)
+    if ckpt is not None:
+        from checkpoints_convert.megatron_io import megatron_logits
+
+        m_model, m_attn, _ = read_model_config(ckpt)
+        ref = megatron_logits(ckpt, m_model, m_attn, tokens)
+        with torch.no_grad():
+            got = model(tokens).logits.float()
+        report["logits_vs_megatron"] = compare_logits(got, ref)
+        ok &= report["logits_vs_megatron"]["rel"] <= args.tol
+    if args.decode_steps > 0 and tokens.shape[1] > args.decode_steps + 1:
+        report["decode_vs_forward"] = decode_check(model, tokens, args.decode_steps)
+        ok &= report["decode_vs_forward"]["rel"] <= args.tol
+    report["ok"] = bool(ok)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
