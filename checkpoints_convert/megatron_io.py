@@ -72,8 +72,14 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
     attn = replace(attn_cfg, backend=backend)
     model = build_model(replace(model_cfg, params_dtype="float32"), attn, ParallelConfig(), use_te=False,
                         perform_initialization=False)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-    model.load_state_dict(loaded["model"], strict=True)
+    # _extra_state entries (TE/fp8 metadata; empty with the local spec) are absent from from_hf
+    # checkpoints: load everything else strictly, as the trainer's init_from does.
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
+    result = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if "_extra_state" not in k]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"{ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
     model.eval()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model.to(device)
