@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +123,8 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
         tmp.mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(_state_dict(model_chunks, optimizer, scheduler, step, loader_state, extra), str(tmp))
+    if os.environ.get("NOSA_FAULT_KILL_DURING_SAVE") == str(step):  # test hook: crash mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     if dist.get_rank() == 0:
         if model_config is not None:

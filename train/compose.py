@@ -31,11 +31,40 @@ def compose_dict(overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     _register_defaults()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(recipes_dir), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    try:
+        with initialize_config_dir(config_dir=str(recipes_dir), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(_explain(e, recipes_dir)) from None
+
+
+def _explain(e: Exception, recipes_dir: Path) -> str:
+    """One line for a Hydra/OmegaConf composition error, with the closest valid name."""
+    import re
+
+    msg = str(e).splitlines()[0]
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        parent, _, leaf = key.rpartition(".")
+        node: Any = dataclasses.asdict(RunConfig())
+        for part in parent.split(".") if parent else []:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        close = difflib.get_close_matches(leaf, list(node) if isinstance(node, dict) else [], n=1)
+        hint = f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
+        return f"unknown config key '{key}'{hint}"
+    m = re.search(r"Could not find '([^'/]+)/([^']+)'", str(e))
+    if m:
+        group, name = m.groups()
+        options = sorted(p.stem for p in (recipes_dir / group).glob("*.yaml"))
+        return f"unknown {group} '{name}'; available: {options}"
+    return msg
 
 
 def _register_defaults() -> None:

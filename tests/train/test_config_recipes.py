@@ -1,0 +1,101 @@
+"""Recipes compose and validate; the CLI's config errors are one line; dry run of the 8B."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.compose import from_dict, load_config
+from train.config import RunConfig, validate
+from tests.train.conftest import ROOT
+
+RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_composes_and_validates(name):
+    cfg = load_config([f"recipe={name}"])
+    assert isinstance(cfg, RunConfig) and cfg.recipe == name
+    validate(cfg, world_size=cfg.parallel.model_parallel_size, check_files=False)
+    stage = re.search(r"_(pretrain|cpt|sft)", name).group(1)
+    assert cfg.stage.kind == stage
+    if stage == "pretrain":
+        assert cfg.attention.variant == "dense" and cfg.model.rope_type == "default"
+    else:  # CPT and SFT run NOSA (or an ablation) with LongRoPE
+        assert cfg.attention.variant in ("nosa", "infllm_v2") and cfg.model.rope_type == "longrope"
+        assert len(cfg.model.longrope.short_factor) == cfg.model.kv_channels // 2
+    if name.startswith("nosa_") and stage == "cpt":
+        assert cfg.train.seq_length == 16384 and cfg.data.packing == "document"
+
+
+def test_ablation_recipes_pick_their_eviction_head():
+    heads = {n: load_config([f"recipe={n}"]).attention for n in RECIPES if "_evict_" in n}
+    assert heads["nosa_1b_cpt_evict_none"].variant == "infllm_v2"
+    for h in ("dma", "s_dma", "locret"):
+        assert heads[f"nosa_1b_cpt_evict_{h}"].nosa.eviction_head == h
+        assert heads[f"nosa_1b_cpt_evict_{h}"].variant == "nosa"
+
+
+def test_dotted_overrides_win_over_the_recipe():
+    cfg = load_config(["recipe=tiny_cpt", "train.max_steps=7", "parallel.tensor_model_parallel_size=2",
+                       "checkpoint.interval=3", "checkpoint.resume=none", "train.exit_after_steps=2",
+                       "run.dir=/tmp/x", "init_from=/tmp/y"])
+    assert (cfg.train.max_steps, cfg.parallel.tensor_model_parallel_size, cfg.checkpoint.interval,
+            cfg.checkpoint.resume, cfg.train.exit_after_steps, cfg.run_dir, cfg.init_from) == \
+        (7, 2, 3, "none", 2, "/tmp/x", "/tmp/y")
+    assert load_config(["recipe=tiny_cpt"]).run_dir == "runs/tiny_cpt"
+
+
+def test_strict_conversion_names_the_bad_key():
+    with pytest.raises(ValueError, match=r"unknown config key 'train.max_step'; did you mean 'max_steps'"):
+        from_dict(RunConfig, {"train": {"max_step": 3}})
+    with pytest.raises(ValueError, match="train.max_steps must be an integer"):
+        from_dict(RunConfig, {"train": {"max_steps": "many"}})
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("train.micro_batch_size=3", "not divisible by micro_batch_size"),
+    ("optim.min_lr=1.0", "min_lr"),
+    ("train.seq_length=500", "multiple of the NOSA block_size"),
+    ("stage.kind=rl", "stage.kind"),
+    ("parallel.context_parallel_size=2", "context_parallel"),
+])
+def test_validation_errors_are_one_line(override, msg):
+    cfg = load_config(["recipe=tiny_cpt", override])
+    with pytest.raises((ValueError, NotImplementedError), match=msg) as e:
+        validate(cfg, world_size=cfg.parallel.model_parallel_size, check_files=False)
+    assert "\n" not in str(e.value)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_print_config_and_errors():
+    p = _cli("recipe=tiny_cpt", "print_config=true")
+    assert p.returncode == 0 and "eviction_head: ed_dma" in p.stdout and "seq_length: 512" in p.stdout
+    p = _cli("recipe=tiny_cpt", "train.max_stepz=3")
+    assert p.returncode != 0 and "max_stepz" in p.stderr
+    p = _cli("--recipe", "tiny_cpt")
+    assert p.returncode == 2 and "only key=value overrides" in p.stderr
+    p = _cli("recipe=tiny_cpt", "train.global_batch_size=3")
+    assert p.returncode == 2 and p.stderr.strip().startswith("config error:")
+
+
+def test_dry_run_8b_counts_parameters_on_the_meta_device():
+    p = _cli("recipe=nosa_8b_cpt", "dry_run=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = load_config(["recipe=nosa_8b_cpt"])
+    m = cfg.model
+    h, d = m.hidden_size, m.kv_channels
+    layer = (h * (m.num_attention_heads + 2 * m.num_kv_heads) * d + m.num_attention_heads * d * h
+             + 3 * h * m.ffn_hidden_size + 2 * h + m.num_kv_heads + m.num_kv_heads * m.num_kv_heads * d)
+    total = m.num_layers * layer + 2 * m.padded_vocab_size * h + h
+    got = float(re.search(r"parameters: ([0-9.]+) B total", p.stdout).group(1))
+    assert got == pytest.approx(total / 1e9, abs=1e-3)
+    assert "layout OK for 8 GPUs (TP=4 PP=2 CP=1 DP=1)" in p.stdout
+    gib = float(re.search(r"= ~([0-9.]+) GiB", p.stdout).group(1))
+    assert 10 < gib < 80  # fits an 80 GB GPU at TP=4 x PP=2 with selective recompute

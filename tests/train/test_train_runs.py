@@ -1,0 +1,88 @@
+"""End-to-end training runs on CPU (gloo): resume, crash safety, stage chaining, TP/PP, NaN."""
+
+import json
+import math
+
+import pytest
+
+from tests.train.conftest import losses, metrics, run_main
+
+PRETRAIN = ["recipe=tiny_pretrain", "train.seq_length=128", "train.global_batch_size=2",
+            "train.micro_batch_size=1", "train.eval_interval=2", "train.eval_iters=1", "optim.warmup_steps=1"]
+CPT = ["recipe=tiny_cpt", "train.seq_length=256", "train.global_batch_size=2", "train.eval_interval=0",
+       "train.eval_iters=1", "optim.warmup_steps=1", "checkpoint.interval=0"]
+
+
+def _close(a: dict, b: dict, rel: float = 0.0) -> bool:
+    return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=rel, abs_tol=0.0) for k in a)
+
+
+def test_stop_and_resume_equals_uninterrupted_run(tmp_path, data_args):
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_main([*PRETRAIN, *data_args, f"run.dir={full}", "train.max_steps=5", "checkpoint.interval=0"])
+    p = run_main([*PRETRAIN, *data_args, f"run.dir={split}", "train.max_steps=5", "checkpoint.interval=0",
+                  "train.exit_after_steps=3"])
+    assert "exit_after_steps=3 reached at step 3" in p.stdout
+    assert (split / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+    p = run_main([*PRETRAIN, *data_args, f"run.dir={split}", "train.max_steps=5", "checkpoint.interval=0"])
+    assert "resumed from" in p.stdout and "at step 3" in p.stdout
+    assert losses(full) == losses(split) and len(losses(full)) == 5  # bitwise: same floats
+    val = lambda d: {r["step"]: r["val_loss"] for r in metrics(d) if r.get("val_loss") is not None}
+    assert val(full) == val(split)
+    assert [r["lr"] for r in metrics(full) if "lr" in r] == [r["lr"] for r in metrics(split) if "lr" in r]
+    for row in metrics(full):
+        if "loss" in row:
+            assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= row.keys()
+    assert (full / "loss.png").stat().st_size > 1000 and (full / "config.yaml").is_file()
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data_args):
+    run = tmp_path / "run"
+    args = [*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=4", "checkpoint.interval=2"]
+    p = run_main(args, env={"NOSA_FAULT_KILL_DURING_SAVE": "4"}, check=False)
+    assert p.returncode != 0  # SIGKILL in the middle of the step-4 save
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "iter_0000002"
+    assert (ckpts / "iter_0000004.tmp").is_dir() and not (ckpts / "iter_0000004").exists()
+    p = run_main(args)
+    assert "resumed from" in p.stdout and "iter_0000002 at step 2" in p.stdout
+    assert (ckpts / "latest").read_text().strip() == "iter_0000004"
+    assert not (ckpts / "iter_0000004.tmp").exists()
+    reference = tmp_path / "reference"
+    run_main([*PRETRAIN, *data_args, f"run.dir={reference}", "train.max_steps=4", "checkpoint.interval=0"])
+    assert losses(reference) == losses(run)
+
+
+def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args):
+    """pretrain (1 proc) -> NOSA CPT at TP=1 and TP=2 and PP=2 (init_from, resharded) -> SFT at PP=2."""
+    pre, cpt1, cpt_tp, cpt_pp, sft = (tmp_path / n for n in ("pre", "cpt1", "cpt_tp", "cpt_pp", "sft"))
+    run_main([*PRETRAIN, *data_args, f"run.dir={pre}", "train.max_steps=2", "checkpoint.interval=0"])
+    run_main([*CPT, *data_args, f"run.dir={cpt1}", f"init_from={pre}", "train.max_steps=2"])
+    p = run_main([*CPT, *data_args, f"run.dir={cpt_tp}", f"init_from={pre}", "train.max_steps=2",
+                  "parallel.tensor_model_parallel_size=2"], nproc=2)
+    assert "new parameters keep their initial values" in p.stdout  # dense -> NOSA: eviction heads are new
+    run_main([*CPT, *data_args, f"run.dir={cpt_pp}", f"init_from={pre}", "train.max_steps=2",
+              "parallel.pipeline_model_parallel_size=2"], nproc=2)
+    assert _close(losses(cpt1), losses(cpt_tp), rel=1e-5), (losses(cpt1), losses(cpt_tp))
+    assert _close(losses(cpt1), losses(cpt_pp), rel=1e-5), (losses(cpt1), losses(cpt_pp))
+    cfg = json.loads((cpt_tp / "checkpoints" / "iter_0000002" / "nosa_config.json").read_text())
+    assert cfg["attention"]["variant"] == "nosa" and cfg["model"]["rope_type"] == "longrope"
+    run_main(["recipe=tiny_sft", *data_args, f"run.dir={sft}", f"init_from={cpt_tp}", "train.seq_length=256",
+              "train.global_batch_size=2", "train.max_steps=2", "optim.warmup_steps=1", "checkpoint.interval=0",
+              "parallel.pipeline_model_parallel_size=2"], nproc=2)
+    assert len(losses(sft)) == 2 and all(math.isfinite(v) for v in losses(sft).values())
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss(tmp_path, data_args, policy):
+    run = tmp_path / policy
+    p = run_main([*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=4", "checkpoint.interval=0",
+                  "optim.lr=1.0e+30", "optim.min_lr=0.0", "optim.clip_grad=0.0", "optim.warmup_steps=0",
+                  "train.eval_interval=0", f"train.nan_policy={policy}"], check=False)
+    rows = [r for r in metrics(run) if "loss" in r]
+    if policy == "stop":
+        assert p.returncode == 3 and "stopping" in p.stderr and "train.nan_policy=skip" in p.stderr
+        assert not (run / "checkpoints" / "latest").exists()  # nothing non-finite is saved
+    else:
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert any(r["skipped"] for r in rows) and len(rows) == 4
