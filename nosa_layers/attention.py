@@ -7,6 +7,7 @@ The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for debugging.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -20,12 +21,16 @@ BACKENDS = ("reference", "triton", "auto")
 _SAME_AS_SCORE = "score"
 
 
-def _triton_available() -> bool:
+def _ops():
+    """``nosa_layers.ops`` (the Triton kernels), imported lazily; ``None`` without Triton."""
     try:
-        import nosa_layers.ops  # noqa: F401
+        return importlib.import_module("nosa_layers.ops")
     except ImportError:
-        return False
-    return True
+        return None
+
+
+def _triton_available() -> bool:
+    return _ops() is not None
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -47,7 +52,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                    cu_seqlens: Tensor | None = None, backend: str = "reference",
                    attn_bias: Tensor | None | str = _SAME_AS_SCORE,
-                   softmax_scale: float | None = None) -> Tensor:
+                   softmax_scale: float | None = None, selected: Tensor | None = None) -> Tensor:
     """NOSA sparse attention (training / prefill path).
 
     Args:
@@ -62,6 +67,8 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         attn_bias: ``[B, T, Hkv]`` additive logit bias at full scale; default: ``evict_score``
             (ED-DMA). ``None`` for no bias.
         softmax_scale: defaults to ``1/sqrt(D)``.
+        selected: optional precomputed ``select_blocks`` result ``[B, Hkv, T, nb]`` (e.g. selected
+            once for a KV group whose query heads span tensor-parallel ranks); skips selection.
 
     Returns ``[B, T, Hq, D]`` in q's dtype; differentiable in q, k, v and the bias. The selection
     itself is not differentiable (it runs on detached tensors).
@@ -74,13 +81,19 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         raise ValueError(f"attn_bias must be [B, T, Hkv] = {tuple(k.shape[:3])}, got {tuple(bias.shape)}")
 
     if resolve_backend(backend, q.device) == "triton":
-        from nosa_layers.ops import nosa_attention_triton
+        ops = _ops()
+        if selected is not None:
+            return ops.sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens,
+                                                       bias=bias, softmax_scale=softmax_scale)
+        return ops.nosa_attention_triton(q, k, v, evict_score, cfg, cu_seqlens=cu_seqlens, bias=bias,
+                                         softmax_scale=softmax_scale)
 
-        return nosa_attention_triton(q, k, v, evict_score, cfg, cu_seqlens=cu_seqlens, bias=bias,
-                                     softmax_scale=softmax_scale)
-
-    score = None if evict_score is None else evict_score.detach()
-    selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale)
+    if selected is None:
+        score = None if evict_score is None else evict_score.detach()
+        selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale)
+    elif selected.shape[:3] != (q.shape[0], k.shape[2], q.shape[1]):
+        raise ValueError(f"selected must be [B, Hkv, T, nb] with B, Hkv, T = {(q.shape[0], k.shape[2], q.shape[1])}, "
+                         f"got {tuple(selected.shape)}")
     outs = []
     for s, e in document_spans(cu_seqlens, q.shape[1]):
         outs.append(block_sparse_attention(

@@ -54,6 +54,7 @@ class EvictionHead(nn.Module):
 
     name: str = ""
     has_score: bool = True
+    reads_qk: bool = False  # True if forward() reads q and k (callers may skip gathering them otherwise)
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
                  detach_value: bool = False) -> None:
@@ -130,6 +131,8 @@ class LocretHead(EvictionHead):
     Locret's own regression loss needs the full attention map (O(T^2)) that the sparse kernels
     never build.
     """
+
+    reads_qk = True
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
                  detach_value: bool = False, hidden_size: int = 1024, act: str = "silu") -> None:

@@ -160,10 +160,10 @@ def select_blocks(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSACon
         from nosa_layers.attention import resolve_backend
 
         if resolve_backend(backend, q.device) == "triton":
-            from nosa_layers.ops import select_blocks_triton
+            from nosa_layers.attention import _ops
 
-            return select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens,
-                                        softmax_scale=softmax_scale)
+            return _ops().select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens,
+                                               softmax_scale=softmax_scale)
     B, T, _, _ = q.shape
     spans = document_spans(cu_seqlens, T)
     nb_max = max((cfg.num_blocks(e - s) for s, e in spans), default=0)

@@ -199,12 +199,48 @@ class Trainer:
             dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
         return float(t[0])
 
+    def _nosa_modules(self) -> list:
+        from nosa_layers.megatron import NOSACoreAttention
+
+        return [m for chunk in self.model for m in chunk.modules() if isinstance(m, NOSACoreAttention)]
+
+    def _locality(self, mb: dict) -> dict:
+        """Decode-time locality of the last micro-batch's selections in this rank's NOSA layers.
+
+        gamma(t) = |S_t ∩ S_{t-1}| / |S_t| over rows that are not the first token of a document.
+        """
+        from nosa_layers.locality import locality_from_selections
+
+        keep = (mb["position_ids"].reshape(-1) > 0).cpu()
+        gammas, fetched = [], []
+        for m in self._nosa_modules():
+            if m.last_selection is None:
+                continue
+            st = locality_from_selections(m.last_selection.cpu(), m.cfg.block_size)
+            gammas.append(st.gamma[..., keep].flatten())
+            fetched.append(st.fetched[..., keep].float().flatten())
+            m.last_selection = None
+        if not gammas:
+            return {}
+        g, f = torch.cat(gammas), torch.cat(fetched)
+        return {"nosa_gamma_mean": float(g.nanmean()), "nosa_gamma_min": float(g.nan_to_num(2.0).min()),
+                "nosa_fetched_per_step": float(f.mean())}
+
     def train_step(self) -> dict:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         mbs = self._microbatches(self.train_loader)
+        every = self.cfg.train.locality_interval
+        record = bool(every) and (self.step + 1) % every == 0
+        for m in self._nosa_modules() if record else []:
+            m.record_selection = True
         loss = self._loss_on_all_ranks(self._forward_backward(mbs, forward_only=False))
+        stats = {}
+        if record:
+            stats = self._locality(mbs[-1])
+            for m in self._nosa_modules():
+                m.record_selection = False
         if not math.isfinite(loss):
             if self.cfg.train.nan_policy == "stop":
                 raise NonFiniteLossError(
@@ -216,7 +252,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return {"loss": loss, "lr": lr, "skipped": not ok,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None}
+                "grad_norm": float(grad_norm) if grad_norm is not None else None, **stats}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -267,6 +303,7 @@ class Trainer:
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
                        "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_step / dt,
                        "step_time_s": dt, "skipped": out["skipped"]}
+                row.update({k: v for k, v in out.items() if k.startswith("nosa_")})
                 if self.peak:
                     row["mfu"] = tokens_per_step * self.flops_per_token / dt / (self.peak * env.world_size)
                 if t.eval_interval and self.step % t.eval_interval == 0:
@@ -304,6 +341,9 @@ def _format_row(r: dict, max_steps: int) -> str:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if r.get("val_loss") is not None:
         parts.append(f"val_loss {r['val_loss']:.4f}")
+    if r.get("nosa_gamma_mean") is not None:
+        parts.append(f"NOSA gamma {r['nosa_gamma_mean']:.3f} (min {r['nosa_gamma_min']:.3f}, "
+                     f"{r['nosa_fetched_per_step']:.2f} fetches/step)")
     if r.get("skipped"):
         parts.append("SKIPPED")
     return " | ".join(parts)

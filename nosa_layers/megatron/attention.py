@@ -27,18 +27,15 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from nosa_layers import EvictionOutput, NOSAConfig, build_eviction_head, nosa_attention, select_blocks
-from nosa_layers.attention import resolve_backend
 from nosa_layers.megatron.heads import (
     HeadLayout,
     gather_group_queries,
     gather_heads,
     replicate_grad,
 )
-from nosa_layers.reference import block_sparse_attention
 from nosa_layers.selection import document_spans
 
 # Registry heads that read only v: q and k are not gathered for them (any other head gets all three).
-VALUE_ONLY_HEADS = frozenset({"ed_dma", "dma", "s_dma", "none"})
 
 
 def _tp_group_and_layout(pg_collection, num_q_heads: int, num_kv_heads: int):
@@ -166,20 +163,11 @@ class NOSACoreAttention(MegatronModule):
         if not lay.group_spans_ranks:
             return nosa_attention(q, k, v, score, cfg, cu_seqlens=cu, backend=self.backend, attn_bias=bias,
                                   softmax_scale=scale)
-        if resolve_backend(self.backend, q.device) == "reference":
-            selected = select_blocks(gather_group_queries(q, lay, self.tp_group), k,
-                                     None if score is None else score.detach(), cfg, cu, scale)
-            outs = [block_sparse_attention(q[:, s:e], k[:, s:e], v[:, s:e], selected[:, :, s:e], cfg.block_size,
-                                           bias=None if bias is None else bias[:, s:e], softmax_scale=scale)
-                    for s, e in document_spans(cu, q.shape[1])]
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        # Kernels take no precomputed selection: run the whole group and keep this rank's heads.
-        b, t, h, d = q.shape
-        q_all = gather_heads(q.transpose(0, 1), lay, self.tp_group, kv=False).transpose(0, 1)
-        g0 = lay.kv_start * lay.group_size
-        out = nosa_attention(q_all[:, :, g0:g0 + lay.group_size], k, v, score, cfg, cu_seqlens=cu,
-                             backend=self.backend, attn_bias=bias, softmax_scale=scale)
-        return out[:, :, lay.local_group_offset:lay.local_group_offset + h]
+        # The group's query heads span TP ranks: select once on the whole group, attend locally.
+        selected = select_blocks(gather_group_queries(q, lay, self.tp_group), k,
+                                 None if score is None else score.detach(), cfg, cu, scale, backend=self.backend)
+        return nosa_attention(q, k, v, score, cfg, cu_seqlens=cu, backend=self.backend, attn_bias=bias,
+                              softmax_scale=scale, selected=selected)
 
 
 @dataclass
@@ -242,7 +230,7 @@ class NOSASelfAttention(SelfAttention):
         """Eviction score/bias of this rank's KV heads, ``[b, s, Hkv_local]`` fp32 (from pre-RoPE q/k/v)."""
         lay, grp = self.layout, self.tp_group_
         v_all = gather_heads(value, lay, grp, kv=True)
-        needs_qk = getattr(self.eviction_head, "name", "") not in VALUE_ONLY_HEADS
+        needs_qk = getattr(self.eviction_head, "reads_qk", True)
         q_all = gather_heads(query, lay, grp, kv=False) if needs_qk else query
         k_all = gather_heads(key, lay, grp, kv=True) if needs_qk else key
         ev = self.eviction_head(q_all.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1))

@@ -170,3 +170,21 @@ def test_backend_choice():
     torch.testing.assert_close(nosa_attention(q, k, v, s, cfg, backend="auto"), nosa_attention(q, k, v, s, cfg))
     with pytest.raises(ValueError, match="unknown NOSA backend"):
         nosa_attention(q, k, v, s, cfg, backend="cuda-magic")
+
+
+def test_precomputed_selection_is_used_as_given():
+    cfg = tiny_cfg()
+    q, k, v, s = random_qkvs(1, 150, 4, 2, 8)
+    sel = select_blocks(q, k, s, cfg)
+    torch.testing.assert_close(nosa_attention(q, k, v, s, cfg, selected=sel), nosa_attention(q, k, v, s, cfg),
+                               rtol=0, atol=0)
+    dense = torch.ones_like(sel)  # every block selected: dense causal attention with the bias
+    torch.testing.assert_close(nosa_attention(q, k, v, s, cfg, selected=dense), dense_causal_with_bias(q, k, v, s),
+                               rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="selected must be"):
+        nosa_attention(q, k, v, s, cfg, selected=sel[:, :1])
+
+
+def test_heads_declare_their_inputs():
+    assert {n: c.reads_qk for n, c in EVICTION_HEADS.items()} == {
+        "ed_dma": False, "dma": False, "s_dma": False, "locret": True, "none": False}

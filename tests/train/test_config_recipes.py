@@ -81,7 +81,7 @@ def test_cli_print_config_and_errors():
     assert p.returncode != 0 and "max_stepz" in p.stderr
     p = _cli("--recipe", "tiny_cpt")
     assert p.returncode == 2 and "only key=value overrides" in p.stderr
-    p = _cli("recipe=tiny_cpt", "train.global_batch_size=3")
+    p = _cli("recipe=tiny_cpt", "train.micro_batch_size=3")
     assert p.returncode == 2 and p.stderr.strip().startswith("config error:")
 
 
