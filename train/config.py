@@ -32,6 +32,7 @@ class RunSection:
     dir: Optional[str] = None
     seed: int = 1234
     device: str = "auto"  # auto: cuda when available, else cpu (gloo + megatron CPU shim)
+    cpu_init: bool = False  # initialise weights on the CPU: identical initial weights for every TP/PP size
 
 
 @dataclass
@@ -109,6 +110,7 @@ class CheckpointSection:
     interval: int = 0  # every N steps (0: only at the end)
     resume: str = "auto"  # auto: continue from <run.dir>/checkpoints/latest if present
     keep_last: int = 2  # older complete checkpoints are deleted (0: keep all)
+    save: bool = True  # false: never write checkpoints (benchmarks)
 
 
 @dataclass

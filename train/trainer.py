@@ -89,6 +89,8 @@ class Trainer:
         model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
                                         .get(self.precision, "float32"))
         overrides = dict(calculate_per_token_loss=True)
+        if cfg.run.cpu_init or env.device.type == "cpu":
+            overrides["use_cpu_initialization"] = True
         if cfg.train.recompute == "selective":
             overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         elif cfg.train.recompute == "full":
@@ -271,6 +273,8 @@ class Trainer:
         return self._loss_on_all_ranks(total if self.env.is_last_stage else None)
 
     def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
         ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
                              self.train_loader.state_dict(), {"recipe": self.cfg.recipe},
                              keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
@@ -304,6 +308,8 @@ class Trainer:
                        "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_step / dt,
                        "step_time_s": dt, "skipped": out["skipped"]}
                 row.update({k: v for k, v in out.items() if k.startswith("nosa_")})
+                if env.device.type == "cuda":
+                    row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 if self.peak:
                     row["mfu"] = tokens_per_step * self.flops_per_token / dt / (self.peak * env.world_size)
                 if t.eval_interval and self.step % t.eval_interval == 0:
@@ -339,6 +345,8 @@ def _format_row(r: dict, max_steps: int) -> str:
     parts.append(f"{r['tokens_per_s']:.0f} tok/s")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("peak_mem_gib") is not None:
+        parts.append(f"peak {r['peak_mem_gib']:.1f} GiB")
     if r.get("val_loss") is not None:
         parts.append(f"val_loss {r['val_loss']:.4f}")
     if r.get("nosa_gamma_mean") is not None:

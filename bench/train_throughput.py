@@ -1,0 +1,138 @@
+"""End-to-end training throughput and multi-GPU parity of the trainer (train/main.py) on GPUs.
+
+Runs, each as its own train/main.py process on the demo data, and prints / writes a table:
+
+* ``nosa_1gpu``:  1B-shaped NOSA CPT (recipe nosa_1b_cpt: 28 layers, 16 / 2 heads, 16K tokens,
+  LongRoPE, selective recompute, Triton kernels), one GPU;
+* ``dense_1gpu``: the same model with dense attention (PyTorch SDPA, flash / cuDNN, EOD packing);
+* ``nosa_tp2``:   the NOSA run at tensor parallel 2 on two GPUs (skipped with fewer GPUs), whose
+  loss curve is compared with ``nosa_1gpu`` step by step (same data, same CPU-initialised weights).
+
+Per run: steady-state tokens/s (steps after ``--warmup``), MFU (dense bf16 peak of the GPU),
+peak memory, losses. Usage::
+
+    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--layers 28]
+        [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
+    common = ["recipe=nosa_1b_cpt", f"data.paths=[{a.data}]", f"data.tokenizer={a.tokenizer}",
+              f"train.max_steps={a.steps}", "train.global_batch_size=2", "train.micro_batch_size=1",
+              "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1", "train.locality_interval=5",
+              "optim.warmup_steps=2", "checkpoint.save=false", "checkpoint.resume=none", "logging.plot=false",
+              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}"]
+    if name == "nosa_1gpu":
+        return common, 1
+    if name == "dense_1gpu":
+        return [*common, "attention=dense", "data.packing=eod", "train.locality_interval=0"], 1
+    if name == "nosa_tp2":
+        return [*common, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], 2
+    raise ValueError(f"unknown run {name!r}")
+
+
+def launch(name: str, a: argparse.Namespace) -> dict:
+    args, nproc = run_config(name, a)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1", "WANDB_MODE": "disabled"}
+    if nproc == 1:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "train" / "main.py"), *args]
+    t0 = time.time()
+    log = Path(a.out) / f"{name}.log"
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+    out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
+    metrics = Path(a.out) / name / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        out["error_tail"] = log.read_text()[-2500:]
+        return out
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r.get("loss") is not None]
+    steady = [r for r in rows if r["step"] > a.warmup]
+    out.update({
+        "steps": len(rows), "losses": [round(r["loss"], 5) for r in rows],
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s"] for r in steady) / nproc,
+        "step_s": statistics.median(r["step_time_s"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
+        "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),
+        "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
+    })
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--data", default=".cache/demo_data/corpus_text_document")
+    p.add_argument("--tokenizer", default=".cache/demo_data/tokenizer")
+    p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
+    p.add_argument("--timeout", type=int, default=420)
+    a = p.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    env = {"gpu": torch.cuda.get_device_name(0) if gpus else "none", "gpus": gpus, "torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    results = []
+    for name in a.runs.split(","):
+        if name == "nosa_tp2" and gpus < 2:
+            results.append({"run": name, "skipped": f"needs 2 GPUs, found {gpus}"})
+            continue
+        r = launch(name, a)
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
+    by = {r["run"]: r for r in results}
+    if "losses" in by.get("nosa_1gpu", {}) and "losses" in by.get("nosa_tp2", {}):
+        a1, a2 = by["nosa_1gpu"]["losses"], by["nosa_tp2"]["losses"]
+        n = min(len(a1), len(a2))
+        env["tp2_vs_1gpu_max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(a1[:n], a2[:n]))
+        env["tp2_vs_1gpu_steps_compared"] = n
+    if "tokens_per_s" in by.get("nosa_1gpu", {}) and "tokens_per_s" in by.get("dense_1gpu", {}):
+        env["nosa_over_dense_tokens_per_s"] = by["nosa_1gpu"]["tokens_per_s"] / by["dense_1gpu"]["tokens_per_s"]
+    (Path(a.out) / "train_throughput.json").write_text(json.dumps({"env": env, "results": results}, indent=2))
+    print("\n| run | GPUs | tokens/s | tokens/s/GPU | step s | MFU | peak GiB | gamma | losses (first, last) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"| {r['run']} | - | {r.get('skipped') or 'failed rc=' + str(r.get('returncode'))} | | | | | | |")
+            continue
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        gamma = "-" if r["nosa_gamma_mean"] is None else f"{r['nosa_gamma_mean']:.3f}"
+        print(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | "
+              f"{r['step_s']:.3f} | {mfu} | {r['peak_mem_gib']:.1f} | {gamma} | "
+              f"{r['losses'][0]:.4f}, {r['losses'][-1]:.4f} |")
+    print(json.dumps(env, indent=1))
+    for r in results:
+        if "error_tail" in r:
+            print(f"--- {r['run']} failed:\n{r['error_tail']}")
+
+
+if __name__ == "__main__":
+    main()
