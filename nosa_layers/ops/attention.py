@@ -151,7 +151,9 @@ class _NosaSparseAttention(torch.autograd.Function):
 
 
 def _prep(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """Contiguous input: the gradient buffers (``empty_like``) reuse the input strides in the kernels,
+    which only matches for dense layouts (megatron hands over strided views of the fused QKV)."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def sparse_attention_from_selection(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cfg: NOSAConfig,

@@ -180,3 +180,33 @@ def test_interp_in_subprocess():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+@pytest.mark.usefixtures("interp")
+def test_attention_on_strided_views_of_a_fused_qkv_buffer():
+    """q, k, v as megatron hands them over: non-contiguous views of one fused projection.
+
+    Regression: the gradient buffers reused the input strides; with strided views the backward
+    wrote out of bounds (an illegal memory access on the GPU during 1B training).
+    """
+    from nosa_layers.ops import sparse_attention_from_selection
+
+    cfg = tiny_cfg()
+    B, T, Hq, Hkv, D = 1, 90, 8, 2, 16
+    G = Hq // Hkv
+    fused = torch.randn(T, B, Hkv, G + 2, D, generator=torch.Generator().manual_seed(7))  # [s, b, groups, ...]
+    fused.requires_grad_(True)
+    q = fused[:, :, :, :G].reshape(T, B, Hq, D).transpose(0, 1)      # [b, s, h, d] views, strided
+    k = fused[:, :, :, G].transpose(0, 1)
+    v = fused[:, :, :, G + 1].transpose(0, 1)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    s = torch.randn(B, T, Hkv, requires_grad=True)
+    sel = select_blocks(q.detach(), k.detach(), s.detach(), cfg)
+    out = sparse_attention_from_selection(q, k, v, sel, cfg, bias=s)
+    do = torch.randn_like(out)
+    g_fused, g_s = torch.autograd.grad(out, (fused, s), do)
+    ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), cfg, selected=sel)
+    r_fused, r_s = torch.autograd.grad(ref, (fused, s), do.double())
+    _close(out, ref.detach(), 1e-5)
+    _close(g_fused, r_fused, 1e-5)
+    _close(g_s, r_s, 1e-5)
