@@ -179,7 +179,7 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _need(t.log_interval > 0, f"train.log_interval={t.log_interval} must be > 0")
     _need(t.eval_interval >= 0 and t.eval_iters >= 0, "train.eval_interval and train.eval_iters must be >= 0")
     _need(o.lr > 0 and 0 <= o.min_lr <= o.lr, f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
-    _need(0 <= o.warmup_steps < t.max_steps or t.max_steps == 1,
+    _need(0 <= o.warmup_steps < t.max_steps,
           f"optim.warmup_steps={o.warmup_steps} must be < train.max_steps={t.max_steps}")
     _need(0 < o.wsd_decay_fraction <= 1, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
     _need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 0,

@@ -2,6 +2,7 @@
 
 import json
 import math
+import sys
 
 import pytest
 
@@ -86,3 +87,18 @@ def test_non_finite_loss(tmp_path, data_args, policy):
     else:
         assert p.returncode == 0, p.stderr[-2000:]
         assert any(r["skipped"] for r in rows) and len(rows) == 4
+
+
+def test_launch_wrapper_names_the_run_dir_from_run_id(tmp_path, data_args):
+    import os
+    import subprocess
+
+    from tests.train.conftest import ROOT
+
+    env = {**os.environ, "RUN_ROOT": str(tmp_path), "RUN_ID": "job42", "NPROC_PER_NODE": "1",
+           "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "MASTER_PORT": "0"}
+    p = subprocess.run(["bash", str(ROOT / "launch" / "run_train.sh"), *PRETRAIN, *data_args, "train.max_steps=2",
+                        "checkpoint.interval=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "tiny_pretrain-job42"
+    assert len(losses(run)) == 2 and (run / "checkpoints" / "latest").is_file()
