@@ -152,6 +152,27 @@ def _choice(value: str, choices: tuple, name: str) -> None:
     _need(value in choices, f"{name}={value!r} is not one of {choices}")
 
 
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "kv_channels",
+                       "ffn_hidden_size", "padded_vocab_size", "tie_embeddings", "use_mup")
+
+
+def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
+    """``init_from`` must hold the same architecture (shapes, tying, muP) as the model being built."""
+    import json
+    from pathlib import Path
+
+    from train.compose import from_dict
+
+    meta = Path(ckpt) / "nosa_config.json"
+    if not meta.is_file():
+        return
+    saved = from_dict(ModelConfig, json.loads(meta.read_text())["model"])
+    diff = [f"{f}: checkpoint {getattr(saved, f)} vs recipe {getattr(cfg.model, f)}"
+            for f in ARCHITECTURE_FIELDS if getattr(saved, f) != getattr(cfg.model, f)]
+    _need(not diff, f"init_from={str(ckpt)!r} has another architecture ({'; '.join(diff)}); "
+                    f"use the same model.* settings as the stage that wrote it")
+
+
 def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> RunConfig:
     """Every cross-field rule of a run, for ``world_size`` processes. Returns ``cfg``."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
@@ -190,9 +211,10 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     if cfg.init_from and check_files:
         from train.checkpointing import latest_checkpoint
 
-        _need(latest_checkpoint(cfg.init_from) is not None,
-              f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "
-              f"checkpoints/ dir, or an iter_* dir)")
+        src = latest_checkpoint(cfg.init_from)
+        _need(src is not None, f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "
+                               f"checkpoints/ dir, or an iter_* dir)")
+        _check_same_architecture(cfg, src)
     validate_model(cfg.model, cfg.attention, p.model_parallel(), seq_length=t.seq_length)
     data = cfg.sft if cfg.stage.kind == "sft" else cfg.data
     _need(data.seq_length == t.seq_length,
