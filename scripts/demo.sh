@@ -26,7 +26,21 @@ echo "== [4/5] stage 3: SFT"
 $run --nproc_per_node=1 train/main.py recipe=tiny_sft run.dir=$out/sft init_from=$out/cpt "$@"
 echo "== [5/5] Hugging Face export"
 if $py -c "import checkpoints_convert.to_hf" 2>/dev/null; then
+  rm -rf $out/hf
   $py -m checkpoints_convert.to_hf --ckpt $out/sft --out $out/hf --tokenizer .cache/demo_data/tokenizer
+  $py - "$out/hf" <<'PY'
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+prompt = "<|im_start|>user\nWhat is the signature of os.path.join?<|im_end|>\n<|im_start|>assistant\n"
+ids = tok(prompt, return_tensors="pt").input_ids
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=24, do_sample=False)
+print(f"HF export loads offline ({type(model).__name__}); greedy sample: "
+      f"{tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+PY
 else
   echo "(checkpoints_convert.to_hf not available yet: skipped)"
 fi
