@@ -12,7 +12,7 @@ Per run: steady-state tokens/s (steps after ``--warmup``), MFU (dense bf16 peak 
 peak memory, losses. Usage::
 
     python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--layers 28]
-        [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
+        [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--extra key=value ...]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
               f"train.max_steps={a.steps}", "train.global_batch_size=2", "train.micro_batch_size=1",
               "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1", "train.locality_interval=5",
               "optim.warmup_steps=2", "checkpoint.save=false", "checkpoint.resume=none", "logging.plot=false",
-              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}"]
+              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}", *a.extra]
     if name == "nosa_1gpu":
         return common, 1
     if name == "dense_1gpu":
@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--tokenizer", default=".cache/demo_data/tokenizer")
     p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
     p.add_argument("--timeout", type=int, default=420)
+    p.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. train.recompute=none")
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     import torch
