@@ -7,7 +7,6 @@ next to the tensors, the model's sharded state under key ``model``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -22,8 +21,9 @@ from torch import Tensor
 
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
 
-LATEST = "latest"
-MODEL_CONFIG = "nosa_config.json"
+from nosa_layers.megatron.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
+from nosa_layers.megatron.checkpoint_files import configs_from_dict as _configs_from_dict
+from nosa_layers.megatron.checkpoint_files import find_checkpoint, read_configs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,57 +32,33 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir."""
-    p = Path(path)
-    for candidate in (p, p / "checkpoints"):
-        pointer = candidate / LATEST
-        if pointer.is_file():
-            ckpt = candidate / pointer.read_text().strip()
-            if (ckpt / "metadata.json").is_file():
-                return ckpt
-            raise ConversionError(f"{pointer} names {ckpt.name}, which is not a complete checkpoint")
-    if (p / "metadata.json").is_file():
-        return p
-    raise ConversionError(f"--ckpt {path}: no distributed checkpoint there (expected a run dir, its "
-                          f"checkpoints/ dir with a 'latest' pointer, or an iter_* dir with metadata.json)")
+    try:
+        ckpt = find_checkpoint(path)
+    except FileNotFoundError as e:
+        raise ConversionError(str(e)) from None
+    if ckpt is None:
+        raise ConversionError(f"--ckpt {path}: no distributed checkpoint there (expected a run dir, its "
+                              f"checkpoints/ dir with a 'latest' pointer, or an iter_* dir with metadata.json)")
+    return ckpt
 
 
 def read_model_config(ckpt: Path):
     """``nosa_config.json`` -> (ModelConfig, AttentionConfig, extra dict)."""
-    path = Path(ckpt) / MODEL_CONFIG
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: the converter needs the model + attention config the "
-                              f"trainer writes next to the tensors")
-    raw = json.loads(path.read_text())
-    model, attn = configs_from_dict(raw)
-    return model, attn, {k: v for k, v in raw.items() if k not in ("model", "attention")}
+    try:
+        got = read_configs(ckpt)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    if got is None:
+        raise ConversionError(f"{Path(ckpt) / MODEL_CONFIG} is missing: the converter needs the model + attention "
+                              f"config the trainer writes next to the tensors")
+    return got
 
 
 def configs_from_dict(raw: dict):
-    from nosa_layers.config import NOSAConfig
-    from nosa_layers.megatron.config import AttentionConfig, ModelConfig
-    from nosa_layers.rope.longrope import LongRoPEConfig
-
-    m = dict(raw["model"])
-    if m.get("longrope") is not None:
-        m["longrope"] = _build(LongRoPEConfig, m["longrope"], "model.longrope")
-    model = _build(ModelConfig, m, "model")
-    a = dict(raw.get("attention") or {})
-    if a.get("nosa") is not None:
-        a["nosa"] = _build(NOSAConfig, a["nosa"], "attention.nosa")
-    attn = _build(AttentionConfig, a, "attention")
-    return model, attn
-
-
-def configs_to_dict(model, attn) -> dict:
-    return {"model": dataclasses.asdict(model), "attention": dataclasses.asdict(attn)}
-
-
-def _build(cls, d: dict, where: str):
-    names = {f.name for f in dataclasses.fields(cls)}
-    extra = sorted(set(d) - names)
-    if extra:
-        raise ConversionError(f"{MODEL_CONFIG}: unknown keys in {where}: {extra}")
-    return cls(**d)
+    try:
+        return _configs_from_dict(raw)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
 
 
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:

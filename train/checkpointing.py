@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-LATEST = "latest"
-MODEL_CONFIG = "nosa_config.json"  # {"model": ModelConfig, "attention": AttentionConfig, ...} as dicts
+from nosa_layers.megatron.checkpoint_files import LATEST, MODEL_CONFIG, find_checkpoint
+
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
 
@@ -40,17 +40,7 @@ def iter_name(step: int) -> str:
 
 def latest_checkpoint(path: str | os.PathLike) -> Path | None:
     """The complete checkpoint a run dir, checkpoints dir or checkpoint dir points at (or None)."""
-    p = Path(path)
-    for candidate in (p, p / "checkpoints"):
-        pointer = candidate / LATEST
-        if pointer.is_file():
-            ckpt = candidate / pointer.read_text().strip()
-            if (ckpt / "metadata.json").is_file():
-                return ckpt
-            raise FileNotFoundError(f"{pointer} names {ckpt.name}, which is not a complete checkpoint")
-    if (p / "metadata.json").is_file():
-        return p
-    return None
+    return find_checkpoint(path)
 
 
 def unwrap(model):

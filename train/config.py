@@ -158,15 +158,12 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_
 
 def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
     """``init_from`` must hold the same architecture (shapes, tying, muP) as the model being built."""
-    import json
-    from pathlib import Path
+    from nosa_layers.megatron.checkpoint_files import read_configs
 
-    from train.compose import from_dict
-
-    meta = Path(ckpt) / "nosa_config.json"
-    if not meta.is_file():
+    got = read_configs(ckpt)
+    if got is None:
         return
-    saved = from_dict(ModelConfig, json.loads(meta.read_text())["model"])
+    saved = got[0]
     diff = [f"{f}: checkpoint {getattr(saved, f)} vs recipe {getattr(cfg.model, f)}"
             for f in ARCHITECTURE_FIELDS if getattr(saved, f) != getattr(cfg.model, f)]
     _need(not diff, f"init_from={str(ckpt)!r} has another architecture ({'; '.join(diff)}); "

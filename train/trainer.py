@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nosa_layers.megatron.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
 from train.distributed import DistEnv
@@ -278,8 +279,7 @@ class Trainer:
         ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
                              self.train_loader.state_dict(), {"recipe": self.cfg.recipe},
                              keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
-                             model_config={"model": dataclasses.asdict(self.cfg.model),
-                                           "attention": dataclasses.asdict(self.cfg.attention),
+                             model_config={**configs_to_dict(self.cfg.model, self.cfg.attention),
                                            "recipe": self.cfg.recipe})
 
     # ------------------------------------------------------------------ loop

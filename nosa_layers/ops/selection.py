@@ -19,7 +19,6 @@ block scores are within that rounding (near ties).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
