@@ -102,3 +102,13 @@ def test_launch_wrapper_names_the_run_dir_from_run_id(tmp_path, data_args):
     assert p.returncode == 0, p.stderr[-3000:]
     run = tmp_path / "tiny_pretrain-job42"
     assert len(losses(run)) == 2 and (run / "checkpoints" / "latest").is_file()
+
+
+def test_interleaved_pipeline_full_recompute_and_wandb_offline(tmp_path, data_args):
+    """PP=2 with 2 virtual stages (interleaved 1F1B), full activation recompute, W&B offline files."""
+    run = tmp_path / "ipp"
+    p = run_main([*CPT, *data_args, f"run.dir={run}", "train.max_steps=2", "parallel.pipeline_model_parallel_size=2",
+                  "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full", "logging.wandb=offline"],
+                 nproc=2, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert len(losses(run)) == 2 and all(math.isfinite(v) for v in losses(run).values()), p.stdout[-2000:]
+    assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run written"
