@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.subproc import run_logged, child_env
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -26,22 +26,11 @@ RESULTS = {}  # measured logit differences, written to <tmp>/parity.json and pri
 
 
 def subprocess_env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.update(extra)
-    return env
+    return child_env(**extra)
 
 
 def run(cmd: list, log: Path, timeout_s: int = 300, cwd: Path = REPO, env: dict | None = None) -> int:
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env or subprocess_env(), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -9
+    return run_logged(cmd, log, timeout_s, cwd, env)
 
 
 def tail(path: Path, n: int = 40) -> str:

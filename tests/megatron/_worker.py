@@ -307,7 +307,6 @@ def check_layer_vs_reference(out: dict) -> None:
 
 def check_mup(out: dict) -> None:
     """tiny MiniCPM4 (muP) logits vs a plain re-implementation of MiniCPM's forward formulas."""
-    from dataclasses import replace
 
     from nosa_layers.megatron.config import AttentionConfig
 

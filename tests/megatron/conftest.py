@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import glob
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.subproc import run_logged
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -33,18 +32,8 @@ def _torchrun() -> list:
 
 def run_torchrun(nproc: int, args: list, log: Path, timeout_s: int) -> int:
     """Run ``_worker.py`` under torchrun with a hard timeout (the whole process group is killed)."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     cmd = _torchrun() + ["--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -9
+    return run_logged(cmd, log, timeout_s)
 
 
 class MegatronRuns:

@@ -6,7 +6,6 @@ with explicit Python loops, sharing no code with ``nosa_layers.selection``.
 
 import math
 
-import torch
 
 
 def brute_force_selection(q, k, score, cfg, b, t, scale=None):

@@ -1,15 +1,14 @@
 """Fixtures for trainer tests: the SMALL demo data and a runner for train/main.py subprocesses."""
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import tempfile
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.subproc import run_logged, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,27 +30,20 @@ def data_args(demo_data):
 def run_main(args, nproc: int = 1, env: dict | None = None, timeout: int = 400, check: bool = True):
     """Run train/main.py (python for 1 process, torchrun for more) in its own process group.
 
-    Output goes to files, not pipes, and the whole group is killed afterwards, so helper processes
-    that outlive a crashed trainer (e.g. the checkpoint writer's) cannot hang the test.
+    Output (stdout and stderr together) goes to a log file; the whole group is killed afterwards
+    (``tests/subproc.py``), so helpers that outlive a crashed trainer cannot hang the test.
     """
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--standalone", str(ROOT / "train" / "main.py"), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        p = subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
+    full_env = child_env(**(env or {}))
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "out.log"
+        rc = run_logged(cmd, log, timeout, ROOT, full_env)
+        text = log.read_text(errors="replace")
+    p = subprocess.CompletedProcess(cmd, rc, text, text)  # stdout and stderr interleaved in one log
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
