@@ -91,26 +91,30 @@ def _tile_rows(Tiles, tile, BT: tl.constexpr, HP: tl.constexpr):
 
 
 @triton.jit
+def _query_program(Order, Tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr):
+    """Work item of a query-tile program (forward and dQ): its (tile, KV head) entry ``w``, KV head
+    ``h``, batch ``b`` (int64), the ``[HP*BT]`` query heads / tokens / validity of its rows, and the
+    tile's document span and row layout for ``_key_tile``."""
+    NP: tl.constexpr = G // HP
+    pid = tl.program_id(0)
+    pack = pid % NP
+    w = tl.load(Order + pid // NP)
+    h = w % HKV
+    b, qs, qe, ds, de, jq, r, hh = _tile_rows(Tiles, w // HKV, BT, HP)
+    tok = qs + r
+    return w, h, b.to(tl.int64), h * G + pack * HP + hh, tok, tok < qe, ds, de, jq, r
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, Bias, O, LSE, Tiles, RowPtr, Blk, Word, Order,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh,
                 qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
                 HAS_BIAS: tl.constexpr, PAIR: tl.constexpr):
-    NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * BT
-    pid = tl.program_id(0)
-    pack = pid % NP
-    w = tl.load(Order + pid // NP)
-    tile = w // HKV
-    h = w % HKV
-    b, qs, qe, ds, de, jq, r, hh = _tile_rows(Tiles, tile, BT, HP)
-    b = b.to(tl.int64)
-    head = h * G + pack * HP + hh
-    tok = qs + r
-    rvalid = tok < qe
+    w, h, b, head, tok, rvalid, ds, de, jq, r = _query_program(Order, Tiles, HKV, G, HP, BT)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BT)
     q = tl.load(Q + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=rvalid[:, None], other=0.0)
     m_i = tl.full([M], float("-inf"), tl.float32)
@@ -153,20 +157,9 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, Blk, Word, 
                    qk_scale, sm_scale,
                    HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PAIR: tl.constexpr):
-    NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * BT
-    pid = tl.program_id(0)
-    pack = pid % NP
-    w = tl.load(Order + pid // NP)
-    tile = w // HKV
-    h = w % HKV
-    b, qs, qe, ds, de, jq, r, hh = _tile_rows(Tiles, tile, BT, HP)
-    b = b.to(tl.int64)
-    head = h * G + pack * HP + hh
-    tok = qs + r
-    rvalid = tok < qe
+    w, h, b, head, tok, rvalid, ds, de, jq, r = _query_program(Order, Tiles, HKV, G, HP, BT)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BT)
     row_off = tok[:, None].to(tl.int64)
     q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
     do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
