@@ -14,9 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from nosa_layers.config import NOSAConfig
+from nosa_layers.dataclass_io import from_dict
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
-from nosa_layers.rope.longrope import LongRoPEConfig
 
 LATEST = "latest"
 MODEL_CONFIG = "nosa_config.json"
@@ -45,14 +44,9 @@ def configs_to_dict(model: ModelConfig, attn: AttentionConfig) -> dict:
 
 
 def configs_from_dict(raw: dict) -> tuple[ModelConfig, AttentionConfig]:
-    """Inverse of :func:`configs_to_dict`; unknown keys raise ``ValueError`` naming them."""
-    m = dict(raw["model"])
-    if m.get("longrope") is not None:
-        m["longrope"] = _build(LongRoPEConfig, m["longrope"], "model.longrope")
-    a = dict(raw.get("attention") or {})
-    if a.get("nosa") is not None:
-        a["nosa"] = _build(NOSAConfig, a["nosa"], "attention.nosa")
-    return _build(ModelConfig, m, "model"), _build(AttentionConfig, a, "attention")
+    """Inverse of :func:`configs_to_dict`; unknown keys or wrong types raise ``ValueError``."""
+    return (from_dict(ModelConfig, raw["model"], "model"),
+            from_dict(AttentionConfig, raw.get("attention") or {}, "attention"))
 
 
 def read_configs(ckpt: str | os.PathLike) -> tuple[ModelConfig, AttentionConfig, dict] | None:
@@ -64,10 +58,3 @@ def read_configs(ckpt: str | os.PathLike) -> tuple[ModelConfig, AttentionConfig,
     model, attn = configs_from_dict(raw)
     return model, attn, {k: v for k, v in raw.items() if k not in ("model", "attention")}
 
-
-def _build(cls, d: dict, where: str):
-    names = {f.name for f in dataclasses.fields(cls)}
-    extra = sorted(set(d) - names)
-    if extra:
-        raise ValueError(f"{MODEL_CONFIG}: unknown keys in {where}: {extra}")
-    return cls(**d)
