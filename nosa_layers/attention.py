@@ -7,6 +7,7 @@ The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for debugging.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -21,8 +22,9 @@ BACKENDS = ("reference", "triton", "auto")
 _SAME_AS_SCORE = "score"
 
 
+@functools.lru_cache(maxsize=None)
 def _ops():
-    """``nosa_layers.ops`` (the Triton kernels), imported lazily; ``None`` without Triton."""
+    """``nosa_layers.ops`` (the Triton kernels), imported once, lazily; ``None`` without Triton."""
     try:
         return importlib.import_module("nosa_layers.ops")
     except ImportError:
