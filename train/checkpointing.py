@@ -38,11 +38,6 @@ def iter_name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The complete checkpoint a run dir, checkpoints dir or checkpoint dir points at (or None)."""
-    return find_checkpoint(path)
-
-
 def unwrap(model):
     """The bare megatron model inside DDP / Float16Module wrappers."""
     while hasattr(model, "module"):
@@ -198,7 +193,7 @@ def load_weights(path: str, model_chunks, log=print) -> Path:
     """Weights-only start from a checkpoint (``init_from``); new eviction-head params keep their init."""
     from megatron.core import dist_checkpointing
 
-    ckpt = latest_checkpoint(path)
+    ckpt = find_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"init_from={path!r}: no checkpoint there (expected a run dir, "
                                 f"its checkpoints/ dir with a 'latest' pointer, or an iter_* dir)")

@@ -206,9 +206,9 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
           "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
 
     if cfg.init_from and check_files:
-        from train.checkpointing import latest_checkpoint
+        from nosa_layers.megatron.checkpoint_files import find_checkpoint
 
-        src = latest_checkpoint(cfg.init_from)
+        src = find_checkpoint(cfg.init_from)
         _need(src is not None, f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "
                                f"checkpoints/ dir, or an iter_* dir)")
         _check_same_architecture(cfg, src)

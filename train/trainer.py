@@ -155,7 +155,7 @@ class Trainer:
     def restore(self) -> None:
         """``checkpoint.resume=auto``: continue this run; else ``init_from``: weights of a previous stage."""
         cfg, env = self.cfg, self.env
-        latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(str(self.run_dir))) \
+        latest = ckpt.find_checkpoint(ckpt.checkpoints_dir(str(self.run_dir))) \
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
             self.step, loader_state, _ = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
