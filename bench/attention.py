@@ -16,7 +16,7 @@ Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s 
 x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
-Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--no-flex]
+Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--no-flex]
 """
 
 from __future__ import annotations
@@ -220,14 +220,13 @@ def sweep(T, HQ, dense_ms):
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
     bg = bias.clone().requires_grad_(True)
     do = torch.randn_like(q)
-    space = {
-        "fwd": [dict(HP=hp, num_warps=8, num_stages=st, PAIR=pr) for hp in (2, 4) for pr in (True, False)
-                for st in (2, 3)],
-        "dq": [dict(HP=1, num_warps=4, num_stages=st, PAIR=pr) for pr in (True, False) for st in (2, 3)] +
-              [dict(HP=2, num_warps=8, num_stages=2, PAIR=pr) for pr in (True, False)],
-        "dkdv": [dict(HP=1, num_warps=4, num_stages=st) for st in (1, 2)] +
-                [dict(HP=2, num_warps=8, num_stages=st) for st in (1, 2, 3)] + [dict(HP=2, num_warps=4, num_stages=1)],
+    shapes = {  # (HP, num_warps, num_stages), each with pointer and TMA tile loads
+        "fwd": [(4, 8, 2), (4, 8, 3), (2, 8, 2), (2, 8, 3), (2, 4, 3)],
+        "dq": [(1, 4, 2), (1, 4, 3), (2, 8, 2), (2, 8, 3), (2, 4, 2)],
+        "dkdv": [(2, 8, 1), (2, 8, 2), (2, 8, 3), (1, 4, 1), (1, 4, 2), (4, 8, 2)],
     }
+    space = {kern: [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma) for tma in (False, True) for hp, nw, ns in c]
+             for kern, c in shapes.items()}
     for kern, cands in space.items():
         best = None
         for c in cands:
@@ -247,7 +246,55 @@ def sweep(T, HQ, dense_ms):
             CONFIG[kern] = old
         if best:
             CONFIG[kern] = best[1]
+    best = None
+    for chunk in (0, 32, 64, 128):  # dK/dV inverse-list pieces (needs a fresh index)
+        CONFIG["dkdv"] = dict(CONFIG["dkdv"], CHUNK=chunk)
+        idx_c = build_sparse_index(sel, cfg, T)
+        o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx_c)
+        t = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
+        emit(kind="sweep", kernel="dkdv_chunk", cfg=dict(CHUNK=chunk), T=T, HQ=HQ, ms=t, n_slots=idx_c.n_slots)
+        if best is None or t < best[0]:
+            best = (t, chunk)
+    CONFIG["dkdv"] = dict(CONFIG["dkdv"], CHUNK=best[1])
     emit(kind="config", config={k: dict(v) for k, v in CONFIG.items()})
+
+
+def profile_kernels(T, HQ):
+    """Per-kernel device time (torch.profiler) of one forward + backward on the P1 lists, with the
+    useful TFLOP/s of each attention kernel (dQ: 3 matmuls = 1.5x the forward FLOPs; dK/dV/db: 4 = 2x)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pieces, sel, keys = p1_lists(T, seed=1)
+    cfg = NOSAConfig()
+    q, k, v, bias = make_inputs(T, HQ)
+    idx = build_sparse_index(sel, cfg, T)
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+    bg = bias.clone().requires_grad_(True)
+    do = torch.randn_like(q)
+    n = 5
+    for _ in range(2):
+        o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
+        torch.autograd.grad(o, (qg, kg, vg, bg), do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
+            torch.autograd.grad(o, (qg, kg, vg, bg), do)
+        torch.cuda.synchronize()
+    fwd_flops = 4.0 * HQ * keys * D
+    mult = {"_fwd_kernel": 1.0, "_bwd_dq_kernel": 1.5, "_bwd_dkdv_kernel": 2.0}
+    kernels = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t <= 0:
+            continue
+        ms = t / 1e3 / n
+        row = dict(ms=round(ms, 3), calls=ev.count // n)
+        for name, m in mult.items():
+            if name in ev.key:
+                row["tflops"] = round(m * fwd_flops / ms / 1e9, 1)
+        kernels[ev.key[:60]] = row
+    emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in CONFIG.items()}, kernels=kernels)
 
 
 def table():
@@ -273,6 +320,7 @@ def main():
     ap.add_argument("--shapes", default="32768x32,32768x16,16384x32,16384x16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times at the first shape")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -286,6 +334,8 @@ def main():
         dense(T, HQ, dense_ms)
     if args.sweep:
         sweep(*shapes[0], dense_ms)
+    if args.profile:
+        profile_kernels(*shapes[0])
     cfg = NOSAConfig()
     for T, HQ in shapes:
         pieces, sel, keys = p1_lists(T, seed=1)

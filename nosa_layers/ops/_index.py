@@ -5,12 +5,13 @@ aligned to the document start; tile ``i`` of a document is also KV block ``i`` o
 so one global tile id names both a query tile and a KV block.
 
 Forward CSR (per tile and KV head, ``w = tile * Hkv + h``): ``row_ptr[w]..row_ptr[w+1]`` indexes
-``fwd_blk`` (KV block index inside the document, ascending, the diagonal block last) and
+``fwd_ks`` (first token of the KV block in its batch row, ascending, the diagonal block last) and
 ``fwd_word`` (int64 token bitmask: bit ``r`` set <=> query row ``r`` of the tile selected it).
 
-Inverse CSR (per KV block and KV head, ``c * Hkv + h``): ``col_ptr`` indexes ``inv_tile`` (global
-query tile id, ascending) and ``inv_word`` (the same bitmask). Built with one stable sort: the
-order, hence every reduction in the backward, is deterministic.
+Inverse CSR (per KV block and KV head, ``c * Hkv + h``): ``col_ptr`` indexes ``inv_qs`` (first token
+of the query tile, ascending) and ``inv_word`` (the same bitmask). Built with one stable sort: the
+order, hence every reduction in the backward, is deterministic. The lists carry token offsets, not
+tile ids, so a kernel's loop needs one index load per entry before its tile loads.
 """
 
 from __future__ import annotations
@@ -30,18 +31,21 @@ class SparseIndex:
     hkv: int
     tiles: Tensor      # int32 [n_tiles, 8]: b, q_start, q_end, doc_start, doc_end, j (block in doc), 0, 0
     row_ptr: Tensor    # int32 [n_tiles*Hkv + 1]
-    fwd_blk: Tensor    # int32 [nnz]
+    fwd_ks: Tensor     # int32 [nnz]
     fwd_word: Tensor   # int64 [nnz]
     fwd_order: Tensor  # int32 [n_tiles*Hkv]: longest list first
     col_ptr: Tensor    # int32 [n_tiles*Hkv + 1]
-    inv_tile: Tensor   # int32 [nnz]
+    inv_qs: Tensor     # int32 [nnz]
     inv_word: Tensor   # int64 [nnz]
-    inv_order: Tensor  # int32 [n_tiles*Hkv]
+    dkdv_items: Tensor  # int32 [n_items, 4]: w, first entry, end entry, partial slot (-1: writes dK/dV itself)
+    dkdv_order: Tensor  # int32 [n_items]: longest piece first
+    n_slots: int        # fp32 partial (dK, dV, db) buffers the pieces of split lists write
+    reduce_items: Tensor  # int32 [n_split, 3]: w, first slot, number of slots (ascending slots)
     words: Tensor      # int64 [n_tiles, Hkv, nb] (dense bitmask, kept for statistics)
 
     @property
     def nnz(self) -> int:
-        return int(self.fwd_blk.numel())
+        return int(self.fwd_ks.numel())
 
 
 def make_tiles(B: int, T: int, spans: list[tuple[int, int]], block: int, device) -> Tensor:
@@ -54,8 +58,36 @@ def make_tiles(B: int, T: int, spans: list[tuple[int, int]], block: int, device)
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 8).to(device)
 
 
-def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int) -> SparseIndex:
-    """``selected`` bool ``[B, Hkv, T, nb]`` (block indices relative to each document)."""
+def split_lists(col_ptr: Tensor, counts: Tensor, chunk: int):
+    """dK/dV work items: every inverse list cut into pieces of at most ``chunk`` entries (``chunk <= 0``:
+    one piece per list; an empty list still gets one piece, which writes zeros).
+
+    A KV block's sink-like list (used by every query tile) would otherwise be one program as long
+    as the whole kernel. Pieces of a split list write fp32 partials to consecutive slots, summed
+    in slot order by the reduction kernel (deterministic). Returns ``(items, order, n_slots,
+    reduce_items)`` as documented on ``SparseIndex``."""
+    dev = counts.device
+    n_w = counts.numel()
+    nch = torch.ones_like(counts) if chunk <= 0 else torch.div(counts + chunk - 1, chunk, rounding_mode="floor").clamp(min=1)
+    item_w = torch.repeat_interleave(torch.arange(n_w, device=dev), nch)
+    first = nch.cumsum(0) - nch
+    piece = torch.arange(item_w.numel(), device=dev) - first[item_w]
+    lo, hi = col_ptr[item_w], col_ptr[item_w + 1]
+    start = lo if chunk <= 0 else lo + piece * chunk
+    end = hi if chunk <= 0 else torch.minimum(start + chunk, hi)
+    split = nch[item_w] > 1
+    slot = torch.where(split, split.long().cumsum(0) - 1, torch.full_like(item_w, -1))
+    items = torch.stack([item_w, start, end, slot], 1).to(torch.int32).contiguous()
+    order = torch.sort(end - start, descending=True, stable=True).indices.to(torch.int32)
+    multi = (nch > 1).nonzero().squeeze(1)
+    slot0 = nch[multi].cumsum(0) - nch[multi]
+    reduce_items = torch.stack([multi, slot0, nch[multi]], 1).to(torch.int32).contiguous()
+    return items, order, int(split.sum()), reduce_items
+
+
+def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int, dkdv_chunk: int = 0) -> SparseIndex:
+    """``selected`` bool ``[B, Hkv, T, nb]`` (block indices relative to each document);
+    ``dkdv_chunk``: longest inverse-list piece of one dK/dV program (0: no split)."""
     B, Hkv, T, nb = selected.shape
     dev = selected.device
     tiles = make_tiles(B, T, spans, block, dev)
@@ -66,23 +98,26 @@ def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int) -> S
     row_ptr = torch.zeros(n_tiles * Hkv + 1, dtype=torch.int64, device=dev)
     row_ptr[1:] = counts.cumsum(0)
     flat = nz.reshape(-1).nonzero().squeeze(1)  # ascending: (tile, h, blk) row-major
-    fwd_blk = (flat % nb).to(torch.int32)
+    blk = flat % nb
     fwd_word = words.reshape(-1)[flat]
     w_of = torch.div(flat, nb, rounding_mode="floor")  # tile*Hkv + h
     tile_of = torch.div(w_of, Hkv, rounding_mode="floor")
     h_of = w_of % Hkv
-    key_tile = tile_of - tiles[tile_of, 5].long() + fwd_blk.long()  # global tile id of the KV block
+    key_tile = tile_of - tiles[tile_of, 5].long() + blk  # global tile id of the KV block
     inv_key = key_tile * Hkv + h_of
     inv_key_sorted, perm = torch.sort(inv_key, stable=True)
     inv_counts = torch.bincount(inv_key_sorted, minlength=n_tiles * Hkv)
     col_ptr = torch.zeros(n_tiles * Hkv + 1, dtype=torch.int64, device=dev)
     col_ptr[1:] = inv_counts.cumsum(0)
-    inv_tile = tile_of[perm].to(torch.int32)
+    tile_start = tiles[:, 1]
+    fwd_ks = tile_start[key_tile]
+    inv_qs = tile_start[tile_of[perm]]
     inv_word = fwd_word[perm]
     fwd_order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
-    inv_order = torch.sort(inv_counts, descending=True, stable=True).indices.to(torch.int32)
-    return SparseIndex(block, n_tiles, Hkv, tiles, row_ptr.to(torch.int32), fwd_blk, fwd_word.contiguous(),
-                       fwd_order, col_ptr.to(torch.int32), inv_tile, inv_word.contiguous(), inv_order, words)
+    items, order, n_slots, reduce_items = split_lists(col_ptr, inv_counts, dkdv_chunk)
+    return SparseIndex(block, n_tiles, Hkv, tiles, row_ptr.to(torch.int32), fwd_ks, fwd_word.contiguous(),
+                       fwd_order, col_ptr.to(torch.int32), inv_qs, inv_word.contiguous(), items, order, n_slots,
+                       reduce_items, words)
 
 
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:

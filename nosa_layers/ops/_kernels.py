@@ -50,91 +50,83 @@ def pack_words(selected: torch.Tensor, tiles: torch.Tensor, block: int) -> torch
 
 
 @triton.jit
-def _key_tile(Blk, Word, e, e1, ds, de, jq, r, BT: tl.constexpr, PAIR: tl.constexpr):
-    """Keys of list entry ``e`` (and ``e + 1`` when PAIR): token ids, validity, whether the
-    tile needs masking, and the per-(row, key) selection bit (only meaningful when masked)."""
-    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
-    BN: tl.constexpr = BT * 2 if PAIR else BT
-    offs_n = tl.arange(0, BN)
-    j = tl.load(Blk + e)
-    word = tl.load(Word + e)
-    if PAIR:
-        has2 = (e + 1) < e1
-        j2 = tl.load(Blk + e + 1, mask=has2, other=0)
-        w2 = tl.load(Word + e + 1, mask=has2, other=0)
-        second = offs_n >= BT
-        ktok = ds + tl.where(second, j2, j) * BT + (offs_n % BT)
-        kvalid = (ktok < de) & (has2 | (offs_n < BT))
-        need = (word != FULL) | (j == jq) | (w2 != FULL) | (j2 == jq) | (e + 1 >= e1)
-        wsel = tl.where(second, w2, word)
-        bit = ((wsel[None, :] >> r[:, None].to(tl.int64)) & 1) != 0
-    else:
-        ktok = ds + j * BT + offs_n
-        kvalid = ktok < de
-        need = (word != FULL) | (j == jq)
-        bit = (((word >> r.to(tl.int64)) & 1) != 0)[:, None] & (offs_n >= 0)[None, :]
-    return ktok, kvalid, need, bit
-
-
-@triton.jit
-def _tile_rows(Tiles, tile, BT: tl.constexpr, HP: tl.constexpr):
-    b = tl.load(Tiles + tile * 8 + 0)
-    qs = tl.load(Tiles + tile * 8 + 1)
-    qe = tl.load(Tiles + tile * 8 + 2)
-    ds = tl.load(Tiles + tile * 8 + 3)
-    de = tl.load(Tiles + tile * 8 + 4)
-    jq = tl.load(Tiles + tile * 8 + 5)
-    offs = tl.arange(0, HP * BT)
-    r = offs % BT
-    hh = offs // BT
-    return b, qs, qe, ds, de, jq, r, hh
-
-
-@triton.jit
 def _query_program(Order, Tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr):
-    """Work item of a query-tile program (forward and dQ): its (tile, KV head) entry ``w``, KV head
-    ``h``, batch ``b`` (int64), the ``[HP*BT]`` query heads / tokens / validity of its rows, and the
-    tile's document span and row layout for ``_key_tile``."""
+    """Work item of a query-tile program (forward and dQ).
+
+    Returns its (tile, KV head) entry ``w``, KV head ``h``, batch ``b`` (int64), first query head of
+    its pack ``head0``, and per row of the ``[HP*BT]`` tile (token-major: row ``m`` is token
+    ``m // HP`` of the tile, head ``head0 + m % HP``): head, token, validity, token-in-tile ``r``;
+    plus the tile's first token ``qs`` and its document end ``de``."""
     NP: tl.constexpr = G // HP
     pid = tl.program_id(0)
     pack = pid % NP
     w = tl.load(Order + pid // NP)
     h = w % HKV
-    b, qs, qe, ds, de, jq, r, hh = _tile_rows(Tiles, w // HKV, BT, HP)
+    tile = w // HKV
+    b = tl.load(Tiles + tile * 8 + 0).to(tl.int64)
+    qs = tl.load(Tiles + tile * 8 + 1)
+    qe = tl.load(Tiles + tile * 8 + 2)
+    de = tl.load(Tiles + tile * 8 + 4)
+    offs = tl.arange(0, HP * BT)
+    r = offs // HP
+    head0 = h * G + pack * HP
     tok = qs + r
-    return w, h, b.to(tl.int64), h * G + pack * HP + hh, tok, tok < qe, ds, de, jq, r
+    return w, h, b, head0, head0 + offs % HP, tok, tok < qe, qs, de, r
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Bias, O, LSE, Tiles, RowPtr, Blk, Word, Order,
+def _row_mask(word, r, ktok, tok, kvalid):
+    """[M, BT] allowed (row, key): the row's bit in the tile's token word, causal, inside the document."""
+    bit = ((word >> r.to(tl.int64)) & 1) != 0
+    return bit[:, None] & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, KD, VD, Bias, O, LSE, Tiles, RowPtr, KStart, Word, Order, T_rows,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh,
                 qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                HAS_BIAS: tl.constexpr, PAIR: tl.constexpr):
+                HAS_BIAS: tl.constexpr, TMA: tl.constexpr):
+    """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list.
+    ``KD``/``VD``: TMA descriptors of K/V as ``[B*T, Hkv*D]`` (block ``[BT, D]``) when ``TMA``."""
     M: tl.constexpr = HP * BT
-    w, h, b, head, tok, rvalid, ds, de, jq, r = _query_program(Order, Tiles, HKV, G, HP, BT)
+    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    w, h, b, head0, head, tok, rvalid, qs, de, r = _query_program(Order, Tiles, HKV, G, HP, BT)
     offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BT)
     q = tl.load(Q + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=rvalid[:, None], other=0.0)
+    kbase = K + b * s_kb + h * s_kh
+    vbase = V + b * s_vb + h * s_vh
+    koff = offs_n[:, None] * s_kt + offs_d[None, :]
+    voff = offs_n[:, None] * s_vt + offs_d[None, :]
+    bbase = Bias + b * s_bb + h * s_bh
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
-    STEP: tl.constexpr = 2 if PAIR else 1
     e0 = tl.load(RowPtr + w)
     e1 = tl.load(RowPtr + w + 1)
-    for e in range(e0, e1, STEP):
-        ktok, kvalid, need, bit = _key_tile(Blk, Word, e, e1, ds, de, jq, r, BT, PAIR)
-        kp = ktok.to(tl.int64)
-        k = tl.load(K + b * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        v = tl.load(V + b * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    for e in range(e0, e1):
+        ks = tl.load(KStart + e)
+        word = tl.load(Word + e)
+        ktok = ks + offs_n
+        kvalid = ktok < de
+        if TMA:
+            row = (b * T_rows + ks).to(tl.int32)
+            k = KD.load([row, h * D])
+            v = VD.load([row, h * D])
+        else:
+            k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
+            v = tl.load(vbase + ks.to(tl.int64) * s_vt + voff, mask=kvalid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_BIAS:
-            bias = tl.load(Bias + b * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32)
+            bias = tl.load(bbase + ktok.to(tl.int64) * s_bt, mask=kvalid, other=0.0).to(tl.float32)
             s += bias[None, :] * 1.4426950408889634
-        if need:
-            allowed = bit & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
-            s = tl.where(allowed, s, float("-inf"))
+        if (word != FULL) | (ks == qs):  # partial token word or the diagonal (the only tile past the doc end)
+            s = tl.where(_row_mask(word, r, ktok, tok, kvalid), s, float("-inf"))
+            if TMA:
+                v = tl.where(kvalid[:, None], v, 0.0)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
@@ -151,37 +143,53 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Tiles, RowPtr, Blk, Word, Order,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, Blk, Word, Order,
+def _bwd_dq_kernel(Q, K, V, KD, VD, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, KStart, Word, Order, T_rows,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                    s_ob, s_ot, s_oh, s_lb, s_lh,
                    qk_scale, sm_scale,
                    HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PAIR: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, TMA: tl.constexpr):
+    """dQ: same programs and lists as the forward; P recomputed from the saved LSE."""
     M: tl.constexpr = HP * BT
-    w, h, b, head, tok, rvalid, ds, de, jq, r = _query_program(Order, Tiles, HKV, G, HP, BT)
+    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    w, h, b, head0, head, tok, rvalid, qs, de, r = _query_program(Order, Tiles, HKV, G, HP, BT)
     offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BT)
     row_off = tok[:, None].to(tl.int64)
     q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
     do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
     lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
+    kbase = K + b * s_kb + h * s_kh
+    vbase = V + b * s_vb + h * s_vh
+    koff = offs_n[:, None] * s_kt + offs_d[None, :]
+    voff = offs_n[:, None] * s_vt + offs_d[None, :]
+    bbase = Bias + b * s_bb + h * s_bh
     dq = tl.zeros([M, D], tl.float32)
-    STEP: tl.constexpr = 2 if PAIR else 1
     e0 = tl.load(RowPtr + w)
     e1 = tl.load(RowPtr + w + 1)
-    for e in range(e0, e1, STEP):
-        ktok, kvalid, need, bit = _key_tile(Blk, Word, e, e1, ds, de, jq, r, BT, PAIR)
-        kp = ktok.to(tl.int64)
-        k = tl.load(K + b * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        v = tl.load(V + b * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    for e in range(e0, e1):
+        ks = tl.load(KStart + e)
+        word = tl.load(Word + e)
+        ktok = ks + offs_n
+        kvalid = ktok < de
+        if TMA:
+            row = (b * T_rows + ks).to(tl.int32)
+            k = KD.load([row, h * D])
+            v = VD.load([row, h * D])
+        else:
+            k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
+            v = tl.load(vbase + ks.to(tl.int64) * s_vt + voff, mask=kvalid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_BIAS:
-            bias = tl.load(Bias + b * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32)
+            bias = tl.load(bbase + ktok.to(tl.int64) * s_bt, mask=kvalid, other=0.0).to(tl.float32)
             s += bias[None, :] * 1.4426950408889634
         p = tl.math.exp2(s - lse[:, None])
-        if need:
-            allowed = bit & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
-            p = tl.where(allowed, p, 0.0)
+        if (word != FULL) | (ks == qs):
+            p = tl.where(_row_mask(word, r, ktok, tok, kvalid), p, 0.0)
+            if TMA:
+                k = tl.where(kvalid[:, None], k, 0.0)
+                v = tl.where(kvalid[:, None], v, 0.0)
         dp = tl.dot(do, tl.trans(v))
         dsc = p * (dp - delta[:, None])
         dq += tl.dot(dsc.to(k.dtype), k)
@@ -191,29 +199,38 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Tiles, RowPtr, Blk, Word, 
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, Tiles, ColPtr, QTile, Word, Order,
+def _bwd_dkdv_kernel(Q, K, V, QD, DOD, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Tiles, Items, QStart, Word,
+                     Order, T_rows,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                      s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h,
                      qk_scale, sm_scale,
                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, TMA: tl.constexpr):
+    """dK, dV, db: one program per work item (a piece of the inverse list of one (KV block, KV head))
+    walks its entries x head packs with K, V, b and fp32 accumulators resident; db is the row sum of
+    dS^T (no atomics). A piece of a split list writes fp32 partials ``WDK/WDV [slot, BT, D]``,
+    ``WDB [slot, BT]`` (unscaled) for ``_dkdv_reduce_kernel``. ``QD``/``DOD``: TMA descriptors of
+    Q/dO as ``[B*T, Hq, D]`` (block ``[BT, HP, D]``) when ``TMA``."""
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * BT
-    pid = tl.program_id(0)
-    w = tl.load(Order + pid)
+    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    item = tl.load(Order + tl.program_id(0))
+    w = tl.load(Items + item * 4 + 0)
+    e0 = tl.load(Items + item * 4 + 1)
+    e1 = tl.load(Items + item * 4 + 2)
+    slot = tl.load(Items + item * 4 + 3)
     ktile = w // HKV
     h = w % HKV
     offs_m = tl.arange(0, M)
-    r = offs_m % BT
-    hh = offs_m // BT
+    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
+    hh = offs_m % HP
     bk = tl.load(Tiles + ktile * 8 + 0).to(tl.int64)
     ks = tl.load(Tiles + ktile * 8 + 1)
-    ke = tl.load(Tiles + ktile * 8 + 2)
-    jk = tl.load(Tiles + ktile * 8 + 5)
+    de = tl.load(Tiles + ktile * 8 + 4)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BT)
     ktok = ks + offs_n
-    kvalid = ktok < ke
+    kvalid = ktok < de
     kp = ktok.to(tl.int64)
     k = tl.load(K + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     v = tl.load(V + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
@@ -221,49 +238,101 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, Tiles, ColPtr, Q
         bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32) * 1.4426950408889634
     else:
         bias = tl.zeros([BT], tl.float32)
+    qbase = Q + bk * s_qb + (h * G) * s_qh
+    qoff = offs_d[:, None] + (r * s_qt + hh * s_qh)[None, :]  # [D, M]
+    dobase = DO + bk * s_ob + (h * G) * s_oh
+    dooff = (r * s_ot + hh * s_oh)[:, None] + offs_d[None, :]  # [M, D]
+    lbase = LSE + bk * s_lb + (h * G) * s_lh
+    dbase = Delta + bk * s_lb + (h * G) * s_lh
+    loff = hh * s_lh + r
     dk = tl.zeros([BT, D], tl.float32)
     dv = tl.zeros([BT, D], tl.float32)
     db = tl.zeros([BT], tl.float32)
-    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
-    e0 = tl.load(ColPtr + w)
-    e1 = tl.load(ColPtr + w + 1)
     for it in range(e0 * NP, e1 * NP):
         e = it // NP
         pk = it % NP
-        qt = tl.load(QTile + e)
+        qs = tl.load(QStart + e)
         word = tl.load(Word + e)
-        qs = tl.load(Tiles + qt * 8 + 1)
-        qe = tl.load(Tiles + qt * 8 + 2)
-        jq = tl.load(Tiles + qt * 8 + 5)
         tok = qs + r
-        rvalid = tok < qe
-        row_off = tok[None, :].to(tl.int64)
-        head = h * G + pk * HP + hh
-        qT = tl.load(Q + bk * s_qb + row_off * s_qt + head[None, :] * s_qh + offs_d[:, None],
-                     mask=rvalid[None, :], other=0.0)  # [D, M]
-        do = tl.load(DO + bk * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
-                     mask=rvalid[:, None], other=0.0)  # [M, D]
-        lse = tl.load(LSE + bk * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
-        delta = tl.load(Delta + bk * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
+        rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
+        if TMA:
+            row = (bk * T_rows + qs).to(tl.int32)
+            qT = tl.trans(tl.reshape(QD.load([row, h * G + pk * HP, 0]), [M, D]))
+            do = tl.reshape(DOD.load([row, h * G + pk * HP, 0]), [M, D])
+        else:
+            qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)
+            do = tl.load(dobase + (qs.to(tl.int64) * s_ot + pk * HP * s_oh) + dooff, mask=rvalid[:, None], other=0.0)
+        lo = pk * HP * s_lh + qs
+        lse = tl.load(lbase + lo + loff, mask=rvalid, other=float("inf"))
+        delta = tl.load(dbase + lo + loff, mask=rvalid, other=0.0)
         sT = tl.dot(k, qT) * qk_scale + bias[:, None]
         pT = tl.math.exp2(sT - lse[None, :])
-        if (word != FULL) | (jq == jk):
+        if (word != FULL) | (qs == ks):
             bit = ((word >> r.to(tl.int64)) & 1) != 0
             allowed = bit[None, :] & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
             pT = tl.where(allowed, pT, 0.0)
+            if TMA:
+                qT = tl.where(rvalid[None, :], qT, 0.0)
+                do = tl.where(rvalid[:, None], do, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
         if NEED_DB:
             db += tl.sum(dsT, 1)
-    dk = dk * sm_scale
+    if slot < 0:
+        _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                    s_db_b, s_db_t, s_db_h, D, NEED_DB)
+    else:
+        tile_off = slot.to(tl.int64) * (BT * D) + offs_n[:, None] * D + offs_d[None, :]
+        tl.store(WDK + tile_off, dk)
+        tl.store(WDV + tile_off, dv)
+        if NEED_DB:
+            tl.store(WDB + slot.to(tl.int64) * BT + offs_n, db)
+
+
+@triton.jit
+def _store_dkdv(DK, DV, DB, dk, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h,
+                D: tl.constexpr, NEED_DB: tl.constexpr):
+    offs_d = tl.arange(0, D)
     tl.store(DK + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=kvalid[:, None])
     tl.store(DV + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=kvalid[:, None])
     if NEED_DB:
         tl.store(DB + bk * s_db_b + kp * s_db_t + h * s_db_h, db, mask=kvalid)
+
+
+@triton.jit
+def _dkdv_reduce_kernel(WDK, WDV, WDB, DK, DV, DB, Tiles, Red, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_db_b, s_db_t,
+                        s_db_h, sm_scale, HKV: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, NEED_DB: tl.constexpr):
+    """dK, dV, db of a split inverse list: the sum of its pieces' fp32 partials, in slot order."""
+    i = tl.program_id(0)
+    w = tl.load(Red + i * 3 + 0)
+    s0 = tl.load(Red + i * 3 + 1)
+    n = tl.load(Red + i * 3 + 2)
+    ktile = w // HKV
+    h = w % HKV
+    bk = tl.load(Tiles + ktile * 8 + 0).to(tl.int64)
+    ks = tl.load(Tiles + ktile * 8 + 1)
+    de = tl.load(Tiles + ktile * 8 + 4)
+    offs_n = tl.arange(0, BT)
+    offs_d = tl.arange(0, D)
+    ktok = ks + offs_n
+    tile_off = offs_n[:, None] * D + offs_d[None, :]
+    dk = tl.zeros([BT, D], tl.float32)
+    dv = tl.zeros([BT, D], tl.float32)
+    db = tl.zeros([BT], tl.float32)
+    wdk = WDK + s0.to(tl.int64) * (BT * D) + tile_off
+    wdv = WDV + s0.to(tl.int64) * (BT * D) + tile_off
+    wdb = WDB + s0.to(tl.int64) * BT + offs_n
+    for i in range(0, n):
+        dk += tl.load(wdk + i * (BT * D))
+        dv += tl.load(wdv + i * (BT * D))
+        if NEED_DB:
+            db += tl.load(wdb + i * BT)
+    _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, ktok.to(tl.int64), ktok < de, s_kb, s_kt, s_kh,
+                s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, D, NEED_DB)
 
 
 @triton.jit

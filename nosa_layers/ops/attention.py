@@ -10,14 +10,17 @@ from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
 from ._index import SparseIndex, build_index
-from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
+from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
 
-# Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages.
-# Tuned on one H200 for block 64, D 128 (see docs/BENCHMARKS.md); override for experiments.
+# Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages, and
+# whether the loop's tile loads go through TMA descriptors (``TMA``: GPU with TMA, i.e. Hopper or
+# newer, or the interpreter); dK/dV: ``CHUNK``, the longest inverse-list piece per program (0: whole
+# lists; read when the index is built). Tuned on one H200 for block 64, D 128 (docs/BENCHMARKS.md); override
+# for experiments.
 CONFIG = {
-    "fwd": dict(HP=4, num_warps=8, num_stages=2, PAIR=False),
-    "dq": dict(HP=1, num_warps=4, num_stages=2, PAIR=False),
-    "dkdv": dict(HP=2, num_warps=8, num_stages=2),
+    "fwd": dict(HP=4, num_warps=8, num_stages=2, TMA=False),
+    "dq": dict(HP=1, num_warps=4, num_stages=2, TMA=False),
+    "dkdv": dict(HP=2, num_warps=8, num_stages=2, TMA=False, CHUNK=64),
 }
 
 
@@ -73,6 +76,28 @@ def _strides_bias(bias: Tensor | None):
     return (0, 0, 0) if bias is None else bias.stride()
 
 
+def _use_tma(name: str, x: Tensor) -> bool:
+    if not CONFIG[name].get("TMA", False):
+        return False
+    return interpreting() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def _kv_desc(x: Tensor, block: int):
+    """TMA descriptor of a contiguous ``[B, T, Hkv, D]`` tensor seen as ``[B*T, Hkv*D]``, block ``[block, D]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, T, H, D = x.shape
+    return TensorDescriptor.from_tensor(x.view(B * T, H * D), [block, D])
+
+
+def _rows_desc(x: Tensor, block: int, hp: int):
+    """TMA descriptor of a contiguous ``[B, T, Hq, D]`` tensor seen as ``[B*T, Hq, D]``, block ``[block, hp, D]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, T, H, D = x.shape
+    return TensorDescriptor.from_tensor(x.view(B * T, H, D), [block, hp, D])
+
+
 def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -83,13 +108,15 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     hp = _hp("fwd", G, BT)
     cfg = CONFIG["fwd"]
     grid = (idx.n_tiles * Hkv * (G // hp),)
+    tma = _use_tma("fwd", q)
+    kd, vd = (_kv_desc(k, BT), _kv_desc(v, BT)) if tma else (None, None)
     if grid[0]:
-        _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.tiles, idx.row_ptr, idx.fwd_blk,
-                          idx.fwd_word, idx.fwd_order,
+        _fwd_kernel[grid](q, k, v, kd, vd, q if bias is None else bias, o, lse, idx.tiles, idx.row_ptr, idx.fwd_ks,
+                          idx.fwd_word, idx.fwd_order, T,
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1),
                           scale * LOG2E, HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None,
-                          PAIR=cfg.get("PAIR", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 
@@ -98,7 +125,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     Hkv = k.shape[2]
     G = Hq // Hkv
     BT = idx.block
-    do = do if do.stride(-1) == 1 else do.contiguous()
+    do = do if do.is_contiguous() else do.contiguous()
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if T:
         _bwd_delta_kernel[(triton.cdiv(T, 64), B * Hq)](o, do, delta, T, Hq, *o.stride()[:3], *do.stride()[:3],
@@ -112,22 +139,36 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     bias_arg = q if bias is None else bias
     hp = _hp("dq", G, BT)
     cfg = CONFIG["dq"]
+    tma = _use_tma("dq", q)
+    kd, vd = (_kv_desc(k, BT), _kv_desc(v, BT)) if tma else (None, None)
     _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
-        q, k, v, bias_arg, do, lse, delta, dq, idx.tiles, idx.row_ptr, idx.fwd_blk, idx.fwd_word, idx.fwd_order,
+        q, k, v, kd, vd, bias_arg, do, lse, delta, dq, idx.tiles, idx.row_ptr, idx.fwd_ks, idx.fwd_word,
+        idx.fwd_order, T,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
         *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None, PAIR=cfg.get("PAIR", False),
+        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     hp = _hp("dkdv", G, BT)
     cfg = CONFIG["dkdv"]
+    tma = _use_tma("dkdv", q)
+    qd, dod = (_rows_desc(q, BT, hp), _rows_desc(do, BT, hp)) if tma else (None, None)
     dbs = db.stride() if need_db else (0, 0, 0)
-    _bwd_dkdv_kernel[(idx.n_tiles * Hkv,)](
-        q, k, v, bias_arg, do, lse, delta, dk, dv, dk if db is None else db, idx.tiles, idx.col_ptr,
-        idx.inv_tile, idx.inv_word, idx.inv_order,
+    db_arg = dk if db is None else db
+    n_ws = max(idx.n_slots, 1)
+    wdk = torch.empty(n_ws, BT, D, dtype=torch.float32, device=q.device)
+    wdv = torch.empty_like(wdk)
+    wdb = torch.empty(n_ws, BT, dtype=torch.float32, device=q.device)
+    _bwd_dkdv_kernel[(idx.dkdv_order.numel(),)](
+        q, k, v, qd, dod, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.tiles, idx.dkdv_items,
+        idx.inv_qs, idx.inv_word, idx.dkdv_order, T,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
         *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
+        HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if idx.reduce_items.shape[0]:
+        _dkdv_reduce_kernel[(idx.reduce_items.shape[0],)](
+            wdk, wdv, wdb, dk, dv, db_arg, idx.tiles, idx.reduce_items, *k.stride()[:3], *v.stride()[:3], *dbs, scale,
+            HKV=Hkv, BT=BT, D=D, NEED_DB=need_db, num_warps=4)
     return dq, dk, dv, db
 
 
@@ -168,7 +209,8 @@ def sparse_attention_from_selection(q: Tensor, k: Tensor, v: Tensor, selected: T
     _check_shapes(q, k, v, cfg.block_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if index is None:
-        index = build_index(selected, document_spans(cu_seqlens, q.shape[1]), cfg.block_size)
+        index = build_index(selected, document_spans(cu_seqlens, q.shape[1]), cfg.block_size,
+                            CONFIG["dkdv"].get("CHUNK", 0))
     if bias is not None and bias.dtype != torch.float32 and bias.dtype != q.dtype:
         bias = bias.float()
     return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale))
@@ -177,7 +219,7 @@ def sparse_attention_from_selection(q: Tensor, k: Tensor, v: Tensor, selected: T
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None) -> SparseIndex:
     from nosa_layers.selection import document_spans
 
-    return build_index(selected, document_spans(cu_seqlens, seq_len), cfg.block_size)
+    return build_index(selected, document_spans(cu_seqlens, seq_len), cfg.block_size, CONFIG["dkdv"].get("CHUNK", 0))
 
 
 def nosa_attention_triton(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,

@@ -44,6 +44,16 @@ def _inputs(B, T, Hq, Hkv, D, dtype, seed=0, dev="cuda"):
     return q, k, v, s
 
 
+@pytest.fixture(params=[False, True], ids=["ptr", "tma"])
+def tma(request, monkeypatch):
+    """Run the test with the pointer loads and again with TMA descriptor loads in every kernel."""
+    from nosa_layers.ops import CONFIG
+
+    for kern in ("fwd", "dq", "dkdv"):
+        monkeypatch.setitem(CONFIG, kern, dict(CONFIG[kern], TMA=request.param))
+    return request.param
+
+
 def _grads(fn, xs, do):
     xs = [x.detach().clone().requires_grad_(True) for x in xs]
     out = fn(*xs)
@@ -51,7 +61,7 @@ def _grads(fn, xs, do):
 
 
 @pytest.mark.parametrize("Hq,dtype", [(16, torch.bfloat16), (32, torch.bfloat16), (16, torch.float16)])
-def test_vs_fp32_reference_4k(cuda, Hq, dtype):
+def test_vs_fp32_reference_4k(cuda, tma, Hq, dtype):
     from nosa_layers.ops import select_blocks_triton, sparse_attention_from_selection
 
     cfg = SPARSE_4K
@@ -93,7 +103,7 @@ def test_selection_vs_reference_4k(cuda):
     assert rows < 0.05
 
 
-def test_nan_poisoned_outputs_varlen_and_determinism(cuda, monkeypatch):
+def test_nan_poisoned_outputs_varlen_and_determinism(cuda, tma, monkeypatch):
     import nosa_layers.ops.attention as attn
     from nosa_layers.ops import select_blocks_triton, sparse_attention_from_selection
 

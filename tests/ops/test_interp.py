@@ -67,16 +67,59 @@ def test_attention_fp16_and_no_bias():
         _close(g, r, 1e-5)
 
 
+@pytest.mark.parametrize("B,T,Hq,Hkv,cu", [pytest.param(1, 100, 16, 2, None, id="G8"),
+                                            pytest.param(2, 75, 8, 1, None, id="B2-G8-T75"),
+                                            pytest.param(1, 150, 8, 2, [0, 37, 37, 101, 150], id="varlen")])
 @pytest.mark.usefixtures("interp")
-def test_unpaired_key_tiles(monkeypatch):
+def test_tma_descriptor_loads(monkeypatch, B, T, Hq, Hkv, cu):
+    """The TMA path (tile loads through tensor descriptors, rows past a document end or past the
+    tensor end zeroed) equals the reference, including on the last, partial tiles."""
     from nosa_layers.ops import CONFIG
 
-    for kern in ("fwd", "dq"):
-        monkeypatch.setitem(CONFIG, kern, dict(CONFIG[kern], PAIR=False))
-    out, grads, ref_out, ref_grads = _run_attention(1, 100, 16, 2, 16, torch.float32, seed=12)
+    for kern in ("fwd", "dq", "dkdv"):
+        monkeypatch.setitem(CONFIG, kern, dict(CONFIG[kern], TMA=True))
+    out, grads, ref_out, ref_grads = _run_attention(B, T, Hq, Hkv, 16, torch.float32, cu, seed=12)
     _close(out, ref_out, 1e-5)
     for g, r in zip(grads, ref_grads):
         _close(g, r, 1e-5)
+
+
+@pytest.mark.parametrize("chunk,tma", [(1, False), (3, True)])
+@pytest.mark.usefixtures("interp")
+def test_split_inverse_lists(monkeypatch, chunk, tma):
+    """dK/dV programs over pieces of the inverse lists (fp32 partials + ordered reduction) equal the
+    reference; chunk 1 splits every list with more than one entry."""
+    from nosa_layers.ops import CONFIG
+
+    monkeypatch.setitem(CONFIG, "dkdv", dict(CONFIG["dkdv"], CHUNK=chunk, TMA=tma))
+    out, grads, ref_out, ref_grads = _run_attention(1, 150, 8, 2, 16, torch.float32, [0, 37, 37, 150], seed=13)
+    _close(out, ref_out, 1e-5)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r, 1e-5)
+
+
+def test_split_lists_cover_every_entry_once():
+    from nosa_layers.ops._index import split_lists
+
+    counts = torch.tensor([0, 5, 1, 12, 3, 0, 7])
+    col_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    for chunk in (0, 1, 3, 5, 100):
+        items, order, n_slots, red = split_lists(col_ptr, counts, chunk)
+        assert sorted(order.tolist()) == list(range(items.shape[0]))
+        lens = (items[order.long(), 2] - items[order.long(), 1]).tolist()
+        assert lens == sorted(lens, reverse=True)
+        for w, c in enumerate(counts.tolist()):
+            mine = items[items[:, 0] == w]
+            assert mine.shape[0] >= 1 and (chunk <= 0 or (mine[:, 2] - mine[:, 1]).max() <= max(chunk, 0))
+            covered = [e for a, b in mine[:, 1:3].tolist() for e in range(a, b)]
+            assert covered == list(range(int(col_ptr[w]), int(col_ptr[w + 1])))
+            slots = mine[:, 3].tolist()
+            if mine.shape[0] == 1:
+                assert slots == [-1] and w not in red[:, 0].tolist()
+            else:
+                r = red[red[:, 0] == w][0].tolist()
+                assert slots == list(range(r[1], r[1] + r[2])) and r[2] == mine.shape[0]
+        assert n_slots == int((items[:, 3] >= 0).sum())
 
 
 @pytest.mark.usefixtures("interp")
