@@ -227,6 +227,9 @@ def sweep(T, HQ, dense_ms):
     }
     space = {kern: [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma) for tma in (False, True) for hp, nw, ns in c]
              for kern, c in shapes.items()}
+    space["fwd"] = [dict(c, PAIR=False) for c in space["fwd"]] + [
+        dict(HP=hp, num_warps=8, num_stages=ns, TMA=tma, PAIR=True) for tma in (False, True) for hp, ns in
+        ((2, 2), (2, 3), (4, 2))]
     for kern, cands in space.items():
         best = None
         for c in cands:

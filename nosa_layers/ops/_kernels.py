@@ -82,16 +82,46 @@ def _row_mask(word, r, ktok, tok, kvalid):
 
 
 @triton.jit
+def _fwd_key_block(q, e, has, KStart, Word, KD, VD, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt, b, h, T_rows,
+                   qs, de, tok, r, qk_scale, BT: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   TMA: tl.constexpr):
+    """Forward scores (log2 domain, masked) ``[M, BT]`` and V tile ``[BT, D]`` of list entry ``e``;
+    every score is -inf when ``has`` is false (past the end of the list)."""
+    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
+    offs_n = tl.arange(0, BT)
+    ks = tl.load(KStart + e, mask=has, other=0)
+    word = tl.load(Word + e, mask=has, other=0)
+    ktok = ks + offs_n
+    kvalid = ktok < de
+    if TMA:
+        row = (b * T_rows + ks).to(tl.int32)
+        k = KD.load([row, h * D])
+        v = VD.load([row, h * D])
+    else:
+        k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
+        v = tl.load(vbase + ks.to(tl.int64) * s_vt + voff, mask=kvalid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if HAS_BIAS:
+        bias = tl.load(bbase + ktok.to(tl.int64) * s_bt, mask=kvalid, other=0.0).to(tl.float32)
+        s += bias[None, :] * 1.4426950408889634
+    if (word != FULL) | (ks == qs):  # partial token word, the diagonal (the only tile past the doc end), or no entry
+        s = tl.where(_row_mask(word, r, ktok, tok, kvalid), s, float("-inf"))
+        if TMA:
+            v = tl.where(kvalid[:, None], v, 0.0)
+    return s, v
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, KD, VD, Bias, O, LSE, Tiles, RowPtr, KStart, Word, Order, T_rows,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh,
                 qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                HAS_BIAS: tl.constexpr, TMA: tl.constexpr):
-    """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list.
-    ``KD``/``VD``: TMA descriptors of K/V as ``[B*T, Hkv*D]`` (block ``[BT, D]``) when ``TMA``."""
+                HAS_BIAS: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr):
+    """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list
+    (``PAIR``: two list entries per step). ``KD``/``VD``: TMA descriptors of K/V as ``[B*T, Hkv*D]``
+    (block ``[BT, D]``) when ``TMA``."""
     M: tl.constexpr = HP * BT
-    FULL: tl.constexpr = -1 if BT == 64 else (1 << BT) - 1
     w, h, b, head0, head, tok, rvalid, qs, de, r = _query_program(Order, Tiles, HKV, G, HP, BT)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BT)
@@ -107,32 +137,25 @@ def _fwd_kernel(Q, K, V, KD, VD, Bias, O, LSE, Tiles, RowPtr, KStart, Word, Orde
     acc = tl.zeros([M, D], tl.float32)
     e0 = tl.load(RowPtr + w)
     e1 = tl.load(RowPtr + w + 1)
-    for e in range(e0, e1):
-        ks = tl.load(KStart + e)
-        word = tl.load(Word + e)
-        ktok = ks + offs_n
-        kvalid = ktok < de
-        if TMA:
-            row = (b * T_rows + ks).to(tl.int32)
-            k = KD.load([row, h * D])
-            v = VD.load([row, h * D])
+    STEP: tl.constexpr = 2 if PAIR else 1
+    for e in range(e0, e1, STEP):
+        s, v = _fwd_key_block(q, e, e < e1, KStart, Word, KD, VD, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
+                              b, h, T_rows, qs, de, tok, r, qk_scale, BT, D, HAS_BIAS, TMA)
+        if PAIR:  # two key blocks per online-softmax step: half the rescales of the accumulator
+            s2, v2 = _fwd_key_block(q, e + 1, e + 1 < e1, KStart, Word, KD, VD, kbase, vbase, koff, voff, bbase,
+                                    s_kt, s_vt, s_bt, b, h, T_rows, qs, de, tok, r, qk_scale, BT, D, HAS_BIAS, TMA)
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s2, 1)))
         else:
-            k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
-            v = tl.load(vbase + ks.to(tl.int64) * s_vt + voff, mask=kvalid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_BIAS:
-            bias = tl.load(bbase + ktok.to(tl.int64) * s_bt, mask=kvalid, other=0.0).to(tl.float32)
-            s += bias[None, :] * 1.4426950408889634
-        if (word != FULL) | (ks == qs):  # partial token word or the diagonal (the only tile past the doc end)
-            s = tl.where(_row_mask(word, r, ktok, tok, kvalid), s, float("-inf"))
-            if TMA:
-                v = tl.where(kvalid[:, None], v, 0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if PAIR:
+            p2 = tl.math.exp2(s2 - m_safe[:, None])
+            l_i += tl.sum(p2, 1)
+            acc += tl.dot(p2.to(v2.dtype), v2)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]

@@ -14,11 +14,11 @@ from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 
 # Launch parameters, per kernel: heads packed per tile (M = HP * block), warps, pipeline stages, and
 # whether the loop's tile loads go through TMA descriptors (``TMA``: GPU with TMA, i.e. Hopper or
-# newer, or the interpreter); dK/dV: ``CHUNK``, the longest inverse-list piece per program (0: whole
+# newer, or the interpreter); forward: ``PAIR``, two key blocks per online-softmax step; dK/dV: ``CHUNK``, the longest inverse-list piece per program (0: whole
 # lists; read when the index is built). Tuned on one H200 for block 64, D 128 (docs/BENCHMARKS.md); override
 # for experiments.
 CONFIG = {
-    "fwd": dict(HP=4, num_warps=8, num_stages=2, TMA=False),
+    "fwd": dict(HP=4, num_warps=8, num_stages=2, TMA=False, PAIR=False),
     "dq": dict(HP=1, num_warps=4, num_stages=2, TMA=False),
     "dkdv": dict(HP=2, num_warps=8, num_stages=2, TMA=False, CHUNK=64),
 }
@@ -116,7 +116,8 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1),
                           scale * LOG2E, HKV=Hkv, G=G, HP=hp, BT=BT, D=D, HAS_BIAS=bias is not None,
-                          TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          TMA=tma, PAIR=cfg.get("PAIR", False), num_warps=cfg["num_warps"],
+                          num_stages=cfg["num_stages"])
     return o, lse
 
 

@@ -67,17 +67,21 @@ def test_attention_fp16_and_no_bias():
         _close(g, r, 1e-5)
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,cu", [pytest.param(1, 100, 16, 2, None, id="G8"),
-                                            pytest.param(2, 75, 8, 1, None, id="B2-G8-T75"),
-                                            pytest.param(1, 150, 8, 2, [0, 37, 37, 101, 150], id="varlen")])
+@pytest.mark.parametrize("B,T,Hq,Hkv,cu,tma,pair", [
+    pytest.param(1, 100, 16, 2, None, True, False, id="G8-tma"),
+    pytest.param(2, 75, 8, 1, None, True, True, id="B2-G8-T75-tma-pair"),
+    pytest.param(1, 150, 8, 2, [0, 37, 37, 101, 150], True, False, id="varlen-tma"),
+    pytest.param(1, 150, 8, 2, [0, 37, 37, 101, 150], False, True, id="varlen-pair"),
+])
 @pytest.mark.usefixtures("interp")
-def test_tma_descriptor_loads(monkeypatch, B, T, Hq, Hkv, cu):
-    """The TMA path (tile loads through tensor descriptors, rows past a document end or past the
-    tensor end zeroed) equals the reference, including on the last, partial tiles."""
+def test_kernel_variants(monkeypatch, B, T, Hq, Hkv, cu, tma, pair):
+    """TMA descriptor loads (rows past a document end or past the tensor end zeroed) and paired key
+    blocks in the forward equal the reference, including on the last, partial tiles and odd lists."""
     from nosa_layers.ops import CONFIG
 
     for kern in ("fwd", "dq", "dkdv"):
-        monkeypatch.setitem(CONFIG, kern, dict(CONFIG[kern], TMA=True))
+        monkeypatch.setitem(CONFIG, kern, dict(CONFIG[kern], TMA=tma))
+    monkeypatch.setitem(CONFIG, "fwd", dict(CONFIG["fwd"], PAIR=pair))
     out, grads, ref_out, ref_grads = _run_attention(B, T, Hq, Hkv, 16, torch.float32, cu, seed=12)
     _close(out, ref_out, 1e-5)
     for g, r in zip(grads, ref_grads):
