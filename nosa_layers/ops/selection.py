@@ -1,4 +1,4 @@
-"""NOSA block selection on GPU: Triton scoring kernels + exact (tie-aware) top-k in torch.
+"""NOSA block selection on GPU: Triton scoring kernels + one fused exact (tie-aware) top-k kernel.
 
 Pipeline per document (``select_blocks`` semantics, see ``nosa_layers/selection.py``):
 
@@ -9,8 +9,12 @@ Pipeline per document (``select_blocks`` semantics, see ``nosa_layers/selection.
    of the group, sums the probabilities over heads and max-pools them straight into block scores
    (own windows of a block + the ``E`` trailing windows of the block before), applies forced
    (+inf) and future (-inf) blocks and writes ``[B, Hkv, T, nb]`` fp32. O(T * nb), no T x T buffer.
-4. Two exact top-k stages in torch on unique int64 keys (score bits, then the reversed block index),
-   so ties go to the LOWER block index exactly as the reference's stable sort.
+4. ``agnostic_parts`` (torch, O(T W)): pooled eviction scores per block ``[B, Hkv, nb]`` and, per
+   row, block ``qb - 1`` pooled over its visible windows ``[B, Hkv, T]``; then
+   ``topk.select_from_block_scores`` runs both top-k stages (query-aware, then eviction fill) in one
+   Triton kernel (per-row k-th largest key by bit-wise counting, no sort) and writes the bool mask;
+   ties go to the LOWER block index exactly as the reference's stable sort.
+   ``select_rows_torch`` is the same pipeline with the top-k stages in plain torch (reference).
 
 The probabilities come from tensor-core dot products in the inputs' dtype (fp32 accumulate), so
 block scores can differ from the fp32 reference by rounding; selections then differ only where two
@@ -26,6 +30,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
+
+from .topk import _topk_mask, select_from_block_scores, select_from_block_scores_torch  # noqa: F401
 
 LOG2E = 1.4426950408889634
 
@@ -121,23 +127,6 @@ def _sel_block_kernel(Q, KC, LSE, Out, L, nb, s_qb, s_qt, s_qh, s_cb, s_cw, s_ch
                  mask=tvalid[:, None] & (m < nb)[None, :])
 
 
-def _order_keys(x: Tensor, nb: int) -> Tensor:
-    """Unique int64 keys, descending order of which == stable descending order of ``x`` (fp32)."""
-    x = x.float() + 0.0  # -0.0 -> +0.0
-    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    neg = u >= 0x80000000
-    u = torch.where(neg, (~u) & 0xFFFFFFFF, u | 0x80000000)
-    idx = torch.arange(nb, device=x.device, dtype=torch.int64)
-    return (u << 21) | (nb - 1 - idx)
-
-
-def _topk_mask(scores: Tensor, k: int) -> Tensor:
-    nb = scores.shape[-1]
-    assert nb < (1 << 21)
-    top = torch.topk(_order_keys(scores, nb), k, dim=-1, sorted=False).indices
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
-
-
 def block_scores_triton(q: Tensor, k: Tensor, cfg: NOSAConfig, softmax_scale: float | None = None) -> Tensor:
     """Query-aware block scores with forced (+inf) / future (-inf) blocks: fp32 ``[B, Hkv, L, nb]``."""
     from nosa_layers.selection import compressed_keys
@@ -176,12 +165,11 @@ def block_scores_triton(q: Tensor, k: Tensor, cfg: NOSAConfig, softmax_scale: fl
     return out
 
 
-def _agnostic_scores(score: Tensor, cfg: NOSAConfig, L: int) -> Tensor:
-    """Pooled eviction scores per row ``[B, Hkv, L, nb]`` restricted to what each row may rank.
-
-    Only block ``qb - 1`` can have windows invisible to a row of block ``qb`` (it is forced unless
-    ``local_blocks == 0``); every earlier block is fully visible, later blocks are future.
-    """
+def agnostic_parts(score: Tensor, cfg: NOSAConfig, L: int) -> tuple[Tensor, Tensor]:
+    """Pooled eviction scores of one document: ``static`` fp32 ``[B, Hkv, nb]`` per block and
+    ``prev_part`` fp32 ``[B, Hkv, L]``, block ``qb - 1`` pooled over the windows visible to each
+    row (-inf when none or ``qb == 0``). Only block ``qb - 1`` can have windows invisible to a row
+    of block ``qb``; earlier blocks are fully visible, later blocks are future. O(L * W)."""
     from nosa_layers.selection import block_window_index, pool_to_blocks, window_scores
 
     B, _, Hkv = score.shape
@@ -192,45 +180,29 @@ def _agnostic_scores(score: Tensor, cfg: NOSAConfig, L: int) -> Tensor:
     static = pool_to_blocks(ws, index)  # [B, Hkv, nb]
     pos = torch.arange(L, device=dev)
     qb = pos // cfg.block_size
-    prev = (qb - 1).clamp(min=0)
-    widx = index[prev]  # [L, W]
+    widx = index[(qb - 1).clamp(min=0)]  # [L, W]
     vis = (widx < nw) & (widx * cfg.kernel_stride + cfg.kernel_size - 1 <= pos[:, None]) & (qb >= 1)[:, None]
     wsp = torch.cat([ws, ws.new_full((B, Hkv, 1), float("-inf"))], dim=-1)
-    part = wsp[:, :, widx.clamp(max=nw)].masked_fill(~vis, float("-inf")).amax(-1)  # [B, Hkv, L]
-    out = static[:, :, None, :].expand(B, Hkv, L, nb).clone()
-    rows = torch.nonzero(qb >= 1).squeeze(1)
-    out[:, :, rows, prev[rows]] = part[:, :, rows]
-    return out
+    prev_part = wsp[:, :, widx.clamp(max=nw)].masked_fill(~vis, float("-inf")).amax(-1)  # [B, Hkv, L]
+    return static, prev_part
 
 
 def select_rows_triton(q: Tensor, k: Tensor, score: Tensor | None, cfg: NOSAConfig,
-                       softmax_scale: float | None = None, row_chunk: int = 2048) -> Tensor:
+                       softmax_scale: float | None = None) -> Tensor:
     """Selection for one document (positions 0..L-1): bool ``[B, Hkv, L, nb]``.
 
-    The top-k stages run on row chunks whose width is cut to the blocks the chunk can see
-    (``<=`` its last query block): about half the top-k work of full-width rows."""
-    B, L = q.shape[:2]
-    Hkv = k.shape[2]
-    nb = cfg.num_blocks(L)
+    Triton block scores, then both top-k stages in the fused kernel of ``topk.py``."""
     b_qa = block_scores_triton(q, k, cfg, softmax_scale)
-    b_qg_all = None if score is None else _agnostic_scores(score, cfg, L)
-    out = torch.zeros(B, Hkv, L, nb, dtype=torch.bool, device=q.device)
-    for c0 in range(0, L, row_chunk):
-        c1 = min(c0 + row_chunk, L)
-        w = (c1 - 1) // cfg.block_size + 1  # visible blocks of the chunk
-        pos = torch.arange(c0, c1, device=q.device)
-        blk = torch.arange(w, device=q.device)
-        qb = (pos // cfg.block_size)[:, None]
-        future = blk[None, :] > qb
-        bq = b_qa[:, :, c0:c1, :w]
-        if score is None:
-            out[:, :, c0:c1, :w] = _topk_mask(bq, min(cfg.topk, w)) & ~future
-            continue
-        qa = _topk_mask(bq, min(cfg.query_aware_blocks, w))
-        forced = (blk[None, :] < cfg.init_blocks) | ((blk[None, :] >= qb - cfg.local_blocks) & ~future)
-        b_qg = b_qg_all[:, :, c0:c1, :w].masked_fill(forced | qa, float("inf")).masked_fill(future, float("-inf"))
-        out[:, :, c0:c1, :w] = _topk_mask(b_qg, min(cfg.topk, w)) & ~future
-    return out
+    static, prev_part = (None, None) if score is None else agnostic_parts(score, cfg, q.shape[1])
+    return select_from_block_scores(b_qa, static, prev_part, cfg)
+
+
+def select_rows_torch(q: Tensor, k: Tensor, score: Tensor | None, cfg: NOSAConfig,
+                      softmax_scale: float | None = None, row_chunk: int = 2048) -> Tensor:
+    """``select_rows_triton`` with the top-k stages in plain PyTorch (reference of the kernel)."""
+    b_qa = block_scores_triton(q, k, cfg, softmax_scale)
+    static, prev_part = (None, None) if score is None else agnostic_parts(score, cfg, q.shape[1])
+    return select_from_block_scores_torch(b_qa, static, prev_part, cfg, row_chunk)
 
 
 def _supported(cfg: NOSAConfig, D: int) -> bool:
