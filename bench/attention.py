@@ -37,6 +37,7 @@ from triton.testing import do_bench  # noqa: E402
 from nosa_layers import NOSAConfig  # noqa: E402
 from nosa_layers.ops import CONFIG, build_sparse_index, select_blocks_triton, sparse_attention_from_selection  # noqa: E402
 from nosa_layers.ops._index import union_inflation  # noqa: E402
+from nosa_layers.ops.selection import SEL_CONFIG  # noqa: E402
 
 D, HKV = 128, 2
 DT = torch.bfloat16
@@ -220,16 +221,17 @@ def sweep(T, HQ, dense_ms):
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
     bg = bias.clone().requires_grad_(True)
     do = torch.randn_like(q)
-    shapes = {  # (HP, num_warps, num_stages), each with pointer and TMA tile loads
-        "fwd": [(4, 8, 2), (4, 8, 3), (2, 8, 2), (2, 8, 3), (2, 4, 3)],
-        "dq": [(1, 4, 2), (1, 4, 3), (2, 8, 2), (2, 8, 3), (2, 4, 2)],
-        "dkdv": [(2, 8, 1), (2, 8, 2), (2, 8, 3), (1, 4, 1), (1, 4, 2), (4, 8, 2)],
+    # (HP, num_warps, num_stages, TMA tile loads[, PAIR]); TMA lost everywhere in earlier sweeps: one probe each
+    space = {
+        "fwd": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma, PAIR=pr) for hp, nw, ns, tma, pr in
+                ((2, 8, 2, False, True), (2, 8, 2, True, True), (4, 8, 2, False, False), (2, 8, 2, False, False),
+                 (1, 4, 2, False, True), (1, 4, 3, False, True), (1, 4, 2, False, False), (2, 8, 1, False, True))],
+        "dq": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma) for hp, nw, ns, tma in
+               ((1, 4, 2, False), (1, 4, 2, True), (1, 4, 3, False), (2, 8, 2, False))],
+        "dkdv": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma, CHUNK=CONFIG["dkdv"].get("CHUNK", 0))
+                 for hp, nw, ns, tma in ((1, 4, 2, False), (1, 4, 2, True), (1, 4, 3, False), (1, 8, 2, False),
+                                         (2, 8, 1, False))],
     }
-    space = {kern: [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma) for tma in (False, True) for hp, nw, ns in c]
-             for kern, c in shapes.items()}
-    space["fwd"] = [dict(c, PAIR=False) for c in space["fwd"]] + [
-        dict(HP=hp, num_warps=8, num_stages=ns, TMA=tma, PAIR=True) for tma in (False, True) for hp, ns in
-        ((2, 2), (2, 3), (4, 2))]
     for kern, cands in space.items():
         best = None
         for c in cands:
@@ -259,7 +261,59 @@ def sweep(T, HQ, dense_ms):
         if best is None or t < best[0]:
             best = (t, chunk)
     CONFIG["dkdv"] = dict(CONFIG["dkdv"], CHUNK=best[1])
-    emit(kind="config", config={k: dict(v) for k, v in CONFIG.items()})
+    sweep_selection(T, HQ)
+    emit(kind="config", config={k: dict(v) for k, v in CONFIG.items()}, selection={k: dict(v) for k, v in SEL_CONFIG.items()})
+
+
+def sweep_selection(T, HQ):
+    """Pick the fastest launch config of each selection scoring kernel (block_scores_triton time)."""
+    from nosa_layers.ops.selection import block_scores_triton
+
+    q, k, _, _ = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
+    cfg = NOSAConfig()
+    space = {
+        "lse": [dict(BM=bm, BW=bw, num_warps=nw, num_stages=ns) for bm, bw, nw, ns in
+                ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2))],
+        "block": [dict(BM=bm, NW=w, num_warps=nw, num_stages=ns) for bm, w, nw, ns in
+                  ((64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 2), (64, 256, 8, 2))],
+    }
+    ref = block_scores_triton(q, k, cfg)
+    for kern, cands in space.items():
+        best = None
+        for c in cands:
+            old = SEL_CONFIG[kern]
+            SEL_CONFIG[kern] = c
+            try:
+                same = bool(torch.equal(block_scores_triton(q, k, cfg), ref))
+                t = bench(lambda: block_scores_triton(q, k, cfg))[0]
+                emit(kind="sweep", kernel="sel_" + kern, cfg=c, T=T, HQ=HQ, ms=t, same_scores=same)
+                if best is None or t < best[0]:
+                    best = (t, c)
+            except Exception as e:  # noqa: BLE001
+                emit(kind="sweep", kernel="sel_" + kern, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
+            SEL_CONFIG[kern] = old
+        if best:
+            SEL_CONFIG[kern] = best[1]
+
+
+def selection_breakdown(q, k, bias, cfg, total_ms):
+    """Selection stages: scoring kernels, pooled eviction scores, the fused Triton top-k (and the torch
+    top-k it replaced, as a check of exactness and speed), and the index build of the kernels."""
+    from nosa_layers.ops.selection import agnostic_parts, block_scores_triton
+    from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch
+
+    T, HQ = q.shape[1], q.shape[2]
+    bq = block_scores_triton(q, k, cfg)
+    st, pp = agnostic_parts(bias, cfg, T)
+    fused = select_from_block_scores(bq, st, pp, cfg)
+    exact = bool(torch.equal(fused, select_from_block_scores_torch(bq, st, pp, cfg)))
+    sel = select_blocks_triton(q, k, bias, cfg)
+    emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=total_ms,
+         scoring_kernels_ms=bench(lambda: block_scores_triton(q, k, cfg))[0],
+         agnostic_parts_ms=bench(lambda: agnostic_parts(bias, cfg, T))[0],
+         fused_topk_ms=bench(lambda: select_from_block_scores(bq, st, pp, cfg))[0],
+         torch_topk_ms=bench(lambda: select_from_block_scores_torch(bq, st, pp, cfg))[0],
+         index_build_ms=bench(lambda: build_sparse_index(sel, cfg, T))[0], fused_equals_torch=exact)
 
 
 def profile_kernels(T, HQ):
@@ -352,13 +406,7 @@ def main():
             sel = select_blocks_triton(q, k, bias, cfg)
             t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
             if smooth == 0:
-                from nosa_layers.ops.selection import _topk_mask, block_scores_triton
-                t_scores = bench(lambda: block_scores_triton(q, k, cfg))[0]
-                bq = block_scores_triton(q, k, cfg)
-                t_topk = bench(lambda: _topk_mask(bq, cfg.query_aware_blocks))[0]
-                emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=t_sel, scoring_kernels_ms=t_scores,
-                     one_topk_ms=t_topk)
-                del bq
+                selection_breakdown(q, k, bias, cfg, t_sel)
             keys_n = useful_keys(sel, cfg.block_size)
             ours(T, HQ, sel, keys_n, dense_ms, f"ours_nosa_{'smooth' if smooth else 'iid'}_db", cfg, (q, k, v, bias),
                  extra=dict(select_ms=t_sel))

@@ -6,7 +6,7 @@ Public API (names are a contract for the rest of the framework)::
     EVICTION_HEADS, register_eviction_head, build_eviction_head, EvictionHead, EvictionOutput
 """
 
-from nosa_layers.attention import nosa_attention, resolve_backend
+from nosa_layers.attention import PreparedSelection, nosa_attention, prepare_selection, resolve_backend
 from nosa_layers.config import NOSAConfig
 from nosa_layers.decode import DecodeOutput, nosa_decode_step, select_decode
 from nosa_layers.eviction import (
@@ -20,7 +20,7 @@ from nosa_layers.locality import LocalityStats, format_locality_table, measure_l
 from nosa_layers.selection import select_blocks
 
 __all__ = [
-    "NOSAConfig", "select_blocks", "nosa_attention", "resolve_backend", "nosa_decode_step",
+    "NOSAConfig", "select_blocks", "nosa_attention", "prepare_selection", "PreparedSelection", "resolve_backend", "nosa_decode_step",
     "select_decode", "DecodeOutput", "measure_locality", "LocalityStats", "format_locality_table",
     "EVICTION_HEADS", "EvictionHead", "EvictionOutput", "build_eviction_head", "register_eviction_head",
 ]

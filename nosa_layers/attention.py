@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -51,10 +52,37 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@dataclass
+class PreparedSelection:
+    """A selection computed once (no grad) and reused, e.g. by the recompute of a checkpointed
+    attention: ``selected`` bool ``[B, Hkv, T, nb]``; ``index``: what the Triton backend builds
+    from it (its block-sparse index), ``None`` for the reference backend."""
+
+    selected: Tensor
+    index: object | None = None
+
+
+@torch.no_grad()
+def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                      cu_seqlens: Tensor | None = None, backend: str = "reference",
+                      softmax_scale: float | None = None, selected: Tensor | None = None) -> PreparedSelection:
+    """Selection (``select_blocks``, or the given ``selected``) plus the backend's index built from it,
+    for ``nosa_attention(..., selected=<this>)``. Shapes as in ``nosa_attention``; ``q`` may hold
+    more query heads than the attention call (a whole KV group gathered over tensor parallelism)."""
+    backend = resolve_backend(backend, q.device)
+    score = None if evict_score is None else evict_score.detach()
+    if selected is None:
+        selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale, backend=backend)
+    if backend != "triton":
+        return PreparedSelection(selected)
+    return PreparedSelection(selected, _ops().build_sparse_index(selected, cfg, q.shape[1], cu_seqlens))
+
+
 def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                    cu_seqlens: Tensor | None = None, backend: str = "reference",
                    attn_bias: Tensor | None | str = _SAME_AS_SCORE,
-                   softmax_scale: float | None = None, selected: Tensor | None = None) -> Tensor:
+                   softmax_scale: float | None = None,
+                   selected: Tensor | PreparedSelection | None = None) -> Tensor:
     """NOSA sparse attention (training / prefill path).
 
     Args:
@@ -70,7 +98,8 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
             (ED-DMA). ``None`` for no bias.
         softmax_scale: defaults to ``1/sqrt(D)``.
         selected: optional precomputed ``select_blocks`` result ``[B, Hkv, T, nb]`` (e.g. selected
-            once for a KV group whose query heads span tensor-parallel ranks); skips selection.
+            once for a KV group whose query heads span tensor-parallel ranks), or a
+            ``prepare_selection`` result (the selection plus the backend's index); skips selection.
 
     Returns ``[B, T, Hq, D]`` in q's dtype; differentiable in q, k, v and the bias. The selection
     itself is not differentiable (it runs on detached tensors).
@@ -82,8 +111,14 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
     if bias is not None and bias.shape != k.shape[:3]:
         raise ValueError(f"attn_bias must be [B, T, Hkv] = {tuple(k.shape[:3])}, got {tuple(bias.shape)}")
 
+    index = None
+    if isinstance(selected, PreparedSelection):
+        selected, index = selected.selected, selected.index
     if resolve_backend(backend, q.device) == "triton":
         ops = _ops()
+        if index is not None:
+            return ops.sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens,
+                                                       bias=bias, softmax_scale=softmax_scale, index=index)
         if selected is not None:
             return ops.sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens,
                                                        bias=bias, softmax_scale=softmax_scale)

@@ -9,7 +9,9 @@ Data flow of one layer (``s`` tokens, ``b`` sequences, per-rank head counts)::
 
 The eviction outputs travel from the parent to the core attention through
 ``core_attention.pending_eviction`` (set right before, consumed once) or, under selective
-recompute, through checkpointed keyword tensors (``evict_score`` / ``evict_bias``).
+recompute, through checkpointed keyword tensors (``evict_score`` / ``evict_bias``). Under selective
+recompute the selection (and the Triton index) is computed once before the checkpoint and handed
+over as ``prepared``, so the recompute does not select again.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
-from nosa_layers import EvictionOutput, NOSAConfig, build_eviction_head, nosa_attention, select_blocks
+from nosa_layers import EvictionOutput, NOSAConfig, build_eviction_head, nosa_attention
+from nosa_layers.attention import PreparedSelection, prepare_selection
 from nosa_layers.megatron.heads import (
     HeadLayout,
     gather_group_queries,
@@ -142,7 +145,8 @@ class NOSACoreAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None, evict_score: Optional[Tensor] = None,
-                evict_bias: Optional[Tensor] = None, **unused) -> Tensor:
+                evict_bias: Optional[Tensor] = None, prepared: Optional[PreparedSelection] = None,
+                **unused) -> Tensor:
         if attention_bias is not None:
             raise ValueError("NOSA attention does not take megatron's attention_bias")
         if evict_score is None and evict_bias is None and self.pending_eviction is not None:
@@ -151,23 +155,27 @@ class NOSACoreAttention(MegatronModule):
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
         q, k, v = (_to_bthd(x, packed) for x in (query, key, value))
-        out = self._attend(q, k, v, evict_score, evict_bias, cu)
+        if prepared is None:
+            prepared = self._prepare(q, k, evict_score, cu)
+        if self.record_selection:
+            self.last_selection = prepared.selected
+        out = nosa_attention(q, k, v, evict_score, self.cfg, cu_seqlens=cu, backend=self.backend, attn_bias=evict_bias,
+                             softmax_scale=self.softmax_scale, selected=prepared)
         return _from_bthd(out, packed)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, score: Optional[Tensor], bias: Optional[Tensor],
-                cu: Optional[Tensor]) -> Tensor:
-        cfg, scale, lay = self.cfg, self.softmax_scale, self.layout
-        if self.record_selection:
-            qg = gather_group_queries(q, lay, self.tp_group)
-            self.last_selection = select_blocks(qg, k, None if score is None else score.detach(), cfg, cu, scale)
-        if not lay.group_spans_ranks:
-            return nosa_attention(q, k, v, score, cfg, cu_seqlens=cu, backend=self.backend, attn_bias=bias,
-                                  softmax_scale=scale)
-        # The group's query heads span TP ranks: select once on the whole group, attend locally.
-        selected = select_blocks(gather_group_queries(q, lay, self.tp_group), k,
-                                 None if score is None else score.detach(), cfg, cu, scale, backend=self.backend)
-        return nosa_attention(q, k, v, score, cfg, cu_seqlens=cu, backend=self.backend, attn_bias=bias,
-                              softmax_scale=scale, selected=selected)
+    def prepare(self, query: Tensor, key: Tensor, evict_score: Optional[Tensor],
+                packed_seq_params: Optional[PackedSeqParams] = None) -> PreparedSelection:
+        """The selection (and the backend's index) of megatron-layout ``query``/``key``, computed
+        without grad; ``forward(..., prepared=...)`` reuses it (selective recompute)."""
+        cu = _packed_cu_seqlens(packed_seq_params)
+        packed = cu is not None
+        return self._prepare(_to_bthd(query, packed), _to_bthd(key, packed), evict_score, cu)
+
+    def _prepare(self, q: Tensor, k: Tensor, score: Optional[Tensor], cu: Optional[Tensor]) -> PreparedSelection:
+        # When the group's query heads span TP ranks, select once on the whole (gathered) group.
+        if self.layout.group_spans_ranks:
+            q = gather_group_queries(q, self.layout, self.tp_group)
+        return prepare_selection(q, k, score, self.cfg, cu, backend=self.backend, softmax_scale=self.softmax_scale)
 
 
 @dataclass
@@ -254,6 +262,11 @@ class NOSASelfAttention(SelfAttention):
         if ev is not None:
             self.core_attention.pending_eviction = None
             extra.update(evict_score=ev.score, evict_bias=ev.bias)
+        if isinstance(self.core_attention, NOSACoreAttention):
+            # Select once here, outside the checkpoint: the recompute in the backward reuses the
+            # selection and the kernels' index instead of recomputing them (no grad flows through them).
+            extra["prepared"] = self.core_attention.prepare(query, key, None if ev is None else ev.score,
+                                                            packed_seq_params)
         return super()._checkpointed_attention_forward(
             query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb, attn_mask_type=attn_mask_type,
             attention_bias=attention_bias, packed_seq_params=packed_seq_params, core_attention_extra_kwargs=extra)

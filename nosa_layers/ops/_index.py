@@ -16,6 +16,7 @@ tile ids, so a kernel's loop needs one index load per entry before its tile load
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,12 @@ class SparseIndex:
 
 
 def make_tiles(B: int, T: int, spans: list[tuple[int, int]], block: int, device) -> Tensor:
+    """Query tiles ``[n_tiles, 8]`` (cached per geometry and device: training calls repeat it)."""
+    return _tiles_cached(B, T, tuple(map(tuple, spans)), block, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _tiles_cached(B: int, T: int, spans: tuple, block: int, device: str) -> Tensor:
     rows = []
     for b in range(B):
         for s, e in spans:

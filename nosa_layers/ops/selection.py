@@ -127,6 +127,15 @@ def _sel_block_kernel(Q, KC, LSE, Out, L, nb, s_qb, s_qt, s_qh, s_cb, s_cw, s_ch
                  mask=tvalid[:, None] & (m < nb)[None, :])
 
 
+# Launch parameters of the scoring kernels (rows per program ``BM``; LSE: compressed keys per step
+# ``BW``; block scores: windows per step ``NW``, i.e. NW / (block / stride) blocks). Tuned on one
+# H200 for block 64, D 128 (bench/attention.py --sweep); override for experiments.
+SEL_CONFIG = {
+    "lse": dict(BM=64, BW=64, num_warps=4, num_stages=3),
+    "block": dict(BM=64, NW=128, num_warps=8, num_stages=2),
+}
+
+
 def block_scores_triton(q: Tensor, k: Tensor, cfg: NOSAConfig, softmax_scale: float | None = None) -> Tensor:
     """Query-aware block scores with forced (+inf) / future (-inf) blocks: fp32 ``[B, Hkv, L, nb]``."""
     from nosa_layers.selection import compressed_keys
@@ -149,19 +158,19 @@ def block_scores_triton(q: Tensor, k: Tensor, cfg: NOSAConfig, softmax_scale: fl
         kc = torch.zeros(B, 1, Hkv, D, dtype=dt, device=q.device)
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device=q.device)
     out = torch.empty(B, Hkv, L, nb, dtype=torch.float32, device=q.device)
-    BM = 64
-    BW = 64
-    _sel_lse_kernel[(triton.cdiv(L, BM), B * Hq)](
+    c = SEL_CONFIG["lse"]
+    _sel_lse_kernel[(triton.cdiv(L, c["BM"]), B * Hq)](
         q, kc, lse, L, *q.stride()[:3], *kc.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
-        HKV=Hkv, G=G, BM=BM, BW=BW, D=D, KS=ks, ST=st, num_warps=4, num_stages=3)
-    NBC = max(16 // R, 128 // R) if q.is_cuda else max(16 // R, 4)
+        HKV=Hkv, G=G, BM=c["BM"], BW=c["BW"], D=D, KS=ks, ST=st, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    c = SEL_CONFIG["block"]
+    NBC = max(16 // R, c["NW"] // R) if q.is_cuda else max(16 // R, 4)
     EP = triton.next_power_of_2(max(E, 1))
     NBC = max(NBC, triton.cdiv(16, EP))
-    _sel_block_kernel[(triton.cdiv(L, BM), B * Hkv)](
+    _sel_block_kernel[(triton.cdiv(L, c["BM"]), B * Hkv)](
         q, kc, lse, out, L, nb, *q.stride()[:3], *kc.stride()[:3], lse.stride(0), lse.stride(1),
         *out.stride()[:3], scale * LOG2E,
-        HKV=Hkv, G=G, BM=BM, NBC=NBC, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
-        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=8, num_stages=2)
+        HKV=Hkv, G=G, BM=c["BM"], NBC=NBC, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
+        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
 

@@ -198,9 +198,18 @@ def run_one(case_name: str, layout_name: str, out_dir: str, init_state) -> dict:
     ddp.zero_grad_buffer()
     opt.zero_grad()
     fb = get_forward_backward_func()
+    selection_calls: dict = {}  # selections computed per NOSA layer during the step (recompute must reuse them)
+    prepare = NOSACoreAttention._prepare
+
+    def counted_prepare(self, *args, **kwargs):
+        selection_calls[self.layer_number] = selection_calls.get(self.layer_number, 0) + 1
+        return prepare(self, *args, **kwargs)
+
+    NOSACoreAttention._prepare = counted_prepare
     losses = fb(forward_step_func=forward_step_factory(case, par), data_iterator=iter(micro), model=[ddp],
                 num_microbatches=len(micro), seq_length=SEQ if not case.packed else SEQ,
                 micro_batch_size=mbs if not case.packed else 1, forward_only=False)
+    NOSACoreAttention._prepare = prepare
     loss = None
     if ps.is_pipeline_last_stage():
         loss_t = torch.stack([x["lm loss"] for x in losses]).mean()
@@ -224,7 +233,8 @@ def run_one(case_name: str, layout_name: str, out_dir: str, init_state) -> dict:
                 if owner():
                     selections[m.layer_number - 1] = sel.bool()
     res = {"loss": loss, "grad_norm": float(grad_norm), "grads": grads, "params": params,
-           "selections": selections, "init": full_init}
+           "selections": selections, "init": full_init, "selection_calls": selection_calls,
+           "micro_batches": len(micro)}
     d = os.path.join(out_dir, case_name, layout_name)
     os.makedirs(d, exist_ok=True)
     torch.save(res, os.path.join(d, f"rank{dist.get_rank()}.pt"))

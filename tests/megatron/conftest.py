@@ -79,6 +79,8 @@ class MegatronRuns:
                 merged[k].update(r[k])
             if r.get("init"):
                 merged["init"] = r["init"]
+            merged.setdefault("selection_calls", r.get("selection_calls", {}))  # rank 0's counts
+            merged["micro_batches"] = r.get("micro_batches")
         return merged
 
 

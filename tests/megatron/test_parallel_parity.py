@@ -72,3 +72,13 @@ def test_one_step_matches_single_process(request, case, layout):
     assert report["loss"] <= RTOL and report["grad_norm"] <= RTOL
     assert report["params"] <= RTOL
     assert report["update"] <= 1e-3, "optimizer updates differ"
+
+
+def test_recompute_reuses_the_selection(megatron_runs):
+    """Selective recompute of core attention selects once per layer and micro-batch (the selection
+    and the kernels' index are prepared before the checkpoint), exactly as without recompute."""
+    plain = megatron_runs.result("nosa", "tp2")
+    rec = megatron_runs.result("nosa", "tp2_recompute")
+    assert plain["selection_calls"], "no NOSA selection was counted"
+    assert rec["selection_calls"] == plain["selection_calls"]
+    assert set(rec["selection_calls"].values()) == {rec["micro_batches"]}
