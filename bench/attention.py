@@ -354,6 +354,32 @@ def profile_kernels(T, HQ):
     emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in CONFIG.items()}, kernels=kernels)
 
 
+def profile_index(T, HQ):
+    """Where the index build spends its time (torch.profiler, CPU and CUDA, P1 lists): top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, sel, _ = p1_lists(T, seed=1)
+    cfg = NOSAConfig()
+    for _ in range(3):
+        build_sparse_index(sel, cfg, T)
+    torch.cuda.synchronize()
+    n = 10
+    t0 = time.perf_counter()
+    for _ in range(n):
+        build_sparse_index(sel, cfg, T)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            build_sparse_index(sel, cfg, T)
+        torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    emit(kind="index_profile", T=T, HQ=HQ, wall_ms=round(wall, 3),
+         top_ops={e.key[:50]: dict(self_cpu_ms=round(e.self_cpu_time_total / 1e3 / n, 3), calls=e.count // n,
+                                   device_ms=round((getattr(e, "self_device_time_total", 0) or 0) / 1e3 / n, 3))
+                  for e in ops})
+
+
 def table():
     lines = ["| case | T | HQ | density | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x ideal | bwd x ideal | notes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -378,6 +404,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at the first shape")
+    ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -386,6 +413,9 @@ def main():
                 triton=__import__("triton").__version__, cmd=" ".join(sys.argv))
     emit(kind="meta", **meta)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    if args.index_profile:
+        profile_index(*shapes[0])
+        return
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)

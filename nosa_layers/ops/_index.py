@@ -76,20 +76,23 @@ def split_lists(col_ptr: Tensor, counts: Tensor, chunk: int):
     dev = counts.device
     n_w = counts.numel()
     nch = torch.ones_like(counts) if chunk <= 0 else torch.div(counts + chunk - 1, chunk, rounding_mode="floor").clamp(min=1)
-    item_w = torch.repeat_interleave(torch.arange(n_w, device=dev), nch)
+    is_multi = nch > 1
+    # the only host sync: the sizes of the outputs
+    n_items, n_slots, n_multi = torch.stack([nch.sum(), torch.where(is_multi, nch, 0).sum(), is_multi.sum()]).tolist()
+    item_w = torch.repeat_interleave(torch.arange(n_w, device=dev), nch, output_size=n_items)
     first = nch.cumsum(0) - nch
-    piece = torch.arange(item_w.numel(), device=dev) - first[item_w]
+    piece = torch.arange(n_items, device=dev) - first[item_w]
     lo, hi = col_ptr[item_w], col_ptr[item_w + 1]
     start = lo if chunk <= 0 else lo + piece * chunk
     end = hi if chunk <= 0 else torch.minimum(start + chunk, hi)
-    split = nch[item_w] > 1
+    split = is_multi[item_w]
     slot = torch.where(split, split.long().cumsum(0) - 1, torch.full_like(item_w, -1))
     items = torch.stack([item_w, start, end, slot], 1).to(torch.int32).contiguous()
     order = torch.sort(end - start, descending=True, stable=True).indices.to(torch.int32)
-    multi = (nch > 1).nonzero().squeeze(1)
+    multi = torch.sort((~is_multi).to(torch.uint8), stable=True).indices[:n_multi]  # ascending w with nch > 1
     slot0 = nch[multi].cumsum(0) - nch[multi]
     reduce_items = torch.stack([multi, slot0, nch[multi]], 1).to(torch.int32).contiguous()
-    return items, order, int(split.sum()), reduce_items
+    return items, order, n_slots, reduce_items
 
 
 def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int, dkdv_chunk: int = 0) -> SparseIndex:
@@ -113,7 +116,8 @@ def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int, dkdv
     key_tile = tile_of - tiles[tile_of, 5].long() + blk  # global tile id of the KV block
     inv_key = key_tile * Hkv + h_of
     inv_key_sorted, perm = torch.sort(inv_key, stable=True)
-    inv_counts = torch.bincount(inv_key_sorted, minlength=n_tiles * Hkv)
+    inv_counts = torch.zeros(n_tiles * Hkv, dtype=torch.int64, device=dev).index_add_(  # no host sync
+        0, inv_key_sorted, torch.ones_like(inv_key_sorted))
     col_ptr = torch.zeros(n_tiles * Hkv + 1, dtype=torch.int64, device=dev)
     col_ptr[1:] = inv_counts.cumsum(0)
     tile_start = tiles[:, 1]
