@@ -18,8 +18,8 @@ from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 # lists; read when the index is built). Tuned on one H200 for block 64, D 128 (docs/BENCHMARKS.md); override
 # for experiments.
 CONFIG = {
-    "fwd": dict(HP=2, num_warps=8, num_stages=2, TMA=False, PAIR=True),
-    "dq": dict(HP=1, num_warps=4, num_stages=2, TMA=False),
+    "fwd": dict(HP=1, num_warps=4, num_stages=2, TMA=False, PAIR=False),
+    "dq": dict(HP=2, num_warps=8, num_stages=2, TMA=False),
     "dkdv": dict(HP=1, num_warps=4, num_stages=2, TMA=False, CHUNK=32),
 }
 

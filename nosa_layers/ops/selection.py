@@ -131,8 +131,8 @@ def _sel_block_kernel(Q, KC, LSE, Out, L, nb, s_qb, s_qt, s_qh, s_cb, s_cw, s_ch
 # ``BW``; block scores: windows per step ``NW``, i.e. NW / (block / stride) blocks). Tuned on one
 # H200 for block 64, D 128 (bench/attention.py --sweep); override for experiments.
 SEL_CONFIG = {
-    "lse": dict(BM=64, BW=64, num_warps=4, num_stages=3),
-    "block": dict(BM=64, NW=128, num_warps=8, num_stages=2),
+    "lse": dict(BM=128, BW=64, num_warps=4, num_stages=2),
+    "block": dict(BM=64, NW=256, num_warps=8, num_stages=2),
 }
 
 
