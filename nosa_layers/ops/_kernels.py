@@ -45,7 +45,7 @@ def pack_words(selected: torch.Tensor, tiles: torch.Tensor, block: int) -> torch
     if n_tiles == 0 or nb == 0:
         return words
     _pack_words_kernel[(n_tiles * Hkv,)](sel, tiles, words, nb, sel.stride(0), sel.stride(1), sel.stride(2),
-                                        HKV=Hkv, BT=block, NBC=min(64, triton.next_power_of_2(nb)))
+                                        HKV=Hkv, BT=block, NBC=64)  # one variant for every nb
     return words
 
 

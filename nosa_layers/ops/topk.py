@@ -110,8 +110,10 @@ def select_from_block_scores(b_qa: Tensor, static: Tensor | None, prev_part: Ten
         static, prev_part = static.float(), prev_part.float()
     else:
         static = prev_part = b_qa.new_empty(1, 1, 1)  # unused
-    NBP = max(triton.next_power_of_2(nb), 2)
-    BR = max(1, min(TILE // NBP, triton.next_power_of_2(L)))
+    # Few compiled variants: documents of any length up to 64 blocks share one (packed training
+    # batches bring a new length with almost every document; each new variant is a compile).
+    NBP = max(triton.next_power_of_2(nb), 64)
+    BR = max(1, TILE // NBP)
     _select_kernel[(triton.cdiv(L, BR), B * Hkv)](
         b_qa, static, prev_part, out.view(torch.uint8), L, nb, cfg.query_aware_blocks, cfg.topk,
         *b_qa.stride()[:3], *static.stride()[:2], *prev_part.stride()[:2], *out.stride()[:3],
