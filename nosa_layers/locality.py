@@ -74,14 +74,22 @@ def step_selections(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAC
     return out
 
 
-def locality_from_selections(selected: Tensor, block_size: int) -> LocalityStats:
-    """Locality statistics from per-step selections ``[B, Hkv, T, nb]`` of one sequence."""
+def locality_from_selections(selected: Tensor, block_size: int, positions: Tensor | None = None) -> LocalityStats:
+    """Locality statistics from per-step selections ``[B, Hkv, T, nb]`` of one sequence.
+
+    ``positions``: ``[T]`` or ``[B, T]`` position of each row inside its document, for packed
+    sequences whose block indices restart at every document (``select_blocks(..., cu_seqlens)``);
+    default ``0..T-1``. The first row of a document compares with the previous document's last
+    row; callers drop those rows (position 0)."""
     B, H, T, nb = selected.shape
     prev = torch.zeros_like(selected)
     prev[:, :, 1:] = selected[:, :, :-1]
-    own = torch.zeros_like(selected)
-    t = torch.arange(T, device=selected.device)
-    own[:, :, t, t // block_size] = True
+    pos = torch.arange(T, device=selected.device) if positions is None else positions.to(selected.device)
+    own_block = (pos.reshape(-1, 1, T, 1) // block_size).expand(B, H, T, 1)
+    if nb and int(own_block.max()) >= nb:
+        raise ValueError(f"positions reach block {int(own_block.max())} but the selection has {nb} blocks "
+                         "(packed sequence? pass positions inside each document)")
+    own = torch.zeros_like(selected).scatter_(-1, own_block.clamp(max=max(nb - 1, 0)), True) if nb else selected.clone()
     resident = prev | own
     size = selected.sum(-1)
     kept = (selected & prev).sum(-1)

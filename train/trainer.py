@@ -214,14 +214,15 @@ class Trainer:
         """
         from nosa_layers.locality import locality_from_selections
 
-        keep = (mb["position_ids"].reshape(-1) > 0).cpu()
+        pos = mb["position_ids"].cpu()  # [b, s], restarting at every packed document
+        keep = pos > 0
         gammas, fetched = [], []
         for m in self._nosa_modules():
             if m.last_selection is None:
                 continue
-            st = locality_from_selections(m.last_selection.cpu(), m.cfg.block_size)
-            gammas.append(st.gamma[..., keep].flatten())
-            fetched.append(st.fetched[..., keep].float().flatten())
+            st = locality_from_selections(m.last_selection.cpu(), m.cfg.block_size, positions=pos)
+            gammas.append(st.gamma.transpose(1, 2)[keep].flatten())  # [b, s, Hkv] rows that have a predecessor
+            fetched.append(st.fetched.transpose(1, 2)[keep].float().flatten())
             m.last_selection = None
         if not gammas:
             return {}

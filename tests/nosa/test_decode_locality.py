@@ -111,3 +111,25 @@ def test_default_geometry_locality_bound_long_sequence():
     sparse_rows = st.gamma[:, :, 64 * 65:]
     assert (st.selected[:, :, 64 * 65:] == 64).all()
     assert (sparse_rows >= cfg.query_agnostic_blocks / cfg.topk).all()
+
+
+def test_locality_of_a_packed_sequence_uses_positions_inside_documents():
+    """Packed rows: block indices restart per document, so the resident own block is found from the
+    position inside the document. Regression: a last document shorter than the longest one indexed
+    past the selection's blocks (IndexError during training at step 15 of a 1B run)."""
+    from nosa_layers import select_blocks
+
+    cfg = tiny_cfg()
+    cu = [0, 150, 190]  # second document shorter than the first: nb comes from the first
+    q, k, _, s = random_qkvs(1, 190, 4, 2, 8, seed=3)
+    sel = select_blocks(q, k, s, cfg, cu_seqlens=torch.tensor(cu))
+    pos = torch.cat([torch.arange(e - a) for a, e in zip(cu[:-1], cu[1:])])
+    with pytest.raises(ValueError, match="positions inside each document"):
+        locality_from_selections(sel, cfg.block_size)
+    st = locality_from_selections(sel, cfg.block_size, positions=pos)
+    for a, e in zip(cu[:-1], cu[1:]):  # each document alone gives the same per-row statistics
+        one = locality_from_selections(sel[:, :, a:e], cfg.block_size)
+        assert torch.equal(st.fetched[..., a + 1:e], one.fetched[..., 1:])
+        assert torch.equal(st.gamma[..., a + 1:e], one.gamma[..., 1:])
+    st2 = locality_from_selections(sel.expand(2, -1, -1, -1), cfg.block_size, positions=pos.expand(2, -1))
+    assert torch.equal(st2.fetched[0], st.fetched[0]) and torch.equal(st2.fetched[1], st.fetched[0])
