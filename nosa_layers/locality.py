@@ -99,6 +99,25 @@ def locality_from_selections(selected: Tensor, block_size: int, positions: Tenso
     return LocalityStats(gamma=gamma, selected=size, fetched=size - hits, hits=hits)
 
 
+def packed_locality_summary(selections: list[tuple[Tensor, int]], positions: Tensor) -> dict:
+    """Training-time summary over layers: ``selections`` = ``(selected [b, Hkv, s, nb], block_size)``
+    per layer, ``positions`` ``[b, s]`` (restarting at every packed document). Rows that start a
+    document are left out (no predecessor). Computed on the selections' device; returns floats
+    ``nosa_gamma_mean``, ``nosa_gamma_min``, ``nosa_fetched_per_step`` (empty dict: no selection)."""
+    gammas, fetched = [], []
+    for sel, block_size in selections:
+        pos = positions.to(sel.device)
+        keep = pos > 0
+        st = locality_from_selections(sel, block_size, positions=pos)
+        gammas.append(st.gamma.transpose(1, 2)[keep].flatten())  # [b, s, Hkv] rows with a predecessor
+        fetched.append(st.fetched.transpose(1, 2)[keep].float().flatten())
+    if not gammas:
+        return {}
+    g, f = torch.cat(gammas), torch.cat(fetched)
+    return {"nosa_gamma_mean": float(g.nanmean()), "nosa_gamma_min": float(g.nan_to_num(2.0).min()),
+            "nosa_fetched_per_step": float(f.mean())}
+
+
 def measure_locality(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                      walk: str = "decode") -> LocalityStats:
     """Walk one layer's sequence token by token and report gamma, cache hits and fetches.

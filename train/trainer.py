@@ -212,23 +212,14 @@ class Trainer:
 
         gamma(t) = |S_t ∩ S_{t-1}| / |S_t| over rows that are not the first token of a document.
         """
-        from nosa_layers.locality import locality_from_selections
+        from nosa_layers.locality import packed_locality_summary
 
-        pos = mb["position_ids"].cpu()  # [b, s], restarting at every packed document
-        keep = pos > 0
-        gammas, fetched = [], []
+        sels = []
         for m in self._nosa_modules():
-            if m.last_selection is None:
-                continue
-            st = locality_from_selections(m.last_selection.cpu(), m.cfg.block_size, positions=pos)
-            gammas.append(st.gamma.transpose(1, 2)[keep].flatten())  # [b, s, Hkv] rows that have a predecessor
-            fetched.append(st.fetched.transpose(1, 2)[keep].float().flatten())
-            m.last_selection = None
-        if not gammas:
-            return {}
-        g, f = torch.cat(gammas), torch.cat(fetched)
-        return {"nosa_gamma_mean": float(g.nanmean()), "nosa_gamma_min": float(g.nan_to_num(2.0).min()),
-                "nosa_fetched_per_step": float(f.mean())}
+            if m.last_selection is not None:
+                sels.append((m.last_selection, m.cfg.block_size))
+                m.last_selection = None
+        return packed_locality_summary(sels, mb["position_ids"])
 
     def train_step(self) -> dict:
         for m in self.model:

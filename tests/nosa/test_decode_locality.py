@@ -133,3 +133,22 @@ def test_locality_of_a_packed_sequence_uses_positions_inside_documents():
         assert torch.equal(st.gamma[..., a + 1:e], one.gamma[..., 1:])
     st2 = locality_from_selections(sel.expand(2, -1, -1, -1), cfg.block_size, positions=pos.expand(2, -1))
     assert torch.equal(st2.fetched[0], st.fetched[0]) and torch.equal(st2.fetched[1], st.fetched[0])
+
+
+def test_training_summary_of_packed_layers_equals_per_document_stats():
+    from nosa_layers import select_blocks
+    from nosa_layers.locality import packed_locality_summary
+
+    cfg = tiny_cfg()
+    cu = [0, 150, 190]
+    q, k, _, s = random_qkvs(1, 190, 4, 2, 8, seed=4)
+    sel = select_blocks(q, k, s, cfg, cu_seqlens=torch.tensor(cu))
+    pos = torch.cat([torch.arange(e - a) for a, e in zip(cu[:-1], cu[1:])])[None]
+    got = packed_locality_summary([(sel, cfg.block_size), (sel, cfg.block_size)], pos)
+    docs = [locality_from_selections(sel[:, :, a:e], cfg.block_size) for a, e in zip(cu[:-1], cu[1:])]
+    g = torch.cat([d.gamma[..., 1:].flatten() for d in docs])
+    f = torch.cat([d.fetched[..., 1:].float().flatten() for d in docs])
+    assert got["nosa_gamma_mean"] == pytest.approx(float(g.mean()))
+    assert got["nosa_gamma_min"] == pytest.approx(float(g.min()))
+    assert got["nosa_fetched_per_step"] == pytest.approx(float(f.mean()))
+    assert packed_locality_summary([], pos) == {}
