@@ -212,15 +212,18 @@ def synthetic_nosa_inputs(T, HQ, seed, smooth):
     return q, k, v, bias
 
 
-def sweep(T, HQ, dense_ms):
-    """Pick the fastest launch config of each kernel at one shape (others fixed)."""
-    pieces, sel, keys = p1_lists(T, seed=1)
+def p1_case(T, HQ):
+    """P1 lists and inputs at one shape: ``(sel, keys, cfg, index, (q, k, v, bias) gradient leaves, dO)``."""
+    _, sel, keys = p1_lists(T, seed=1)
     cfg = NOSAConfig()
     q, k, v, bias = make_inputs(T, HQ)
-    idx = build_sparse_index(sel, cfg, T)
-    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
-    bg = bias.clone().requires_grad_(True)
-    do = torch.randn_like(q)
+    leaves = tuple(x.clone().requires_grad_(True) for x in (q, k, v, bias))
+    return sel, keys, cfg, build_sparse_index(sel, cfg, T), leaves, torch.randn_like(q)
+
+
+def sweep(T, HQ, dense_ms):
+    """Pick the fastest launch config of each kernel at one shape (others fixed)."""
+    sel, keys, cfg, idx, (qg, kg, vg, bg), do = p1_case(T, HQ)
     # (HP, num_warps, num_stages, TMA tile loads[, PAIR]); TMA lost everywhere in earlier sweeps: one probe each
     space = {
         "fwd": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma, PAIR=pr) for hp, nw, ns, tma, pr in
@@ -321,13 +324,7 @@ def profile_kernels(T, HQ):
     useful TFLOP/s of each attention kernel (dQ: 3 matmuls = 1.5x the forward FLOPs; dK/dV/db: 4 = 2x)."""
     from torch.profiler import ProfilerActivity, profile
 
-    pieces, sel, keys = p1_lists(T, seed=1)
-    cfg = NOSAConfig()
-    q, k, v, bias = make_inputs(T, HQ)
-    idx = build_sparse_index(sel, cfg, T)
-    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
-    bg = bias.clone().requires_grad_(True)
-    do = torch.randn_like(q)
+    sel, keys, cfg, idx, (qg, kg, vg, bg), do = p1_case(T, HQ)
     n = 5
     for _ in range(2):
         o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
