@@ -16,9 +16,10 @@ from ._kernels import LOG2E, _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 # whether the loop's tile loads go through TMA descriptors (``TMA``: GPU with TMA, i.e. Hopper or
 # newer, or the interpreter). Forward: ``PAIR``, two key blocks per online-softmax step. dK/dV:
 # ``CHUNK``, the longest inverse-list piece per program (0: whole lists; read when the index is
-# built); each piece of a split list keeps a 64 KiB fp32 partial (dK + dV) until the reduction. Picked by the
-# H200 sweep for block 64, D 128 (docs/BENCHMARKS.md); CHUNK 128 instead of the sweep's 32 (22.35 vs
-# 22.17 ms for the whole backward at T=32K, HQ=32) keeps ~10x fewer partials. Override for experiments.
+# built); each piece of a split list keeps a 64 KiB fp32 partial (dK + dV) until the reduction.
+# Picked by the H200 sweep for block 64, D 128 (docs/BENCHMARKS.md); CHUNK 128 instead of the
+# sweep's 32 (22.35 vs 22.17 ms for the whole backward at T=32K, HQ=32) keeps ~10x fewer partials.
+# Override for experiments.
 CONFIG = {
     "fwd": dict(HP=1, num_warps=4, num_stages=2, TMA=False, PAIR=False),
     "dq": dict(HP=2, num_warps=8, num_stages=2, TMA=False),
