@@ -1,8 +1,8 @@
 """Shared pieces of the converters: trainer-checkpoint discovery, typed configs, tensor I/O.
 
 Layering: this package imports ``nosa_layers`` (configs, megatron builders) and never ``train/``;
-the few trainer conventions it relies on are re-stated here (``latest`` pointer, ``nosa_config.json``
-next to the tensors, the model's sharded state under key ``model``).
+the checkpoint layout conventions (``latest`` pointer, ``nosa_config.json`` next to the tensors) come
+from ``nosa_layers.megatron.checkpoint_files``, shared with the trainer.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,6 @@ from torch import Tensor
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
 
 from nosa_layers.megatron.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
-from nosa_layers.megatron.checkpoint_files import configs_from_dict as _configs_from_dict
 from nosa_layers.megatron.checkpoint_files import find_checkpoint, read_configs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,11 +54,14 @@ def read_model_config(ckpt: Path):
     return got
 
 
-def configs_from_dict(raw: dict):
+def run_cli(prog: str, fn, *args) -> int:
+    """Run a converter's work; a bad input is one ``<prog>: error: ...`` line on stderr and exit code 2."""
     try:
-        return _configs_from_dict(raw)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
+        fn(*args)
+    except (ConversionError, ValueError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:

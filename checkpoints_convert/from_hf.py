@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir
+from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir, run_cli
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
 
 
@@ -151,12 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
     ap.add_argument("--family", default=None, choices=["llama3", "minicpm4"])
     args = ap.parse_args(argv)
-    try:
-        import_hf(args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by, args.family)
-    except (ConversionError, ValueError, FileNotFoundError) as e:
-        print(f"from_hf: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
+                   args.family)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from checkpoints_convert.common import (
     load_megatron_tensors,
     read_model_config,
     resolve_checkpoint,
+    run_cli,
     save_safetensors_sharded,
 )
 from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
@@ -187,12 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory to copy into the export")
     ap.add_argument("--max-shard-size", default="4GB")
     args = ap.parse_args(argv)
-    try:
-        export(args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size))
-    except (ConversionError, ValueError, FileNotFoundError) as e:
-        print(f"to_hf: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size))
 
 
 if __name__ == "__main__":
