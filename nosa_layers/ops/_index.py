@@ -8,10 +8,11 @@ Forward CSR (per tile and KV head, ``w = tile * Hkv + h``): ``row_ptr[w]..row_pt
 ``fwd_ks`` (first token of the KV block in its batch row, ascending, the diagonal block last) and
 ``fwd_word`` (int64 token bitmask: bit ``r`` set <=> query row ``r`` of the tile selected it).
 
-Inverse CSR (per KV block and KV head, ``c * Hkv + h``): ``col_ptr`` indexes ``inv_qs`` (first token
-of the query tile, ascending) and ``inv_word`` (the same bitmask). Built with one stable sort: the
-order, hence every reduction in the backward, is deterministic. The lists carry token offsets, not
-tile ids, so a kernel's loop needs one index load per entry before its tile loads.
+Inverse lists (per KV block and KV head, ``c * Hkv + h``): ``inv_qs`` (first token of the query tile,
+ascending) and ``inv_word`` (the same bitmask), cut into the dK/dV work items (``dkdv_items``: list
+pieces with their entry ranges). Built with one stable sort: the order, hence every reduction in
+the backward, is deterministic. The lists carry token offsets, not tile ids, so a kernel's loop
+needs one index load per entry before its tile loads.
 """
 
 from __future__ import annotations
@@ -35,14 +36,12 @@ class SparseIndex:
     fwd_ks: Tensor     # int32 [nnz]
     fwd_word: Tensor   # int64 [nnz]
     fwd_order: Tensor  # int32 [n_tiles*Hkv]: longest list first
-    col_ptr: Tensor    # int32 [n_tiles*Hkv + 1]
     inv_qs: Tensor     # int32 [nnz]
     inv_word: Tensor   # int64 [nnz]
     dkdv_items: Tensor  # int32 [n_items, 4]: w, first entry, end entry, partial slot (-1: writes dK/dV itself)
     dkdv_order: Tensor  # int32 [n_items]: longest piece first
     n_slots: int        # fp32 partial (dK, dV, db) buffers the pieces of split lists write
     reduce_items: Tensor  # int32 [n_split, 3]: w, first slot, number of slots (ascending slots)
-    words: Tensor      # int64 [n_tiles, Hkv, nb] (dense bitmask, kept for statistics)
 
     @property
     def nnz(self) -> int:
@@ -127,8 +126,7 @@ def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int, dkdv
     fwd_order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
     items, order, n_slots, reduce_items = split_lists(col_ptr, inv_counts, dkdv_chunk)
     return SparseIndex(block, n_tiles, Hkv, tiles, row_ptr.to(torch.int32), fwd_ks, fwd_word.contiguous(),
-                       fwd_order, col_ptr.to(torch.int32), inv_qs, inv_word.contiguous(), items, order, n_slots,
-                       reduce_items, words)
+                       fwd_order, inv_qs, inv_word.contiguous(), items, order, n_slots, reduce_items)
 
 
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
@@ -136,7 +134,8 @@ def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
     nnz = index.nnz
     per_token = selected.sum(-1).float()  # [B, Hkv, T]
     tile_len = (index.tiles[:, 2] - index.tiles[:, 1]).float()
-    union_sizes = (index.words != 0).sum(-1).float()  # [n_tiles, Hkv]
+    union_sizes = index.row_ptr.diff().float().reshape(index.n_tiles, index.hkv)  # listed blocks per (tile, head)
+    union_per_tile = float((union_sizes * tile_len[:, None]).sum() / (tile_len.sum() * index.hkv))
     # tokens selected per listed (tile, block) pair
     bits = torch.zeros_like(index.fwd_word)
     w = index.fwd_word
@@ -144,8 +143,8 @@ def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
         bits += (w >> i) & 1
     return {
         "mean_blocks_per_token": float(per_token.mean()),
-        "mean_union_blocks_per_tile": float((union_sizes * tile_len[:, None]).sum() / (tile_len.sum() * index.hkv)),
-        "inflation": float((union_sizes * tile_len[:, None]).sum() / (tile_len.sum() * index.hkv) / per_token.mean()),
+        "mean_union_blocks_per_tile": union_per_tile,
+        "inflation": union_per_tile / float(per_token.mean()),
         "bitmask_fill": float(bits.float().sum() / (nnz * index.block)),
         "nnz": nnz,
     }

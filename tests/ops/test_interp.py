@@ -257,3 +257,23 @@ def test_attention_on_strided_views_of_a_fused_qkv_buffer():
     _close(out, ref.detach(), 1e-5)
     _close(g_fused, r_fused, 1e-5)
     _close(g_s, r_s, 1e-5)
+
+
+@pytest.mark.usefixtures("interp")
+def test_union_inflation_counts_union_blocks_and_bitmask_fill():
+    """Tiles of 16 rows over 4 blocks: rows that agree give inflation 1 and a full bitmask; two row
+    halves with disjoint picks double the union and half-fill each listed block's word."""
+    from nosa_layers.ops._index import build_index, union_inflation
+
+    T, bs = 64, 16
+    sel = torch.zeros(1, 1, T, 4, dtype=torch.bool)
+    for t in range(T):
+        sel[0, 0, t, t // bs] = True  # own block only: every row of a tile agrees
+    st = union_inflation(build_index(sel, [(0, T)], bs), sel)
+    assert st["inflation"] == pytest.approx(1.0) and st["bitmask_fill"] == pytest.approx(1.0) and st["nnz"] == 4
+    sel[0, 0, 48:56, 0] = True  # last tile: first half adds block 0, second half block 1
+    sel[0, 0, 56:64, 1] = True
+    st = union_inflation(build_index(sel, [(0, T)], bs), sel)
+    assert st["mean_union_blocks_per_tile"] == pytest.approx((1 + 1 + 1 + 3) / 4)
+    assert st["mean_blocks_per_token"] == pytest.approx((48 + 16 * 2) / 64)
+    assert st["bitmask_fill"] == pytest.approx((4 * 16 + 8 + 8) / (6 * 16))
