@@ -129,7 +129,9 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     Hkv = k.shape[2]
     G = Hq // Hkv
     BT = idx.block
-    do = do if do.is_contiguous() else do.contiguous()
+    # the kernels need a contiguous head dim; the TMA descriptor of dO (dK/dV) needs a dense layout
+    if do.stride(-1) != 1 or (_use_tma("dkdv", q) and not do.is_contiguous()):
+        do = do.contiguous()
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if T:
         _bwd_delta_kernel[(triton.cdiv(T, 64), B * Hq)](o, do, delta, T, Hq, *o.stride()[:3], *do.stride()[:3],
