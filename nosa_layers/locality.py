@@ -86,10 +86,10 @@ def locality_from_selections(selected: Tensor, block_size: int, positions: Tenso
     prev[:, :, 1:] = selected[:, :, :-1]
     pos = torch.arange(T, device=selected.device) if positions is None else positions.to(selected.device)
     own_block = (pos.reshape(-1, 1, T, 1) // block_size).expand(B, H, T, 1)
-    if nb and int(own_block.max()) >= nb:
+    if own_block.numel() and int(own_block.max()) >= nb:
         raise ValueError(f"positions reach block {int(own_block.max())} but the selection has {nb} blocks "
                          "(packed sequence? pass positions inside each document)")
-    own = torch.zeros_like(selected).scatter_(-1, own_block.clamp(max=max(nb - 1, 0)), True) if nb else selected.clone()
+    own = torch.zeros_like(selected).scatter_(-1, own_block, True)
     resident = prev | own
     size = selected.sum(-1)
     kept = (selected & prev).sum(-1)
