@@ -116,12 +116,9 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         selected, index = selected.selected, selected.index
     if resolve_backend(backend, q.device) == "triton":
         ops = _ops()
-        if index is not None:
-            return ops.sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens,
-                                                       bias=bias, softmax_scale=softmax_scale, index=index)
         if selected is not None:
             return ops.sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens,
-                                                       bias=bias, softmax_scale=softmax_scale)
+                                                       bias=bias, softmax_scale=softmax_scale, index=index)
         return ops.nosa_attention_triton(q, k, v, evict_score, cfg, cu_seqlens=cu_seqlens, bias=bias,
                                          softmax_scale=softmax_scale)
 

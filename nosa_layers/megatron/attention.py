@@ -38,8 +38,6 @@ from nosa_layers.megatron.heads import (
 )
 from nosa_layers.selection import document_spans
 
-# Registry heads that read only v: q and k are not gathered for them (any other head gets all three).
-
 
 def _tp_group_and_layout(pg_collection, num_q_heads: int, num_kv_heads: int):
     group = pg_collection.tp
