@@ -85,20 +85,14 @@ def _use_tma(name: str, x: Tensor) -> bool:
     return interpreting() or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def _kv_desc(x: Tensor, block: int):
-    """TMA descriptor of a contiguous ``[B, T, Hkv, D]`` tensor seen as ``[B*T, Hkv*D]``, block ``[block, D]``."""
+def _tma_desc(x: Tensor, *block: int):
+    """TMA descriptor of a contiguous ``[B, T, H, D]`` tensor seen as ``[B*T, H*D]`` (``block`` of 2
+    dims: K/V tiles ``[block, D]``) or ``[B*T, H, D]`` (3 dims: Q/dO tiles ``[block, heads, D]``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     B, T, H, D = x.shape
-    return TensorDescriptor.from_tensor(x.view(B * T, H * D), [block, D])
-
-
-def _rows_desc(x: Tensor, block: int, hp: int):
-    """TMA descriptor of a contiguous ``[B, T, Hq, D]`` tensor seen as ``[B*T, Hq, D]``, block ``[block, hp, D]``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    B, T, H, D = x.shape
-    return TensorDescriptor.from_tensor(x.view(B * T, H, D), [block, hp, D])
+    view = x.view(B * T, H * D) if len(block) == 2 else x.view(B * T, H, D)
+    return TensorDescriptor.from_tensor(view, list(block))
 
 
 def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
@@ -112,7 +106,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     cfg = CONFIG["fwd"]
     grid = (idx.n_tiles * Hkv * (G // hp),)
     tma = _use_tma("fwd", q)
-    kd, vd = (_kv_desc(k, BT), _kv_desc(v, BT)) if tma else (None, None)
+    kd, vd = (_tma_desc(k, BT, D), _tma_desc(v, BT, D)) if tma else (None, None)
     if grid[0]:
         _fwd_kernel[grid](q, k, v, kd, vd, q if bias is None else bias, o, lse, idx.tiles, idx.row_ptr, idx.fwd_ks,
                           idx.fwd_word, idx.fwd_order, T,
@@ -146,7 +140,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     hp = _hp("dq", G, BT)
     cfg = CONFIG["dq"]
     tma = _use_tma("dq", q)
-    kd, vd = (_kv_desc(k, BT), _kv_desc(v, BT)) if tma else (None, None)
+    kd, vd = (_tma_desc(k, BT, D), _tma_desc(v, BT, D)) if tma else (None, None)
     _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
         q, k, v, kd, vd, bias_arg, do, lse, delta, dq, idx.tiles, idx.row_ptr, idx.fwd_ks, idx.fwd_word,
         idx.fwd_order, T,
@@ -157,7 +151,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     hp = _hp("dkdv", G, BT)
     cfg = CONFIG["dkdv"]
     tma = _use_tma("dkdv", q)
-    qd, dod = (_rows_desc(q, BT, hp), _rows_desc(do, BT, hp)) if tma else (None, None)
+    qd, dod = (_tma_desc(q, BT, hp, D), _tma_desc(do, BT, hp, D)) if tma else (None, None)
     dbs = db.stride() if need_db else (0, 0, 0)
     db_arg = dk if db is None else db
     n_ws = max(idx.n_slots, 1)
