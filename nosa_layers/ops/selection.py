@@ -14,7 +14,7 @@ Pipeline per document (``select_blocks`` semantics, see ``nosa_layers/selection.
    ``topk.select_from_block_scores`` runs both top-k stages (query-aware, then eviction fill) in one
    Triton kernel (per-row k-th largest key by bit-wise counting, no sort) and writes the bool mask;
    ties go to the LOWER block index exactly as the reference's stable sort.
-   ``select_rows_torch`` is the same pipeline with the top-k stages in plain torch (reference).
+   ``select_rows_triton(..., topk=select_from_block_scores_torch)``: the stages in plain torch (reference).
 
 The probabilities come from tensor-core dot products in the inputs' dtype (fp32 accumulate), so
 block scores can differ from the fp32 reference by rounding; selections then differ only where two
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
 
-from .topk import _topk_mask, select_from_block_scores, select_from_block_scores_torch  # noqa: F401
+from .topk import select_from_block_scores
 
 LOG2E = 1.4426950408889634
 
@@ -197,21 +197,14 @@ def agnostic_parts(score: Tensor, cfg: NOSAConfig, L: int) -> tuple[Tensor, Tens
 
 
 def select_rows_triton(q: Tensor, k: Tensor, score: Tensor | None, cfg: NOSAConfig,
-                       softmax_scale: float | None = None) -> Tensor:
+                       softmax_scale: float | None = None, topk=select_from_block_scores) -> Tensor:
     """Selection for one document (positions 0..L-1): bool ``[B, Hkv, L, nb]``.
 
-    Triton block scores, then both top-k stages in the fused kernel of ``topk.py``."""
+    Triton block scores, then both top-k stages in the fused kernel of ``topk.py`` (``topk=
+    select_from_block_scores_torch``: the plain-PyTorch stages, the kernel's reference)."""
     b_qa = block_scores_triton(q, k, cfg, softmax_scale)
     static, prev_part = (None, None) if score is None else agnostic_parts(score, cfg, q.shape[1])
-    return select_from_block_scores(b_qa, static, prev_part, cfg)
-
-
-def select_rows_torch(q: Tensor, k: Tensor, score: Tensor | None, cfg: NOSAConfig,
-                      softmax_scale: float | None = None, row_chunk: int = 2048) -> Tensor:
-    """``select_rows_triton`` with the top-k stages in plain PyTorch (reference of the kernel)."""
-    b_qa = block_scores_triton(q, k, cfg, softmax_scale)
-    static, prev_part = (None, None) if score is None else agnostic_parts(score, cfg, q.shape[1])
-    return select_from_block_scores_torch(b_qa, static, prev_part, cfg, row_chunk)
+    return topk(b_qa, static, prev_part, cfg)
 
 
 def _supported(cfg: NOSAConfig, D: int) -> bool:

@@ -83,7 +83,8 @@ def test_vs_fp32_reference_4k(cuda, tma, Hq, dtype):
 
 def test_selection_vs_reference_4k(cuda):
     from nosa_layers.ops import select_blocks_triton
-    from nosa_layers.ops.selection import _topk_mask, block_scores_triton
+    from nosa_layers.ops.selection import block_scores_triton
+    from nosa_layers.ops.topk import _topk_mask
     from tests.ops.helpers import assert_topk_tie_aware, reference_block_scores
 
     cfg = NOSAConfig(topk=24, local_blocks=6, select_blocks=8)

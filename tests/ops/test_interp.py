@@ -151,7 +151,8 @@ SEL_CASES = [
 @pytest.mark.parametrize("cfg,B,T,Hq,Hkv,D,cu,evict", SEL_CASES)
 @pytest.mark.usefixtures("interp")
 def test_selection_matches_reference(cfg, B, T, Hq, Hkv, D, cu, evict):
-    from nosa_layers.ops.selection import _topk_mask, block_scores_triton, select_blocks_triton
+    from nosa_layers.ops.selection import block_scores_triton, select_blocks_triton
+    from nosa_layers.ops.topk import _topk_mask
 
     q, k, _, s = random_qkvs(B, T, Hq, Hkv, D, dtype=torch.float32, seed=7)
     s = s if evict else None
@@ -187,7 +188,7 @@ def test_block_scores_match_reference_values():
 
 @pytest.mark.usefixtures("interp")
 def test_topk_keys_break_ties_to_lower_index():
-    from nosa_layers.ops.selection import _topk_mask
+    from nosa_layers.ops.topk import _topk_mask
     from nosa_layers.selection import topk_mask
 
     x = torch.tensor([[1.0, 3.0, 3.0, -0.0, 0.0, float("inf"), float("-inf"), 3.0, float("inf"), -2.0]])

@@ -90,12 +90,14 @@ def test_wide_rows_fall_back_to_torch(monkeypatch):
 
 @pytest.mark.usefixtures("interp")
 def test_select_rows_triton_equals_torch_path():
-    from nosa_layers.ops.selection import select_rows_torch, select_rows_triton
+    from nosa_layers.ops.selection import select_rows_triton
+    from nosa_layers.ops.topk import select_from_block_scores_torch
 
     cfg = tiny_cfg(local_blocks=0, select_blocks=3)
     q, k, _, s = random_qkvs(2, 140, 4, 2, 16, dtype=torch.float32, seed=4)
     for sc in (s, None):
-        assert torch.equal(select_rows_triton(q, k, sc, cfg), select_rows_torch(q, k, sc, cfg))
+        assert torch.equal(select_rows_triton(q, k, sc, cfg),
+                           select_rows_triton(q, k, sc, cfg, topk=select_from_block_scores_torch))
 
 
 @pytest.mark.gpu
@@ -109,7 +111,8 @@ def test_gpu_kernel_matches_torch(cuda, evict):
 
 @pytest.mark.gpu
 def test_gpu_select_rows_triton_equals_torch_path(cuda):
-    from nosa_layers.ops.selection import select_rows_torch, select_rows_triton
+    from nosa_layers.ops.selection import select_rows_triton
+    from nosa_layers.ops.topk import select_from_block_scores_torch
 
     cfg = NOSAConfig()
     g = torch.Generator(device=cuda).manual_seed(5)
@@ -117,4 +120,5 @@ def test_gpu_select_rows_triton_equals_torch_path(cuda):
     k = torch.randn(1, 8192, 2, 128, generator=g, device=cuda, dtype=torch.bfloat16)
     s = torch.randn(1, 8192, 2, generator=g, device=cuda)
     for sc in (s, None):
-        assert torch.equal(select_rows_triton(q, k, sc, cfg), select_rows_torch(q, k, sc, cfg))
+        assert torch.equal(select_rows_triton(q, k, sc, cfg),
+                           select_rows_triton(q, k, sc, cfg, topk=select_from_block_scores_torch))
