@@ -64,9 +64,10 @@ def _tiles_cached(B: int, T: int, spans: tuple, block: int, device: str) -> Tens
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 8).to(device)
 
 
-def split_lists(col_ptr: Tensor, counts: Tensor, chunk: int):
-    """dK/dV work items: every inverse list cut into pieces of at most ``chunk`` entries (``chunk <= 0``:
-    one piece per list; an empty list still gets one piece, which writes zeros).
+def split_lists(counts: Tensor, chunk: int):
+    """dK/dV work items of the inverse lists (``counts`` entries each, stored back to back): every
+    list cut into pieces of at most ``chunk`` entries (``chunk <= 0``: one piece per list; an empty
+    list still gets one piece, which writes zeros).
 
     A KV block's sink-like list (used by every query tile) would otherwise be one program as long
     as the whole kernel. Pieces of a split list write fp32 partials to consecutive slots, summed
@@ -81,7 +82,8 @@ def split_lists(col_ptr: Tensor, counts: Tensor, chunk: int):
     item_w = torch.repeat_interleave(torch.arange(n_w, device=dev), nch, output_size=n_items)
     first = nch.cumsum(0) - nch
     piece = torch.arange(n_items, device=dev) - first[item_w]
-    lo, hi = col_ptr[item_w], col_ptr[item_w + 1]
+    hi = counts.cumsum(0)[item_w]
+    lo = hi - counts[item_w]
     start = lo if chunk <= 0 else lo + piece * chunk
     end = hi if chunk <= 0 else torch.minimum(start + chunk, hi)
     split = is_multi[item_w]
@@ -117,14 +119,12 @@ def build_index(selected: Tensor, spans: list[tuple[int, int]], block: int, dkdv
     inv_key_sorted, perm = torch.sort(inv_key, stable=True)
     inv_counts = torch.zeros(n_tiles * Hkv, dtype=torch.int64, device=dev).index_add_(  # no host sync
         0, inv_key_sorted, torch.ones_like(inv_key_sorted))
-    col_ptr = torch.zeros(n_tiles * Hkv + 1, dtype=torch.int64, device=dev)
-    col_ptr[1:] = inv_counts.cumsum(0)
     tile_start = tiles[:, 1]
     fwd_ks = tile_start[key_tile]
     inv_qs = tile_start[tile_of[perm]]
     inv_word = fwd_word[perm]
     fwd_order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
-    items, order, n_slots, reduce_items = split_lists(col_ptr, inv_counts, dkdv_chunk)
+    items, order, n_slots, reduce_items = split_lists(inv_counts, dkdv_chunk)
     return SparseIndex(block, n_tiles, Hkv, tiles, row_ptr.to(torch.int32), fwd_ks, fwd_word.contiguous(),
                        fwd_order, inv_qs, inv_word.contiguous(), items, order, n_slots, reduce_items)
 

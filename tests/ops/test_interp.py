@@ -108,7 +108,7 @@ def test_split_lists_cover_every_entry_once():
     counts = torch.tensor([0, 5, 1, 12, 3, 0, 7])
     col_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
     for chunk in (0, 1, 3, 5, 100):
-        items, order, n_slots, red = split_lists(col_ptr, counts, chunk)
+        items, order, n_slots, red = split_lists(counts, chunk)
         assert sorted(order.tolist()) == list(range(items.shape[0]))
         lens = (items[order.long(), 2] - items[order.long(), 1]).tolist()
         assert lens == sorted(lens, reverse=True)
