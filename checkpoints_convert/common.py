@@ -2,7 +2,7 @@
 
 Layering: this package imports ``nosa_layers`` (configs, megatron builders) and never ``train/``;
 the checkpoint layout conventions (``latest`` pointer, ``nosa_config.json`` next to the tensors) come
-from ``nosa_layers.megatron.checkpoint_files``, shared with the trainer.
+from ``runtime.checkpoint_files``, shared with the trainer.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
 
-from nosa_layers.megatron.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
-from nosa_layers.megatron.checkpoint_files import find_checkpoint, read_configs
+from runtime.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
+from runtime.checkpoint_files import find_checkpoint, read_configs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

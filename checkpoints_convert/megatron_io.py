@@ -23,7 +23,7 @@ def init_single_process() -> None:
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
-        from nosa_layers.megatron.cpu_shim import apply_cpu_shim
+        from runtime.megatron_cpu import apply_cpu_shim
 
         apply_cpu_shim()
     if dist.is_initialized():

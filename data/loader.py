@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-import numpy as np
 import torch
 
 from data.config import DataConfig, SFTConfig, validate
@@ -184,8 +183,3 @@ def build_sft_loader(cfg: SFTConfig, dp_rank: int = 0, dp_size: int = 1, tokeniz
     data = load_sft(cfg, tok, log=log)
     pad = tok.pad if tok.pad >= 0 else tok.eod
     return SFTLoader(data, cfg.seq_length, cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.pack, cfg.seed)
-
-
-def to_numpy_batch(batch: dict) -> dict:
-    """Debug helper: batch tensors as numpy arrays."""
-    return {k: (v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)) for k, v in batch.items()}

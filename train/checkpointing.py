@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nosa_layers.megatron.checkpoint_files import LATEST, MODEL_CONFIG, find_checkpoint
+from runtime.checkpoint_files import LATEST, MODEL_CONFIG, find_checkpoint
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
@@ -159,7 +159,7 @@ def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int
     """Full resume: model, optimizer, scheduler, RNG. Returns ``(step, loader_state, extra)``."""
     from megatron.core import dist_checkpointing
 
-    from train.compat import patch_distributed_optimizer_step_state, untie_adam_step_tensors
+    from runtime.megatron_compat import patch_distributed_optimizer_step_state, untie_adam_step_tensors
 
     patch_distributed_optimizer_step_state()
     _init_empty_adam_states(optimizer)

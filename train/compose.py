@@ -11,7 +11,7 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from nosa_layers.dataclass_io import from_dict
+from runtime.dataclass_io import from_dict
 from train.config import RunConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

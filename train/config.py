@@ -158,7 +158,7 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_
 
 def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
     """``init_from`` must hold the same architecture (shapes, tying, muP) as the model being built."""
-    from nosa_layers.megatron.checkpoint_files import read_configs
+    from runtime.checkpoint_files import read_configs
 
     got = read_configs(ckpt)
     if got is None:
@@ -206,7 +206,7 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
           "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
 
     if cfg.init_from and check_files:
-        from nosa_layers.megatron.checkpoint_files import find_checkpoint
+        from runtime.checkpoint_files import find_checkpoint
 
         src = find_checkpoint(cfg.init_from)
         _need(src is not None, f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "

@@ -1,7 +1,7 @@
 """Process group, megatron-core parallel state and seeding for one training process.
 
 Works under ``torchrun`` (reads RANK / WORLD_SIZE / LOCAL_RANK) and as a plain single process.
-On CPU it uses gloo and applies the megatron-core CPU shim (``nosa_layers.megatron.cpu_shim``);
+On CPU it uses gloo and applies the megatron-core CPU shim (``runtime.megatron_cpu``);
 GPU runs use NCCL and never touch the shim.
 """
 
@@ -65,7 +65,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
 
     device = resolve_device(cfg.run.device)
     if device.type == "cpu":
-        from nosa_layers.megatron.cpu_shim import apply_cpu_shim
+        from runtime.megatron_cpu import apply_cpu_shim
 
         apply_cpu_shim(force=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

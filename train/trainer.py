@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nosa_layers.megatron.checkpoint_files import configs_to_dict
+from runtime.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
 from train.distributed import DistEnv

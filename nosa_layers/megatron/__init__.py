@@ -1,11 +1,10 @@
-"""NOSA models on megatron-core: typed configs, presets, layer specs, model builder, CPU shim.
+"""NOSA models on megatron-core: typed configs, presets, layer specs, model builder.
 
 Public API::
 
     from nosa_layers.megatron import (ModelConfig, AttentionConfig, ParallelConfig, validate,
         model_preset, build_model, build_transformer_config, get_nosa_layer_spec,
-        get_nosa_decoder_block_spec, NOSASelfAttention, NOSACoreAttention, DenseCoreAttention,
-        apply_cpu_shim)
+        get_nosa_decoder_block_spec, NOSASelfAttention, NOSACoreAttention, DenseCoreAttention)
 
 Names that need megatron-core are imported lazily, so the configs import without it.
 """
@@ -14,7 +13,6 @@ from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelCo
 from nosa_layers.megatron.presets import ATTENTION_PRESETS, MODEL_PRESETS, model_preset, tiny_nosa_geometry
 
 _LAZY = {
-    "apply_cpu_shim": "nosa_layers.megatron.cpu_shim",
     "build_model": "nosa_layers.megatron.model",
     "build_transformer_config": "nosa_layers.megatron.model",
     "NOSAGPTModel": "nosa_layers.megatron.model",

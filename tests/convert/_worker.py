@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from nosa_layers.megatron.cpu_shim import apply_cpu_shim
+from runtime.megatron_cpu import apply_cpu_shim
 
 apply_cpu_shim()
 

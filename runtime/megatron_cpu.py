@@ -2,8 +2,9 @@
 
 megatron-core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, ``device="cuda"``
 tensor factories, CUDA RNG tracker, ``torch.cuda.current_stream()``, ``Tensor.type()`` checks for
-``torch.cuda.FloatTensor``). :func:`apply_cpu_shim` redirects exactly those to the CPU
-(see ``shared/docs/MEGATRON_CPU.md`` section 3, items 1-7). It is a no-op when CUDA is available,
+``torch.cuda.FloatTensor``). :func:`apply_cpu_shim` redirects exactly those to the CPU (the
+numbered items below: 1. current device, 2. the stock causal mask, 3. the RNG tracker, 4. device
+factories, 5. synchronisation, 6. type checks, 7. streams). It is a no-op when CUDA is available,
 so GPU runs never see it. Call it once, before building models, in CPU tests and the CPU demo.
 """
 
@@ -106,10 +107,5 @@ def apply_cpu_shim(force: bool = False) -> bool:
     _MODE = _CudaToCpu()
     _MODE.__enter__()
     _APPLIED = True
-    logger.info("nosa_layers.megatron.cpu_shim: megatron-core patched for CPU/gloo")
+    logger.info("runtime.megatron_cpu: megatron-core patched for CPU/gloo")
     return True
-
-
-def cpu_shim_active() -> bool:
-    """Whether :func:`apply_cpu_shim` has patched this process."""
-    return _APPLIED

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from nosa_layers.dataclass_io import from_dict
+from runtime.dataclass_io import from_dict
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
 LATEST = "latest"
