@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# ``attn_bias`` / ``bias_cache`` default of the attention entry points: the bias is the eviction
+# score itself (ED-DMA); pass a tensor for another bias, or ``None`` for none.
+BIAS_FROM_SCORE = "score"
+
 
 @dataclass
 class NOSAConfig:

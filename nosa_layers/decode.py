@@ -12,11 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nosa_layers.config import NOSAConfig
+from nosa_layers.config import BIAS_FROM_SCORE, NOSAConfig
 from nosa_layers.reference import block_sparse_attention
 from nosa_layers.selection import select_rows
-
-_SAME_AS_SCORE = "score"
 
 
 @dataclass
@@ -46,7 +44,7 @@ def select_decode(q: Tensor, k_cache: Tensor, score_cache: Tensor | None, cfg: N
 
 def nosa_decode_step(q: Tensor, k_cache: Tensor, v_cache: Tensor, score_cache: Tensor | None,
                      cfg: NOSAConfig, cache_seqlens: Tensor | None = None,
-                     bias_cache: Tensor | None | str = _SAME_AS_SCORE,
+                     bias_cache: Tensor | None | str = BIAS_FROM_SCORE,
                      softmax_scale: float | None = None) -> DecodeOutput:
     """Attention of one new token per sequence over its selected cached blocks.
 
@@ -56,7 +54,7 @@ def nosa_decode_step(q: Tensor, k_cache: Tensor, v_cache: Tensor, score_cache: T
     """
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"decode expects q of shape [B, 1, Hq, D], got {tuple(q.shape)}")
-    bias = score_cache if isinstance(bias_cache, str) and bias_cache == _SAME_AS_SCORE else bias_cache
+    bias = score_cache if isinstance(bias_cache, str) and bias_cache == BIAS_FROM_SCORE else bias_cache
     selected = select_decode(q, k_cache, score_cache, cfg, cache_seqlens, softmax_scale)
     lens = _lengths(cache_seqlens, q.shape[0], k_cache.shape[1])
     outs = []

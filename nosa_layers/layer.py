@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from nosa_layers.attention import nosa_attention
+from nosa_layers.dispatch import nosa_attention
 from nosa_layers.config import NOSAConfig
 from nosa_layers.eviction import EvictionOutput, build_eviction_head
 

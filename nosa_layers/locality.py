@@ -21,7 +21,7 @@ from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
 from nosa_layers.decode import select_decode
-from nosa_layers.selection import select_blocks
+from nosa_layers.selection import select_blocks_reference
 
 
 @dataclass
@@ -62,7 +62,7 @@ def step_selections(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAC
     (identical by construction and by test, much faster).
     """
     if walk == "parallel":
-        return select_blocks(q, k, evict_score, cfg)
+        return select_blocks_reference(q, k, evict_score, cfg)
     if walk != "decode":
         raise ValueError(f"walk must be 'decode' or 'parallel', got {walk!r}")
     B, T, _, _ = q.shape

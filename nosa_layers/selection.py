@@ -116,7 +116,9 @@ def select_rows(q: Tensor, k: Tensor, score: Tensor | None, pos: Tensor, cfg: NO
     return topk_mask(b_qg, min(cfg.topk, nb)) & ~future
 
 
-def _check(q: Tensor, k: Tensor, score: Tensor | None, cu_seqlens: Tensor | None) -> None:
+def check_inputs(q: Tensor, k: Tensor, score: Tensor | None, cu_seqlens: Tensor | None) -> None:
+    """One-line ``ValueError`` unless q ``[B, T, Hq, D]``, k ``[B, T, Hkv, D]``, score ``[B, T, Hkv]`` and
+    ``cu_seqlens`` (B = 1, rising from 0 to T) fit together."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, Hq, D = q.shape
@@ -143,27 +145,18 @@ def document_spans(cu_seqlens: Tensor | None, seq_len: int) -> list[tuple[int, i
 
 
 @torch.no_grad()
-def select_blocks(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
-                  cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
-                  chunk_size: int = 1024, backend: str = "reference") -> Tensor:
-    """Causal NOSA block selection for every query token (parallel / training path).
+def select_blocks_reference(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                            cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
+                            chunk_size: int = 1024) -> Tensor:
+    """Causal NOSA block selection for every query token (parallel / training path), pure PyTorch.
 
     q ``[B, T, Hq, D]`` and k ``[B, T, Hkv, D]`` post-RoPE, evict_score ``[B, T, Hkv]`` or ``None``
     (query-aware only, InfLLM-V2). With ``cu_seqlens`` (B = 1) block indices restart at every
     document. Returns bool ``[B, Hkv, T, nb]`` with ``nb = ceil(longest document / block_size)``;
     ``True`` means the KV block is selected for that query token. Query rows are processed in
     chunks of ``chunk_size`` to bound memory (O(chunk * T / kernel_stride)).
-    ``backend``: ``reference`` | ``triton`` (CUDA kernels in ``nosa_layers.ops``) | ``auto``.
     """
-    _check(q, k, evict_score, cu_seqlens)
-    if backend != "reference":
-        from nosa_layers.attention import resolve_backend
-
-        if resolve_backend(backend, q.device) == "triton":
-            from nosa_layers.attention import _ops
-
-            return _ops().select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens,
-                                               softmax_scale=softmax_scale)
+    check_inputs(q, k, evict_score, cu_seqlens)
     B, T, _, _ = q.shape
     spans = document_spans(cu_seqlens, T)
     nb_max = max((cfg.num_blocks(e - s) for s, e in spans), default=0)

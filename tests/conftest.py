@@ -10,6 +10,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA the Triton kernel tests (tests/ops) run under the Triton interpreter, which must be
+# chosen before any kernel module is imported; nothing else runs Triton on a CPU machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_torch():

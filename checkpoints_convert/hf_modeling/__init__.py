@@ -17,7 +17,7 @@ MODELING_FILE = "modeling_nosa.py"
 MODEL_CLASS = "NOSALlamaForCausalLM"
 AUTO_MAP = {"AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
 # reference modules shipped next to the modeling file (the single source of NOSA math)
-SHIPPED = ("config", "eviction", "selection", "reference", "attention", "decode")
+SHIPPED = ("config", "eviction", "selection", "reference", "dispatch", "decode")
 
 _FROM_SHIPPED = re.compile(r"^(\s*)from nosa_layers\.(" + "|".join(SHIPPED) + r") import ", re.M)
 _FROM_OTHER = re.compile(r"^(\s*)from (nosa_layers(?:\.\w+)*) import ([\w, ]+?)\s*(#.*)?$", re.M)

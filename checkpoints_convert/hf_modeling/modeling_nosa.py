@@ -39,7 +39,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from .nosa_attention import nosa_attention, resolve_backend
+from .nosa_dispatch import nosa_attention, resolve_backend
 from .nosa_config import NOSAConfig
 from .nosa_decode import nosa_decode_step
 from .nosa_eviction import build_eviction_head
@@ -207,9 +207,9 @@ class NOSAAttention(nn.Module):
             return step.out
         if m == n and resolve_backend(self.backend, q.device) == "triton":  # GPU prefill: the kernels
             if self.record_selection:
-                from .nosa_selection import select_blocks
+                from .nosa_selection import select_blocks_reference
 
-                self.last_selection.append(select_blocks(q, k, score, cfg)[0].cpu())
+                self.last_selection.append(select_blocks_reference(q, k, score, cfg)[0].cpu())
             return nosa_attention(q, k, v, score, cfg, backend="triton", attn_bias=bias)
         # PyTorch path: the reference selection and attention, rows in chunks to bound memory
         chunk = max(1, ROW_CHUNK_ELEMENTS // max(1, self.num_heads * n))

@@ -28,15 +28,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
-from nosa_layers import EvictionOutput, NOSAConfig, build_eviction_head, nosa_attention
-from nosa_layers.attention import PreparedSelection, prepare_selection
+from nosa_layers import (EvictionOutput, NOSAConfig, PreparedSelection, build_eviction_head, document_spans,
+                         nosa_attention, prepare_selection)
 from nosa_layers.megatron.heads import (
     HeadLayout,
     gather_group_queries,
     gather_heads,
     replicate_grad,
 )
-from nosa_layers.selection import document_spans
 
 
 def _tp_group_and_layout(pg_collection, num_q_heads: int, num_kv_heads: int):

@@ -1,12 +1,14 @@
-"""Triton kernels of NOSA attention: block-sparse attention with the eviction-bias gradient, and
-the block selection. Importing needs ``triton`` (ImportError otherwise) but no GPU; calling needs
-CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tests. See README.md in this folder."""
+"""Triton kernels of NOSA attention: block-sparse attention with the eviction-bias gradient, its
+index, and the block selection. Importing needs ``triton`` (ImportError otherwise) but no GPU;
+calling needs CUDA tensors, or ``TRITON_INTERPRET=1`` for CPU tests. Each kernel has a plain
+PyTorch reference in ``nosa_layers`` (``selection.py``, ``reference.py``) it is tested against;
+``nosa_layers.dispatch`` chooses between them. See README.md in this folder."""
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
-from .attention import (CONFIG, build_sparse_index, nosa_attention_triton,  # noqa: F401
-                        sparse_attention_from_selection)
-from .selection import select_blocks_triton  # noqa: F401
+from .block_selection import SEL_CONFIG, select_blocks_triton, supports_selection
+from .attention_op import CONFIG, sparse_attention
+from .sparse_index import SparseIndex, build_sparse_index
 
-__all__ = ["nosa_attention_triton", "select_blocks_triton", "sparse_attention_from_selection",
-           "build_sparse_index", "CONFIG"]
+__all__ = ["select_blocks_triton", "supports_selection", "sparse_attention", "build_sparse_index", "SparseIndex",
+           "CONFIG", "SEL_CONFIG"]

@@ -1,13 +1,14 @@
 """Fused exact top-k of the NOSA selection: both stages in one Triton kernel.
 
-Input per document (positions 0..L-1, ``qb = t // block_size``, ``nb`` blocks):
+One program per (KV block of query rows, KV head) of the batch's block table (``layout.py``); all
+its rows are in block ``qb``. Inputs:
 
-- ``b_qa`` fp32 ``[B, Hkv, L, nb]``: query-aware block scores (``block_scores_triton``: forced
-  blocks +inf, future blocks -inf);
-- ``static`` fp32 ``[B, Hkv, nb]``: pooled eviction scores per block, or ``None`` (no eviction
-  head: the whole budget is query-aware);
-- ``prev_part`` fp32 ``[B, Hkv, L]``: pooled eviction score of block ``qb - 1`` restricted to the
-  windows visible to row ``t`` (-inf when none or ``qb == 0``); it replaces ``static[qb - 1]``.
+- ``b_qa`` fp32 ``[B, Hkv, T, nb]``: query-aware block scores (``block_scores_triton``: forced
+  blocks +inf; columns past ``qb`` are not read);
+- ``ws`` fp32 ``[n_blocks * R, Hkv]``: window means of the eviction score (``compress``), or
+  ``None`` (no eviction head: the whole budget is query-aware). The kernel pools them per block
+  (max over the windows overlapping the block) and, for block ``qb - 1``, over the windows each
+  row sees (only that block can hold windows invisible to a row of block ``qb``).
 
 Per row only the columns ``m <= qb`` are ranked. Stage 1 takes the top
 ``min(query_aware_blocks, qb + 1)`` of ``b_qa``; stage 2 ranks ``+inf`` for forced blocks and the
@@ -17,8 +18,8 @@ LOWER block index (the reference's stable descending sort), exactly.
 Kernel: fp32 -> uint32 keys whose unsigned order is the float order (-0.0 == +0.0); the k-th
 largest key ``tau`` of a row is found bit by bit (32 counting passes over a ``[BR, NBP]`` register
 tile, no sort); the picks are ``key > tau`` plus the first ``k - #(key > tau)`` columns with
-``key == tau``. ``select_from_block_scores_torch`` is the plain-PyTorch reference (two exact
-``torch.topk`` on int64 keys), also the fallback for ``nb > MAX_BLOCKS``.
+``key == tau``. ``select_from_block_scores_torch`` is the plain-PyTorch reference (the reference
+selection's stable-sort ``topk_mask``), also the fallback for ``nb > MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import triton.language as tl
 from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
+from nosa_layers.selection import block_window_index, pool_to_blocks, topk_mask
+
+from .layout import BlockLayout
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
 TILE = 1024  # rows x padded blocks per program (H200: 1024..4096 within 5% at T=16K..32K)
@@ -63,89 +67,125 @@ def _topk_rows(key, valid, k):
 
 
 @triton.jit
-def _select_kernel(BQA, STATIC, PREV, Out, L, nb, K1, K2,
-                   s_ab, s_ah, s_at, s_sb, s_sh, s_pb, s_ph, s_ob, s_oh, s_ot,
-                   HKV: tl.constexpr, BR: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr,
+def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot,
+                   NBW: tl.constexpr, BR: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr,
+                   KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                    INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
-    t = tl.program_id(0) * BR + tl.arange(0, BR)
-    bh = tl.program_id(1)
-    b = (bh // HKV).to(tl.int64)
-    h = (bh % HKV).to(tl.int64)
+    """One program per (KV block of query rows, KV head): every row is in block ``qb = j``."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    ks = tl.load(Blocks + c * 4 + 1)
+    ds = tl.load(Blocks + c * 4 + 2)
+    de = tl.load(Blocks + c * 4 + 3)
+    j = (ks - ds) // BS
     m = tl.arange(0, NBP)
-    row_ok = t < L
-    qb = t // BS
-    valid = (m[None, :] <= qb[:, None]) & row_ok[:, None]  # qb < nb for every real row
-    t64 = t[:, None].to(tl.int64)
-    x = tl.load(BQA + b * s_ab + h * s_ah + t64 * s_at + m[None, :], mask=valid, other=0.0)
-    n_valid = qb + 1
+    valid = m <= j
+    n_valid = tl.zeros([BR], tl.int32) + j + 1  # per row (all rows of the program are in block j)
     if EVICT:
-        sel = _topk_rows(_orderable(x), valid, tl.minimum(n_valid, K1))
-        st = tl.load(STATIC + b * s_sb + h * s_sh + m, mask=m < nb, other=0.0)
-        pp = tl.load(PREV + b * s_pb + h * s_ph + t, mask=row_ok, other=0.0)
-        agn = tl.where(m[None, :] == qb[:, None] - 1, pp[:, None], st[None, :])
-        forced = (m[None, :] < INIT) | ((m[None, :] >= qb[:, None] - LOCAL) & (m[None, :] <= qb[:, None]))
-        agn = tl.where(forced | sel, float("inf"), agn)
-        sel = _topk_rows(_orderable(agn), valid, tl.minimum(n_valid, K2))
-    else:
-        sel = _topk_rows(_orderable(x), valid, tl.minimum(n_valid, K2))
-    tl.store(Out + b * s_ob + h * s_oh + t64 * s_ot + m[None, :], sel.to(tl.uint8),
-             mask=row_ok[:, None] & (m < nb)[None, :])
+        # pooled eviction score of each block (max over its windows), and the windows of block
+        # j - 1, whose visibility depends on the row
+        wbase = WS + ((c - j) * R).to(tl.int64) * s_ww + h
+        nw = tl.where(de - ds >= KS, (de - ds - KS) // ST + 1, 0)
+        static = tl.full([NBP], float("-inf"), tl.float32)
+        for e in tl.static_range(R + E):
+            w = m * R - E + e
+            ok = valid & (w >= 0) & (w < nw)
+            static = tl.maximum(static, tl.load(wbase + w.to(tl.int64) * s_ww, mask=ok, other=float("-inf")))
+        forced = (m < INIT) | ((m >= j - LOCAL) & (m <= j))
+    for r0 in range(0, BS, BR):
+        t = ks + r0 + tl.arange(0, BR)
+        row_ok = t < de
+        ok2 = row_ok[:, None] & valid[None, :]
+        t64 = t[:, None].to(tl.int64)
+        x = tl.load(BQA + b * s_ab + h * s_ah + t64 * s_at + m[None, :], mask=ok2, other=0.0)
+        if EVICT:
+            sel = _topk_rows(_orderable(x), ok2, tl.minimum(n_valid, K1))
+            prev = tl.full([BR], float("-inf"), tl.float32)
+            p = t - ds
+            for e in tl.static_range(R + E):
+                wp = (j - 1) * R - E + e
+                vis = (j >= 1) & (wp >= 0) & (wp * ST + KS - 1 <= p)
+                wv = tl.load(wbase + wp.to(tl.int64) * s_ww, mask=(j >= 1) & (wp >= 0) & (wp < nw), other=float("-inf"))
+                prev = tl.maximum(prev, tl.where(vis, wv, float("-inf")))
+            agn = tl.where(m[None, :] == j - 1, prev[:, None], static[None, :])
+            agn = tl.where(forced[None, :] | sel, float("inf"), agn)
+            sel = _topk_rows(_orderable(agn), ok2, tl.minimum(n_valid, K2))
+        else:
+            sel = _topk_rows(_orderable(x), ok2, tl.minimum(n_valid, K2))
+        tl.store(Out + b * s_ob + h * s_oh + t64 * s_ot + m[None, :], sel.to(tl.uint8),
+                 mask=row_ok[:, None] & (m < NBW)[None, :])
 
 
-def select_from_block_scores(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None,
-                             cfg: NOSAConfig) -> Tensor:
-    """Both top-k stages fused (see the module docstring): bool ``[B, Hkv, L, nb]``."""
-    B, Hkv, L, nb = b_qa.shape
-    assert nb >= cfg.num_blocks(L), f"b_qa has {nb} blocks for {L} rows"
+def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig) -> Tensor:
+    """Both top-k stages fused (see the module docstring): bool ``[B, Hkv, T, nb]``.
+
+    ``b_qa`` fp32 ``[B, Hkv, T, nb]`` (``block_scores_triton``; columns past a row's block unread),
+    ``ws`` fp32 ``[n_blocks * R, Hkv]`` window means of the eviction score (``compress``), or ``None``
+    (no eviction head: the whole budget is query-aware)."""
+    B, Hkv, T, nb = b_qa.shape
     if nb > MAX_BLOCKS:
-        return select_from_block_scores_torch(b_qa, static, prev_part, cfg)
-    out = torch.empty(B, Hkv, L, nb, dtype=torch.bool, device=b_qa.device)
-    if out.numel() == 0:
-        return out
-    b_qa = b_qa.float()
-    if b_qa.stride(-1) != 1:
-        b_qa = b_qa.contiguous()
-    evict = static is not None
-    if evict:
-        static, prev_part = static.float(), prev_part.float()
-    else:
-        static = prev_part = b_qa.new_empty(1, 1, 1)  # unused
-    # Few compiled variants: documents of any length up to 64 blocks share one (packed training
-    # batches bring a new length with almost every document; each new variant is a compile).
+        return select_from_block_scores_torch(b_qa, ws, layout, cfg)
+    out = torch.empty(B, Hkv, T, nb, dtype=torch.bool, device=b_qa.device)
+    if layout.n_blocks == 0 or nb == 0:
+        return out.zero_()
+    # Few compiled variants: widths up to 64 blocks share one (packed batches bring new lengths).
     NBP = max(triton.next_power_of_2(nb), 64)
-    BR = max(1, TILE // NBP)
-    _select_kernel[(triton.cdiv(L, BR), B * Hkv)](
-        b_qa, static, prev_part, out.view(torch.uint8), L, nb, cfg.query_aware_blocks, cfg.topk,
-        *b_qa.stride()[:3], *static.stride()[:2], *prev_part.stride()[:2], *out.stride()[:3],
-        HKV=Hkv, BR=BR, NBP=NBP, BS=cfg.block_size, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        EVICT=evict, num_warps=max(2, min(16, BR * NBP // 512)))
+    BR = min(cfg.block_size, max(1, TILE // NBP))
+    bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
+    _select_kernel[(layout.n_blocks, Hkv)](
+        b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,
+        *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3],
+        NBW=nb, BR=BR, NBP=NBP, BS=bs, KS=ks, ST=st, R=bs // st, E=-(-ks // st) - 1,
+        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
+        num_warps=max(2, min(16, BR * NBP // 512)))
     return out
 
 
 # --- plain-PyTorch reference -------------------------------------------------------------------
 
-def _order_keys(x: Tensor, nb: int) -> Tensor:
-    """Unique int64 keys, descending order of which == stable descending order of ``x`` (fp32)."""
-    x = x.float() + 0.0  # -0.0 -> +0.0
-    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    neg = u >= 0x80000000
-    u = torch.where(neg, (~u) & 0xFFFFFFFF, u | 0x80000000)
-    idx = torch.arange(nb, device=x.device, dtype=torch.int64)
-    return (u << 21) | (nb - 1 - idx)
+def agnostic_parts(ws: Tensor, cfg: NOSAConfig, L: int) -> tuple[Tensor, Tensor]:
+    """Pooled eviction scores of one document from its window means ``ws [B, Hkv, nw]``: ``static``
+    fp32 ``[B, Hkv, nb]`` per block and ``prev_part`` fp32 ``[B, Hkv, L]``, block ``qb - 1`` pooled
+    over the windows visible to each row (-inf when none or ``qb == 0``). Only block ``qb - 1`` can
+    have windows invisible to a row of block ``qb``; earlier blocks are fully visible."""
+    B, Hkv, nw = ws.shape
+    nb = cfg.num_blocks(L)
+    index = block_window_index(cfg, nb, nw, device=ws.device)  # [nb, W]
+    static = pool_to_blocks(ws, index)  # [B, Hkv, nb]
+    pos = torch.arange(L, device=ws.device)
+    qb = pos // cfg.block_size
+    widx = index[(qb - 1).clamp(min=0)]  # [L, W]
+    vis = (widx < nw) & (widx * cfg.kernel_stride + cfg.kernel_size - 1 <= pos[:, None]) & (qb >= 1)[:, None]
+    wsp = torch.cat([ws, ws.new_full((B, Hkv, 1), float("-inf"))], dim=-1)
+    prev_part = wsp[:, :, widx.clamp(max=nw)].masked_fill(~vis, float("-inf")).amax(-1)  # [B, Hkv, L]
+    return static, prev_part
 
 
-def _topk_mask(scores: Tensor, k: int) -> Tensor:
-    """Bool mask of the ``k`` largest entries along the last dim, ties to the lower index."""
-    nb = scores.shape[-1]
-    assert nb < (1 << 21)
-    top = torch.topk(_order_keys(scores, nb), k, dim=-1, sorted=False).indices
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
+def select_from_block_scores_torch(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig) -> Tensor:
+    """Reference of ``select_from_block_scores`` (and its fallback for very wide rows): per document,
+    the pooled eviction scores in torch and ``stages_torch``. Bool ``[B, Hkv, T, nb]``."""
+    B, Hkv, T, nb = b_qa.shape
+    R = cfg.block_size // cfg.kernel_stride
+    out = torch.zeros(B, Hkv, T, nb, dtype=torch.bool, device=b_qa.device)
+    firsts = [(c, row) for c, row in enumerate(layout.blocks.tolist()) if row[1] == row[2]]
+    for c, (b, _, s, e) in firsts:
+        L = e - s
+        static = prev = None
+        if ws is not None:
+            nw = cfg.num_windows(L)
+            wd = ws[c * R:c * R + nw].T[None].float()  # [1, Hkv, nw]
+            static, prev = agnostic_parts(wd, cfg, L)
+        out[b:b + 1, :, s:e, :cfg.num_blocks(L)] = stages_torch(b_qa[b:b + 1, :, s:e, :cfg.num_blocks(L)],
+                                                                 static, prev, cfg)
+    return out
 
 
-def select_from_block_scores_torch(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None,
-                                   cfg: NOSAConfig, row_chunk: int = 2048) -> Tensor:
-    """Reference of ``select_from_block_scores``: two exact ``torch.topk`` per chunk of rows, the
-    chunk cut to the blocks its last row can see. Bool ``[B, Hkv, L, nb]``."""
+def stages_torch(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None, cfg: NOSAConfig,
+                 row_chunk: int = 2048) -> Tensor:
+    """Both top-k stages of one document in plain PyTorch: two stable-sort top-k per chunk of rows,
+    the chunk cut to the blocks its last row can see. ``b_qa [B, Hkv, L, nb]`` (forced +inf),
+    ``static [B, Hkv, nb]``, ``prev_part [B, Hkv, L]`` (``agnostic_parts``). Bool ``[B, Hkv, L, nb]``."""
     B, Hkv, L, nb = b_qa.shape
     dev = b_qa.device
     out = torch.zeros(B, Hkv, L, nb, dtype=torch.bool, device=dev)
@@ -158,13 +198,13 @@ def select_from_block_scores_torch(b_qa: Tensor, static: Tensor | None, prev_par
         future = blk[None, :] > qb
         bq = b_qa[:, :, c0:c1, :w].masked_fill(future, float("-inf"))
         if static is None:
-            out[:, :, c0:c1, :w] = _topk_mask(bq, min(cfg.topk, w)) & ~future
+            out[:, :, c0:c1, :w] = topk_mask(bq, min(cfg.topk, w)) & ~future
             continue
-        qa = _topk_mask(bq, min(cfg.query_aware_blocks, w))
+        qa = topk_mask(bq, min(cfg.query_aware_blocks, w))
         forced = (blk[None, :] < cfg.init_blocks) | ((blk[None, :] >= qb - cfg.local_blocks) & ~future)
         agn = static[:, :, None, :w].expand(B, Hkv, c1 - c0, w).clone()
         rows = torch.nonzero(qb[:, 0] >= 1).squeeze(1)
         agn[:, :, rows, qb[rows, 0] - 1] = prev_part[:, :, c0:c1][:, :, rows]
         agn = agn.masked_fill(forced | qa, float("inf")).masked_fill(future, float("-inf"))
-        out[:, :, c0:c1, :w] = _topk_mask(agn, min(cfg.topk, w)) & ~future
+        out[:, :, c0:c1, :w] = topk_mask(agn, min(cfg.topk, w)) & ~future
     return out

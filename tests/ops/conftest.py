@@ -1,60 +1,52 @@
-"""Fixtures of the Triton kernel tests.
+"""Fixtures of the Triton kernel tests: one device for every case.
 
-Without CUDA the kernels run under the Triton interpreter. The interpreter must be chosen before
-``triton`` is first imported, so this conftest imports triton and ``nosa_layers.ops`` with
-``TRITON_INTERPRET=1`` set for that import only, and the ``interp`` fixture sets the variable
-again while each interpreter test runs; other test folders see the environment unchanged.
-If something imported triton earlier in this process, the interpreter tests are skipped here and
-``test_interp_in_subprocess`` runs them in a fresh process instead. With CUDA the kernels are
-compiled, the interpreter tests are skipped and the ``gpu``-marked tests run.
+``dev`` is the CUDA GPU where there is one (kernels compiled) and the CPU otherwise (kernels under
+the Triton interpreter: ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` for CPU-only sessions
+before triton is imported). On a GPU machine every test in this folder is also marked ``gpu``, so
+``pytest -m gpu tests/ops`` runs every case compiled; tests that need large shapes take ``cuda``.
 """
 
-import importlib
 import importlib.util
 import os
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERP_IN_PROCESS = False
-
-if HAS_TRITON and not HAS_CUDA:
-    if "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1":
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            import triton  # noqa: F401
-            for name in [m for m in sys.modules if m == "nosa_layers.ops" or m.startswith("nosa_layers.ops.")]:
-                del sys.modules[name]
-            importlib.import_module("nosa_layers.ops")
-            INTERP_IN_PROCESS = True
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
+HERE = Path(__file__).resolve().parent
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU CI)")
+def pytest_collection_modifyitems(config, items):
+    if not HAS_CUDA:
+        return
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture
-def interp(monkeypatch):
-    """CPU interpreter test: skipped where CUDA (compiled kernels) or Triton is missing."""
+def dev() -> torch.device:
+    """The device the kernels run on in this session (CUDA, or the CPU under the interpreter)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     if HAS_CUDA:
-        pytest.skip("interpreter tests run on CPU machines only (kernels are compiled here)")
-    if not INTERP_IN_PROCESS:
-        pytest.skip("triton was imported before the interpreter could be chosen: see test_interp_in_subprocess")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not set (run through tests/conftest.py)")
+    return torch.device("cpu")
 
 
 @pytest.fixture
-def cuda():
+def cuda() -> torch.device:
+    """Tests whose shapes only make sense compiled (long sequences, bf16)."""
     if not (HAS_CUDA and HAS_TRITON):
         pytest.skip("needs a CUDA GPU and triton")
     return torch.device("cuda")
+
+
+def fp32_tol(dev: torch.device) -> float:
+    """Relative tolerance of fp32 kernel results: exact fp32 arithmetic under the interpreter, tf32
+    tensor-core products (10-bit mantissa) when compiled."""
+    return 1e-5 if dev.type == "cpu" else 5e-3

@@ -1,39 +1,29 @@
-"""``nosa_attention``: the one entry point of NOSA attention, with a backend switch.
+"""The one entry point of NOSA attention and selection: chooses the backend, nothing else.
 
-Backends: ``reference`` (pure PyTorch, CPU/GPU, fp32/fp64, the ground truth), ``triton``
-(CUDA kernels, ``nosa_layers.ops``), ``auto`` (Triton on CUDA when available, else reference).
-The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for debugging.
+Backends: ``reference`` (pure PyTorch in ``selection.py`` / ``reference.py``, CPU/GPU, fp32/fp64, the
+ground truth), ``triton`` (the kernels in ``nosa_layers.ops``), ``auto`` (Triton on CUDA when
+available, else reference). The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for
+debugging. Layers: references <- kernels (``ops``) <- this module <- layers (``layer.py``, megatron).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from nosa_layers.config import NOSAConfig
+from nosa_layers.config import BIAS_FROM_SCORE, NOSAConfig
 from nosa_layers.reference import block_sparse_attention
-from nosa_layers.selection import _check, document_spans, select_blocks
+from nosa_layers.selection import check_inputs, document_spans, select_blocks_reference
+
+try:  # the Triton backend needs triton (no GPU needed to import it)
+    from nosa_layers import ops
+except ImportError:
+    ops = None
 
 BACKENDS = ("reference", "triton", "auto")
-_SAME_AS_SCORE = "score"
-
-
-@functools.lru_cache(maxsize=None)
-def _ops():
-    """``nosa_layers.ops`` (the Triton kernels), imported once, lazily; ``None`` without Triton."""
-    try:
-        return importlib.import_module("nosa_layers.ops")
-    except ImportError:
-        return None
-
-
-def _triton_available() -> bool:
-    return _ops() is not None
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -43,13 +33,30 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         backend = os.environ.get("NOSA_ATTN_BACKEND", "auto")
         if backend == "auto":
-            return "triton" if device.type == "cuda" and _triton_available() else "reference"
+            return "triton" if device.type == "cuda" and ops is not None else "reference"
         if backend not in ("reference", "triton"):
             raise ValueError(f"NOSA_ATTN_BACKEND={backend!r}; use reference or triton")
-    if backend == "triton" and not _triton_available():
-        raise RuntimeError("NOSA backend 'triton' is not available (nosa_layers.ops is missing); "
+    if backend == "triton" and ops is None:
+        raise RuntimeError("NOSA backend 'triton' is not available (triton is not installed); "
                            "use backend='reference'")
     return backend
+
+
+@torch.no_grad()
+def select_blocks(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                  cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
+                  backend: str = "reference") -> Tensor:
+    """Causal NOSA block selection of every query token: bool ``[B, Hkv, T, nb]``.
+
+    Shapes and semantics: ``selection.select_blocks_reference``. ``backend="triton"`` runs the GPU
+    kernels (same semantics and tie-breaking; block scores from tensor-core products, so rows whose
+    block scores are within rounding of a tie may differ); geometries the kernels do not cover
+    fall back to the reference.
+    """
+    check_inputs(q, k, evict_score, cu_seqlens)
+    if resolve_backend(backend, q.device) == "triton" and ops.supports_selection(cfg, q.shape[-1]):
+        return ops.select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+    return select_blocks_reference(q, k, evict_score, cfg, cu_seqlens, softmax_scale)
 
 
 @dataclass
@@ -65,22 +72,27 @@ class PreparedSelection:
 @torch.no_grad()
 def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                       cu_seqlens: Tensor | None = None, backend: str = "reference",
-                      softmax_scale: float | None = None, selected: Tensor | None = None) -> PreparedSelection:
+                      softmax_scale: float | None = None, selected: Tensor | None = None,
+                      attn_heads: int | None = None) -> PreparedSelection:
     """Selection (``select_blocks``, or the given ``selected``) plus the backend's index built from it,
     for ``nosa_attention(..., selected=<this>)``. Shapes as in ``nosa_attention``; ``q`` may hold
-    more query heads than the attention call (a whole KV group gathered over tensor parallelism)."""
+    more query heads than the attention call (a whole KV group gathered over tensor parallelism):
+    ``attn_heads`` is then the attention's query-head count (it shapes the kernels' query tiles)."""
     backend = resolve_backend(backend, q.device)
     score = None if evict_score is None else evict_score.detach()
+    own = selected is not None  # a caller's selection may exceed the topk budget per row
     if selected is None:
         selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale, backend=backend)
     if backend != "triton":
         return PreparedSelection(selected)
-    return PreparedSelection(selected, _ops().build_sparse_index(selected, cfg, q.shape[1], cu_seqlens))
+    index = ops.build_sparse_index(selected, cfg, q.shape[1], cu_seqlens, num_q_heads=attn_heads or q.shape[2],
+                                   row_budget=None if own else cfg.topk)
+    return PreparedSelection(selected, index)
 
 
 def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                    cu_seqlens: Tensor | None = None, backend: str = "reference",
-                   attn_bias: Tensor | None | str = _SAME_AS_SCORE,
+                   attn_bias: Tensor | None | str = BIAS_FROM_SCORE,
                    softmax_scale: float | None = None,
                    selected: Tensor | PreparedSelection | None = None) -> Tensor:
     """NOSA sparse attention (training / prefill path).
@@ -104,33 +116,29 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
     Returns ``[B, T, Hq, D]`` in q's dtype; differentiable in q, k, v and the bias. The selection
     itself is not differentiable (it runs on detached tensors).
     """
-    _check(q, k, evict_score, cu_seqlens)
+    check_inputs(q, k, evict_score, cu_seqlens)
     if v.shape != k.shape:
         raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
-    bias = evict_score if isinstance(attn_bias, str) and attn_bias == _SAME_AS_SCORE else attn_bias
+    bias = evict_score if isinstance(attn_bias, str) and attn_bias == BIAS_FROM_SCORE else attn_bias
     if bias is not None and bias.shape != k.shape[:3]:
         raise ValueError(f"attn_bias must be [B, T, Hkv] = {tuple(k.shape[:3])}, got {tuple(bias.shape)}")
+    backend = resolve_backend(backend, q.device)
+    if not isinstance(selected, PreparedSelection):
+        if selected is not None and selected.shape[:3] != (q.shape[0], k.shape[2], q.shape[1]):
+            raise ValueError(f"selected must be [B, Hkv, T, nb] with B, Hkv, T = "
+                             f"{(q.shape[0], k.shape[2], q.shape[1])}, got {tuple(selected.shape)}")
+        selected = prepare_selection(q, k, evict_score, cfg, cu_seqlens, backend, softmax_scale, selected)
 
-    index = None
-    if isinstance(selected, PreparedSelection):
-        selected, index = selected.selected, selected.index
-    if resolve_backend(backend, q.device) == "triton":
-        ops = _ops()
-        if selected is not None:
-            return ops.sparse_attention_from_selection(q, k, v, selected, cfg, cu_seqlens=cu_seqlens,
-                                                       bias=bias, softmax_scale=softmax_scale, index=index)
-        return ops.nosa_attention_triton(q, k, v, evict_score, cfg, cu_seqlens=cu_seqlens, bias=bias,
-                                         softmax_scale=softmax_scale)
+    if backend == "triton":
+        index = selected.index
+        if index is None:  # a reference-backend preparation handed to the Triton backend
+            index = ops.build_sparse_index(selected.selected, cfg, q.shape[1], cu_seqlens, num_q_heads=q.shape[2])
+        return ops.sparse_attention(q, k, v, index, bias=bias, softmax_scale=softmax_scale)
 
-    if selected is None:
-        score = None if evict_score is None else evict_score.detach()
-        selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale)
-    elif selected.shape[:3] != (q.shape[0], k.shape[2], q.shape[1]):
-        raise ValueError(f"selected must be [B, Hkv, T, nb] with B, Hkv, T = {(q.shape[0], k.shape[2], q.shape[1])}, "
-                         f"got {tuple(selected.shape)}")
+    sel = selected.selected
     outs = []
     for s, e in document_spans(cu_seqlens, q.shape[1]):
         outs.append(block_sparse_attention(
-            q[:, s:e], k[:, s:e], v[:, s:e], selected[:, :, s:e], cfg.block_size,
+            q[:, s:e], k[:, s:e], v[:, s:e], sel[:, :, s:e], cfg.block_size,
             bias=None if bias is None else bias[:, s:e], softmax_scale=softmax_scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

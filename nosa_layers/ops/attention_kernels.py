@@ -1,0 +1,299 @@
+"""Triton kernels of the block-sparse NOSA attention: forward, dQ, dK/dV/db and the ordered
+reduction of split dK/dV lists.
+
+All kernels work on ``[B, T, H, D]`` tensors (any strides with a contiguous D) and a
+``SparseIndex`` (``sparse_index.py``). A query-side program takes one query tile of ``QT`` tokens
+with ``HP`` query heads of one KV group: ``M = QT * HP`` rows, token-major (row ``m`` is token
+``m // HP`` of the tile, head ``m % HP`` of the pack). Key-side steps are KV blocks of ``BS``
+tokens. Softmax runs in the log2 domain: ``s2 = log2(e) * (scale * q.k + b)``; the saved LSE is
+``log2(sum exp2(s2))`` per (row, query head), fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _query_program(Blocks, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
+                   S: tl.constexpr, BS: tl.constexpr):
+    """Work item of a query-side program (forward and dQ), later tiles first (longer lists).
+
+    Returns its (tile, KV head) list ``w`` (int64), KV head ``h``, batch row ``b`` (int64), per row of
+    the ``[HP*QT]`` tile: query head, token, validity, token-in-tile ``r``; plus the first token
+    of the tile's own KV block ``kdiag`` and the document end ``de``."""
+    NP: tl.constexpr = G // HP
+    pid = tl.program_id(0)
+    pack = pid % NP
+    rest = pid // NP
+    h = rest % HKV
+    i = n_tiles - 1 - rest // HKV
+    c = i // S
+    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    kdiag = tl.load(Blocks + c * 4 + 1)
+    de = tl.load(Blocks + c * 4 + 3)
+    qs = kdiag + (i % S) * QT
+    offs = tl.arange(0, HP * QT)
+    r = offs // HP
+    head = h * G + pack * HP + offs % HP
+    tok = qs + r
+    return (i * HKV + h).to(tl.int64), h, b, head, tok, tok < de, kdiag, de, r
+
+
+@triton.jit
+def _row_mask(word, r, ktok, tok, kvalid):
+    """[M, BS] allowed (row, key): the row's bit in the tile's word, causal, inside the document."""
+    bit = ((word >> r.to(word.dtype)) & 1) != 0
+    return bit[:, None] & (ktok[None, :] <= tok[:, None]) & kvalid[None, :]
+
+
+@triton.jit
+def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt, kdiag, de, tok, r,
+               qk_scale, FULL: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """List entry ``e`` of a query-side program: masked scores (log2 domain) ``[M, BS]``, the
+    K and V tiles ``[BS, D]`` and whether a mask was applied."""
+    offs_n = tl.arange(0, BS)
+    ks = tl.load(KStart + e)
+    word = tl.load(Word + e)
+    ktok = ks + offs_n
+    kvalid = ktok < de
+    k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
+    v = tl.load(vbase + ks.to(tl.int64) * s_vt + voff, mask=kvalid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if HAS_BIAS:
+        bias = tl.load(bbase + ktok.to(tl.int64) * s_bt, mask=kvalid, other=0.0).to(tl.float32)
+        s += bias[None, :] * 1.4426950408889634
+    # partial token word, or the tile's own block (the only one that can reach past the doc end)
+    if (word != FULL) | (ks == kdiag):
+        s = tl.where(_row_mask(word, r, ktok, tok, kvalid), s, float("-inf"))
+    return s, k, v
+
+
+@triton.jit(do_not_specialize=["n_tiles", "cap"])
+def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap,
+                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+                s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
+                HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
+                D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list."""
+    S: tl.constexpr = BS // QT
+    M: tl.constexpr = HP * QT
+    FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
+    w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BS)
+    q = tl.load(Q + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                mask=rvalid[:, None], other=0.0)
+    kbase = K + b * s_kb + h * s_kh
+    vbase = V + b * s_vb + h * s_vh
+    koff = offs_n[:, None] * s_kt + offs_d[None, :]
+    voff = offs_n[:, None] * s_vt + offs_d[None, :]
+    bbase = Bias + b * s_bb + h * s_bh
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    n = tl.minimum(tl.load(Count + w), cap)
+    for e in range(0, n):
+        s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
+                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    tl.store(O + b * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
+             o.to(O.dtype.element_ty), mask=rvalid[:, None])
+    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))
+    tl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=rvalid)
+
+
+@triton.jit(do_not_specialize=["n_tiles", "cap"])
+def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap,
+                   s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+                   s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
+                   HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
+                   D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dQ: same programs and lists as the forward; P recomputed from the saved LSE."""
+    S: tl.constexpr = BS // QT
+    M: tl.constexpr = HP * QT
+    FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
+    w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BS)
+    row_off = tok[:, None].to(tl.int64)
+    q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
+    do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
+    lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
+    delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
+    kbase = K + b * s_kb + h * s_kh
+    vbase = V + b * s_vb + h * s_vh
+    koff = offs_n[:, None] * s_kt + offs_d[None, :]
+    voff = offs_n[:, None] * s_vt + offs_d[None, :]
+    bbase = Bias + b * s_bb + h * s_bh
+    dq = tl.zeros([M, D], tl.float32)
+    n = tl.minimum(tl.load(Count + w), cap)
+    for e in range(0, n):
+        s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
+                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        dsc = p * (dp - delta[:, None])
+        dq += tl.dot(dsc.to(k.dtype), k)
+    dq = dq * sm_scale
+    tl.store(DQ + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=rvalid[:, None])
+
+
+@triton.jit(do_not_specialize=["n_lists", "chunk"])
+def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
+                     PiecePtr, PieceList, SlotPtr, n_lists, chunk,
+                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
+                     HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
+                     D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
+    """dK, dV, db: one program per piece of the inverse list of one (KV block, KV head); it walks
+    its entries x head packs with K, V, b and fp32 accumulators resident; db is the row sum of dS^T
+    (no atomics). A piece of a split list writes fp32 partials ``WDK/WDV [slot, BS, D]``,
+    ``WDB [slot, BS]`` (unscaled) for ``_dkdv_reduce_kernel``; programs past the last piece idle."""
+    NP: tl.constexpr = G // HP
+    M: tl.constexpr = HP * QT
+    FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
+    pid = tl.program_id(0)
+    live = pid < tl.load(PiecePtr + n_lists)
+    lst = tl.load(PieceList + pid, mask=live, other=0)
+    piece = pid - tl.load(PiecePtr + lst)
+    slot0 = tl.load(SlotPtr + lst)
+    lo = tl.load(InvPtr + lst)
+    hi = tl.load(InvPtr + lst + 1)
+    e0 = tl.where(slot0 >= 0, lo + piece * chunk, lo)
+    e1 = tl.where(slot0 >= 0, tl.minimum(e0 + chunk, hi), hi)
+    e1 = tl.where(live, e1, e0)
+    slot = tl.where(slot0 >= 0, slot0 + piece, -1)
+    c = lst // HKV
+    h = lst % HKV
+    offs_m = tl.arange(0, M)
+    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
+    hh = offs_m % HP
+    bk = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    ks = tl.load(Blocks + c * 4 + 1)
+    de = tl.load(Blocks + c * 4 + 3)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BS)
+    ktok = ks + offs_n
+    kvalid = ktok < de
+    kp = ktok.to(tl.int64)
+    k = tl.load(K + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    v = tl.load(V + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        bias = tl.zeros([BS], tl.float32)
+    qbase = Q + bk * s_qb + (h * G) * s_qh
+    qoff = offs_d[:, None] + (r * s_qt + hh * s_qh)[None, :]  # [D, M]
+    dobase = DO + bk * s_ob + (h * G) * s_oh
+    dooff = (r * s_ot + hh * s_oh)[:, None] + offs_d[None, :]  # [M, D]
+    lbase = LSE + bk * s_lb + (h * G) * s_lh
+    dbase = Delta + bk * s_lb + (h * G) * s_lh
+    loff = hh * s_lh + r
+    dk = tl.zeros([BS, D], tl.float32)
+    dv = tl.zeros([BS, D], tl.float32)
+    db = tl.zeros([BS], tl.float32)
+    for it in range(e0 * NP, e1 * NP):
+        e = it // NP
+        pk = it % NP
+        qs = tl.load(QStart + e)
+        word = tl.load(Word + e)
+        tok = qs + r
+        rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
+        qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)
+        do = tl.load(dobase + (qs.to(tl.int64) * s_ot + pk * HP * s_oh) + dooff, mask=rvalid[:, None], other=0.0)
+        lo_ = pk * HP * s_lh + qs
+        lse = tl.load(lbase + lo_ + loff, mask=rvalid, other=float("inf"))
+        delta = tl.load(dbase + lo_ + loff, mask=rvalid, other=0.0)
+        sT = tl.dot(k, qT) * qk_scale + bias[:, None]
+        pT = tl.math.exp2(sT - lse[None, :])
+        if (word != FULL) | (qs < ks + BS):
+            bit = ((word >> r.to(word.dtype)) & 1) != 0
+            allowed = bit[None, :] & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
+            pT = tl.where(allowed, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+        if NEED_DB:
+            db += tl.sum(dsT, 1)
+    if live:
+        if slot < 0:
+            _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                        s_db_b, s_db_t, s_db_h, D, NEED_DB)
+        else:
+            tile_off = slot.to(tl.int64) * (BS * D) + offs_n[:, None] * D + offs_d[None, :]
+            tl.store(WDK + tile_off, dk)
+            tl.store(WDV + tile_off, dv)
+            if NEED_DB:
+                tl.store(WDB + slot.to(tl.int64) * BS + offs_n, db)
+
+
+@triton.jit
+def _store_dkdv(DK, DV, DB, dk, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h,
+                D: tl.constexpr, NEED_DB: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    tl.store(DK + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=kvalid[:, None])
+    tl.store(DV + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kvalid[:, None])
+    if NEED_DB:
+        tl.store(DB + bk * s_db_b + kp * s_db_t + h * s_db_h, db, mask=kvalid)
+
+
+@triton.jit
+def _dkdv_reduce_kernel(WDK, WDV, WDB, DK, DV, DB, Blocks, PiecePtr, SlotPtr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                        s_db_b, s_db_t, s_db_h, sm_scale, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                        NEED_DB: tl.constexpr):
+    """dK, dV, db of a split inverse list: the sum of its pieces' fp32 partials, in slot order."""
+    lst = tl.program_id(0)
+    s0 = tl.load(SlotPtr + lst)
+    if s0 >= 0:
+        n = tl.load(PiecePtr + lst + 1) - tl.load(PiecePtr + lst)
+        c = lst // HKV
+        h = lst % HKV
+        bk = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+        ks = tl.load(Blocks + c * 4 + 1)
+        de = tl.load(Blocks + c * 4 + 3)
+        offs_n = tl.arange(0, BS)
+        offs_d = tl.arange(0, D)
+        ktok = ks + offs_n
+        tile_off = offs_n[:, None] * D + offs_d[None, :]
+        dk = tl.zeros([BS, D], tl.float32)
+        dv = tl.zeros([BS, D], tl.float32)
+        db = tl.zeros([BS], tl.float32)
+        wdk = WDK + s0.to(tl.int64) * (BS * D) + tile_off
+        wdv = WDV + s0.to(tl.int64) * (BS * D) + tile_off
+        wdb = WDB + s0.to(tl.int64) * BS + offs_n
+        for i in range(0, n):
+            dk += tl.load(wdk + i * (BS * D))
+            dv += tl.load(wdv + i * (BS * D))
+            if NEED_DB:
+                db += tl.load(wdb + i * BS)
+        _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, ktok.to(tl.int64), ktok < de, s_kb, s_kt, s_kh,
+                    s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, D, NEED_DB)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, Delta, T, H, s_ob, s_ot, s_oh, s_db, s_dt, s_dh, s_lb, s_lh,
+                      BM: tl.constexpr, D: tl.constexpr):
+    """Delta[b, h, t] = sum_d dO[b, t, h, d] * O[b, t, h, d] in fp32."""
+    t = tl.program_id(0) * BM + tl.arange(0, BM)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    offs_d = tl.arange(0, D)
+    tm = t < T
+    o = tl.load(O + b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_d[None, :], mask=tm[:, None], other=0.0)
+    do = tl.load(DO + b * s_db + t[:, None].to(tl.int64) * s_dt + h * s_dh + offs_d[None, :], mask=tm[:, None], other=0.0)
+    tl.store(Delta + b * s_lb + h * s_lh + t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=tm)

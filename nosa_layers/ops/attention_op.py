@@ -1,0 +1,189 @@
+"""Autograd wrapper of the block-sparse NOSA attention kernels."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from ._common import LOG2E, check_device, interpreting
+from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
+from .sparse_index import SparseIndex
+
+# Launch parameters per GPU architecture (compute capability major version; the interpreter uses
+# sm90's). ``tile.rows``: rows of a query tile (``qt`` tokens x the heads of a KV group, see
+# ``sparse_index.query_tile``); per kernel: ``rows`` (M of its programs: heads packed per program =
+# rows // qt, at most G), warps, pipeline stages; dK/dV: ``CHUNK`` entries per list piece and
+# ``SLOTS`` fp32 partials (64 KiB each at D = 128) for the pieces of split lists. sm80 (A100 /
+# A800, 164 KB shared memory per SM) keeps every kernel under 100 KB of shared memory; ``test_arch``
+# compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
+CONFIG = {
+    "sm90": {
+        "tile": dict(rows=64),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2),
+        "dq": dict(rows=64, num_warps=4, num_stages=2),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512),
+    },
+    "sm80": {
+        "tile": dict(rows=64),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2),
+        "dq": dict(rows=64, num_warps=4, num_stages=2),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512),
+    },
+}
+
+
+def arch(device: torch.device) -> str:
+    """``sm90`` for Hopper and newer data-center GPUs (and the interpreter), ``sm80`` otherwise."""
+    if device.type != "cuda" or interpreting():
+        return "sm90"
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm90" if major in (9, 10) else "sm80"
+
+
+def launch_config(device: torch.device) -> dict:
+    return CONFIG[arch(device)]
+
+
+POISON_OUTPUTS = False  # tests: fill every output buffer with NaN before the kernels write it
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    out = torch.empty_like(x)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def _empty(*shape, **kw) -> Tensor:
+    out = torch.empty(*shape, **kw)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def heads_per_program(G: int, qt: int, rows: int) -> int:
+    """Query heads packed into one program: the largest divisor of G with ``heads * qt <= rows``
+    (at least 1, and ``heads * qt >= 16`` for ``tl.dot`` where G allows)."""
+    hp = max(1, min(G, rows // qt))
+    while G % hp:
+        hp -= 1
+    while hp * qt < 16 and hp < G:
+        hp = next(d for d in range(hp + 1, G + 1) if G % d == 0)
+    return hp
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, block: int) -> None:
+    D = q.shape[-1]
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"nosa_layers.ops: head dim must be a power of two in 16..256, got {D}")
+    if block not in (16, 32, 64):
+        raise ValueError(f"nosa_layers.ops: block_size must be 16, 32 or 64, got {block}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("nosa_layers.ops: q, k, v need a contiguous last dimension")
+
+
+def _strides_bias(bias: Tensor | None):
+    return (0, 0, 0) if bias is None else bias.stride()
+
+
+def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    o = _empty_like(q)
+    lse = _empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    cfg = launch_config(q.device)["fwd"]
+    hp = heads_per_program(G, idx.qt, cfg["rows"])
+    grid = (idx.n_tiles * Hkv * (G // hp),)
+    if grid[0]:
+        _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
+                          idx.fwd_word, idx.n_tiles, idx.cap,
+                          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+                          *o.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
+                          HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, lse
+
+
+def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    BS = idx.block
+    if do.stride(-1) != 1:  # the kernels need a contiguous head dim
+        do = do.contiguous()
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    if T:
+        _bwd_delta_kernel[(triton.cdiv(T, 64), B * Hq)](o, do, delta, T, Hq, *o.stride()[:3], *do.stride()[:3],
+                                                        delta.stride(0), delta.stride(1), BM=64, D=D)
+    dq = _empty_like(q)
+    dk = _empty_like(k)
+    dv = _empty_like(v)
+    db = _empty(B, T, Hkv, dtype=torch.float32, device=q.device) if need_db else None
+    if idx.n_tiles == 0:
+        return dq, dk, dv, db
+    bias_arg = q if bias is None else bias
+    launch = launch_config(q.device)
+    cfg = launch["dq"]
+    hp = heads_per_program(G, idx.qt, cfg["rows"])
+    _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
+        q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
+        idx.n_tiles, idx.cap,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    cfg = launch["dkdv"]
+    hp = heads_per_program(G, idx.qt, cfg["rows"])
+    dbs = db.stride() if need_db else (0, 0, 0)
+    db_arg = dk if db is None else db
+    n_ws = max(min(idx.max_slots, idx.max_pieces), 1)
+    wdk = torch.empty(n_ws, BS, D, dtype=torch.float32, device=q.device)
+    wdv = torch.empty_like(wdk)
+    wdb = torch.empty(n_ws, BS, dtype=torch.float32, device=q.device)
+    _bwd_dkdv_kernel[(idx.max_pieces,)](
+        q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.layout.blocks, idx.inv_ptr,
+        idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _dkdv_reduce_kernel[(idx.n_lists,)](
+        wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],
+        *v.stride()[:3], *dbs, scale, HKV=Hkv, BS=BS, D=D, NEED_DB=need_db, num_warps=4)
+    return dq, dk, dv, db
+
+
+class _NosaSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, idx, scale):
+        o, lse = attention_forward(q, k, v, bias, idx, scale)
+        ctx.save_for_backward(q, k, v, bias, o, lse)
+        ctx.idx, ctx.scale, ctx.has_bias = idx, scale, bias is not None
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, bias, o, lse = ctx.saved_tensors
+        need_db = ctx.has_bias and ctx.needs_input_grad[3]
+        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db)
+        if db is not None:
+            db = db.to(bias.dtype)
+        return dq, dk, dv, db, None, None
+
+
+def _prep(x: Tensor) -> Tensor:
+    """Contiguous input: the gradient buffers (``empty_like``) reuse the input strides in the kernels,
+    which only matches for dense layouts (megatron hands over strided views of the fused QKV)."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, index: SparseIndex, bias: Tensor | None = None,
+                     softmax_scale: float | None = None) -> Tensor:
+    """Block-sparse attention over the selection that ``index`` (``build_sparse_index``) encodes.
+
+    q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, bias ``[B, T, Hkv]`` (additive logit bias per key,
+    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias."""
+    check_device(q, k, v, bias)
+    _check_shapes(q, k, v, index.block)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if bias is not None and bias.dtype != torch.float32 and bias.dtype != q.dtype:
+        bias = bias.float()
+    return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale))

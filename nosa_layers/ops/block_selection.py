@@ -1,0 +1,249 @@
+"""NOSA block selection on GPU: Triton scoring kernels + one fused exact (tie-aware) top-k kernel.
+
+Pipeline (``select_blocks`` semantics, see ``nosa_layers/selection.py``), every kernel one program
+per KV block of the batch's block table (``layout.py``), so a packed batch of any number of
+documents takes one launch per kernel and no host synchronisation:
+
+1. ``_compress_kernel``: the ``R = block / stride`` windows that start in each block: mean-pooled
+   keys ``kc [n_blocks * R, Hkv, D]`` (inputs' dtype) and eviction scores ``ws [n_blocks * R, Hkv]``
+   (fp32). Window ``w`` of a document sits at row ``first_block * R + w``.
+2. ``_sel_lse_kernel``: per (token, query head) log2-sum-exp2 of the causal scores against the
+   visible compressed keys (flash-style, nothing materialised).
+3. ``_sel_block_kernel``: per (block of query rows, KV head) recomputes the scores for the G heads
+   of the group, sums the probabilities over heads and max-pools them straight into block scores
+   (own windows of a block + the ``E`` trailing windows of the block before), forced blocks +inf:
+   ``[B, Hkv, T, nb]`` fp32 for the blocks ``m <= qb`` of each row (later columns are not written).
+4. ``topk.select_from_block_scores``: the eviction scores pooled per block (and, for block
+   ``qb - 1``, over the windows each row sees) and both top-k stages (query-aware, then eviction
+   fill) in one kernel; writes the bool mask, ties to the LOWER block index exactly as the
+   reference's stable sort.
+
+The probabilities come from tensor-core dot products in the inputs' dtype (fp32 accumulate), so
+block scores can differ from the fp32 reference by rounding; selections then differ only where two
+block scores are within that rounding (near ties).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nosa_layers.config import NOSAConfig
+from nosa_layers.selection import check_inputs
+
+from ._common import LOG2E, check_device
+from .layout import BlockLayout, block_layout
+from .topk import select_from_block_scores
+
+
+@triton.jit
+def _block_row(Blocks, c, BS: tl.constexpr):
+    """Block ``c`` of the table: batch row (int64), first token, document start / end, index in its
+    document, and the table index of the document's first block."""
+    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    ks = tl.load(Blocks + c * 4 + 1)
+    ds = tl.load(Blocks + c * 4 + 2)
+    de = tl.load(Blocks + c * 4 + 3)
+    j = (ks - ds) // BS
+    return b, ks, ds, de, j, c - j
+
+
+@triton.jit
+def _compress_kernel(K, S, Blocks, KC, WS, s_kb, s_kt, s_kh, s_sb, s_st, s_sh, s_cw, s_ch, s_ww,
+                     HAS_SCORE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
+                     ST: tl.constexpr, R: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)
+    offs_t = tl.arange(0, KS)
+    offs_d = tl.arange(0, D)
+    nw = tl.where(de - ds >= KS, (de - ds - KS) // ST + 1, 0)
+    for r in tl.static_range(R):
+        w = j * R + r
+        ok = w < nw
+        t = (ds + w * ST + offs_t).to(tl.int64)
+        x = tl.load(K + b * s_kb + t[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=ok, other=0.0)
+        kc = tl.sum(x.to(tl.float32), axis=0) / KS
+        row = (c * R + r).to(tl.int64)
+        tl.store(KC + row * s_cw + h * s_ch + offs_d, kc.to(KC.dtype.element_ty))
+        if HAS_SCORE:
+            sc = tl.load(S + b * s_sb + t * s_st + h * s_sh, mask=ok, other=0.0)
+            tl.store(WS + row * s_ww + h, tl.sum(sc.to(tl.float32), axis=0) / KS)
+
+
+@triton.jit
+def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale,
+                    G: tl.constexpr, BW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
+                    ST: tl.constexpr, R: tl.constexpr):
+    c = tl.program_id(0)
+    head = tl.program_id(1)
+    h = head // G
+    b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)
+    t = ks + tl.arange(0, BS)
+    tvalid = t < de
+    p = t - ds
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
+                mask=tvalid[:, None], other=0.0)
+    m_i = tl.full([BS], float("-inf"), tl.float32)
+    l_i = tl.zeros([BS], tl.float32)
+    p_last = tl.minimum(ks + BS, de) - 1 - ds
+    n_vis = (p_last - KS + 1 + ST) // ST  # windows visible to the last row (may be <= 0)
+    kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
+    for w0 in range(0, n_vis, BW):
+        w = w0 + tl.arange(0, BW)
+        kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :], mask=(w < n_vis)[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kc)) * qk_scale
+        s = tl.where((w[None, :] * ST + KS - 1) <= p[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.sum(tl.math.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    tl.store(LSE + b * s_lb + head * s_lh + t, lse, mask=tvalid)
+
+
+@triton.jit
+def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale,
+                      HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr,
+                      BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
+                      EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)  # every row of this program is in block qb = j
+    t = ks + tl.arange(0, BS)
+    tvalid = t < de
+    p = t - ds
+    p_last = tl.minimum(ks + BS, de) - 1 - ds
+    offs_d = tl.arange(0, D)
+    kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
+    NW: tl.constexpr = NBC * R
+    NE: tl.constexpr = NBC * EP
+    for m0 in range(0, j + 1, NBC):
+        m = m0 + tl.arange(0, NBC)  # blocks of this chunk
+        w = m0 * R + tl.arange(0, NW)  # own windows of the chunk's blocks
+        kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :],
+                     mask=(w * ST + KS - 1 <= p_last)[:, None], other=0.0)
+        vis = (w[None, :] * ST + KS - 1) <= p[:, None]
+        acc = tl.zeros([BS, NW], tl.float32)
+        if E > 0:
+            se = tl.arange(0, NE)
+            we = (m0 + se // EP) * R - E + se % EP  # trailing windows of the previous block
+            ok_e = (se % EP < E) & (we >= 0)
+            kce = tl.load(kbase + we[:, None].to(tl.int64) * s_cw + offs_d[None, :],
+                          mask=(ok_e & (we * ST + KS - 1 <= p_last))[:, None], other=0.0)
+            vis_e = ok_e[None, :] & ((we[None, :] * ST + KS - 1) <= p[:, None])
+            acc_e = tl.zeros([BS, NE], tl.float32)
+        for g in range(G):
+            head = h * G + g
+            q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
+                        mask=tvalid[:, None], other=0.0)
+            lse = tl.load(LSE + b * s_lb + head * s_lh + t, mask=tvalid, other=float("inf"))
+            s = tl.dot(q, tl.trans(kc)) * qk_scale
+            acc += tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
+            if E > 0:
+                se_ = tl.dot(q, tl.trans(kce)) * qk_scale
+                acc_e += tl.where(vis_e, tl.math.exp2(se_ - lse[:, None]), 0.0)
+        acc = tl.where(vis, acc, float("-inf"))
+        val = tl.max(tl.reshape(acc, [BS, NBC, R]), axis=2)
+        if E > 0:
+            acc_e = tl.where(vis_e, acc_e, float("-inf"))
+            val = tl.maximum(val, tl.max(tl.reshape(acc_e, [BS, NBC, EP]), axis=2))
+        forced = (m[None, :] < INIT) | ((m[None, :] >= j - LOCAL) & (m[None, :] <= j))
+        val = tl.where(forced, float("inf"), val)
+        val = tl.where(m[None, :] > j, float("-inf"), val)
+        tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :], val,
+                 mask=tvalid[:, None] & (m <= j)[None, :])
+
+
+# Launch parameters of the scoring kernels (LSE: compressed keys per step ``BW``; block scores:
+# windows per step ``NW``, i.e. NW / (block / stride) blocks). Tuned on one H200 for block 64,
+# D 128 (bench/attention.py --sweep); override for experiments.
+SEL_CONFIG = {
+    "lse": dict(BW=64, num_warps=4, num_stages=2),
+    "block": dict(NW=256, num_warps=8, num_stages=2),
+}
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def supports_selection(cfg: NOSAConfig, head_dim: int) -> bool:
+    """Whether the kernels cover this geometry (else ``nosa_layers.dispatch`` uses the reference)."""
+    R = cfg.block_size // cfg.kernel_stride
+    return head_dim in (16, 32, 64, 128, 256) and _pow2(R) and _pow2(cfg.kernel_size) and _pow2(cfg.block_size)
+
+
+def compress(k: Tensor, score: Tensor | None, layout: BlockLayout, cfg: NOSAConfig, dtype: torch.dtype):
+    """Window means of the keys ``kc [n_blocks * R, Hkv, D]`` (``dtype``) and of the eviction score
+    ``ws [n_blocks * R, Hkv]`` fp32 (``None`` without a score); rows past a document's last full
+    window hold unspecified values and are never read."""
+    B, T, Hkv, D = k.shape
+    R = cfg.block_size // cfg.kernel_stride
+    n = max(layout.n_blocks, 1) * R
+    kc = torch.empty(n, Hkv, D, dtype=dtype, device=k.device)
+    ws = torch.empty(n, Hkv, dtype=torch.float32, device=k.device) if score is not None else None
+    if layout.n_blocks:
+        s_arg = k if score is None else score
+        s_str = (0, 0, 0) if score is None else score.stride()
+        _compress_kernel[(layout.n_blocks, Hkv)](
+            k, s_arg, layout.blocks, kc, kc if ws is None else ws, *k.stride()[:3], *s_str, *kc.stride()[:2],
+            0 if ws is None else ws.stride(0), HAS_SCORE=score is not None, D=D, BS=cfg.block_size,
+            KS=cfg.kernel_size, ST=cfg.kernel_stride, R=R)
+    return kc, ws
+
+
+def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSAConfig,
+                        softmax_scale: float | None = None) -> Tensor:
+    """Query-aware block scores (forced blocks +inf) fp32 ``[B, Hkv, T, nb]``; row ``t`` holds the
+    blocks ``m <= qb(t)`` of its document, later columns are unspecified."""
+    B, T, Hq, D = q.shape
+    Hkv = kc.shape[1]
+    G = Hq // Hkv
+    bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
+    R = bs // st
+    E = -(-ks // st) - 1
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, Hkv, T, layout.max_doc_blocks, dtype=torch.float32, device=q.device)
+    if not layout.n_blocks:
+        return out
+    c = SEL_CONFIG["lse"]
+    _sel_lse_kernel[(layout.n_blocks, Hq)](
+        q, kc, layout.blocks, lse, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1), scale * LOG2E,
+        G=G, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    c = SEL_CONFIG["block"]
+    EP = triton.next_power_of_2(max(E, 1))
+    NBC = max(c["NW"] // R if q.is_cuda else 4, 16 // R, triton.cdiv(16, EP))
+    _sel_block_kernel[(layout.n_blocks, Hkv)](
+        q, kc, layout.blocks, lse, out, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
+        *out.stride()[:3], scale * LOG2E,
+        HKV=Hkv, G=G, NBC=NBC, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
+        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out
+
+
+@torch.no_grad()
+def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
+                         cu_seqlens: Tensor | None = None, softmax_scale: float | None = None) -> Tensor:
+    """GPU ``select_blocks``: bool ``[B, Hkv, T, nb]``, reference semantics and tie-breaking
+    (geometries with ``supports_selection``); a packed batch runs in one launch per kernel."""
+    check_device(q, k, evict_score)
+    check_inputs(q, k, evict_score, cu_seqlens)
+    if not supports_selection(cfg, q.shape[-1]):
+        raise ValueError(f"nosa_layers.ops: no selection kernel for head dim {q.shape[-1]} and block/stride/kernel "
+                         f"{cfg.block_size}/{cfg.kernel_stride}/{cfg.kernel_size}; use the reference selection")
+    B, T = q.shape[:2]
+    layout = block_layout(B, T, cu_seqlens, cfg.block_size, q.device)
+    dt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    q = q.to(dt)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    kc, ws = compress(k, evict_score, layout, cfg, dt)
+    b_qa = block_scores_triton(q, kc, layout, cfg, softmax_scale)
+    return select_from_block_scores(b_qa, ws, layout, cfg)

@@ -1,0 +1,68 @@
+"""The KV blocks of a (packed) batch, the one table every kernel of ``nosa_layers.ops`` walks.
+
+Every document of every batch row is cut into blocks of ``block`` tokens aligned to the document
+start (the last one may be partial). Block ``c`` of the table holds ``b, k_start, doc_start,
+doc_end`` (token offsets in batch row ``b``); its index inside its document is
+``(k_start - doc_start) // block``. Kernels take one block per program, so a packed batch runs in
+one launch whatever its number of documents (no per-document Python loop).
+
+The table depends only on ``B, T`` and ``cu_seqlens``, so it is built once per micro-batch: the
+one host synchronisation (reading ``cu_seqlens``) happens for the first layer; the other layers
+find it in a cache keyed by the ``cu_seqlens`` tensor object (and its in-place version).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    block: int          # tokens per KV block
+    batch: int          # B
+    seq_len: int        # T (tokens per batch row)
+    n_blocks: int       # blocks of all documents of all rows
+    max_doc_blocks: int  # blocks of the longest document (the width of a selection)
+    blocks: Tensor      # int32 [n_blocks, 4]: b, k_start, doc_start, doc_end
+
+
+def _build(B: int, T: int, spans: tuple, block: int, device: torch.device) -> BlockLayout:
+    rows, widest = [], 0
+    for b in range(B):
+        for s, e in spans:
+            n = -(-(e - s) // block)
+            widest = max(widest, n)
+            rows.extend((b, s + i * block, s, e) for i in range(n))
+    blocks = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+    return BlockLayout(block, B, T, blocks.shape[0], widest, blocks)
+
+
+@functools.lru_cache(maxsize=32)
+def _unpacked(B: int, T: int, block: int, device: str) -> BlockLayout:
+    return _build(B, T, ((0, T),) if T else (), block, torch.device(device))
+
+
+_PACKED: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, key, layout); dropped with the tensor
+
+
+def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) -> BlockLayout:
+    """The block table of a batch ``[B, T]`` (``cu_seqlens``: packed documents, B = 1)."""
+    device = torch.device(device)
+    if cu_seqlens is None:
+        return _unpacked(B, T, block, str(device))
+    key = (cu_seqlens._version, B, T, block, str(device))
+    hit = _PACKED.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == key:
+        return hit[2]
+    cu = cu_seqlens.tolist()  # the one host sync, once per micro-batch
+    if B != 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T} with batch size 1, got {cu} (B={B})")
+    layout = _build(B, T, tuple((a, b) for a, b in zip(cu, cu[1:]) if b > a), block, device)
+    ident = id(cu_seqlens)
+    _PACKED[ident] = (weakref.ref(cu_seqlens, lambda _: _PACKED.pop(ident, None)), key, layout)
+    return layout

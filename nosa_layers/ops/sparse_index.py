@@ -1,0 +1,281 @@
+"""The block-sparse index of a selection, built on the GPU in four launches with no host sync.
+
+Geometry. KV blocks are the batch's block table (``layout.py``: documents cut into ``block``-token
+blocks aligned to their start). Query tiles are ``qt`` consecutive tokens of one block (``qt``
+divides ``block``; tile ``i`` is part ``i % S`` of block ``i // S``, ``S = block // qt``; tiles past
+a document's end are empty). A kernel program takes one query tile with the query heads of one KV
+group (M = qt x heads rows), which all share one selection: the tile's *union* of the rows'
+selected blocks is what it iterates over, so small tiles keep that union close to one token's
+selection (less "union inflation" than 64-token tiles of one head).
+
+Forward lists, per (tile, KV head) ``w = tile * Hkv + h``: ``fwd_count[w]`` blocks at
+``fwd_ks[w, :]`` (first token of each listed KV block, ascending, the tile's own block last) and
+``fwd_word[w, :]`` (bit ``r`` set <=> row ``r`` of the tile selected the block), padded to ``cap``
+entries (no compaction across lists, hence no host sync for sizes).
+
+Inverse lists, per (KV block, KV head) ``l = block * Hkv + h``: ``inv_ptr[l] .. inv_ptr[l+1]`` index
+``inv_qs`` (first token of each query tile that selected the block, ascending) and ``inv_word``.
+dK/dV work: each list is cut into pieces of at most ``chunk`` entries (``piece_ptr``,
+``piece_list``: the list of each piece); the pieces of a split list write fp32 partials to
+consecutive slots from ``slot_ptr[l]`` (``-1``: one program does the whole list), at most
+``max_slots`` slots in all (lists past that budget stay whole). Everything is ordered, so every
+reduction in the backward is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nosa_layers.config import NOSAConfig
+
+from ._common import check_device
+from .layout import BlockLayout, block_layout
+
+
+@dataclass
+class SparseIndex:
+    block: int            # tokens per KV block
+    qt: int               # tokens per query tile
+    hkv: int
+    layout: BlockLayout
+    n_tiles: int          # layout.n_blocks * (block // qt)
+    cap: int              # forward list capacity per (tile, head)
+    fwd_count: Tensor     # int32 [n_tiles * Hkv]
+    fwd_ks: Tensor        # int32 [n_tiles * Hkv, cap]
+    fwd_word: Tensor      # int32 (qt <= 32) / int64 [n_tiles * Hkv, cap]
+    inv_ptr: Tensor       # int32 [n_lists + 1], n_lists = n_blocks * Hkv
+    inv_qs: Tensor        # int32 [n_tiles * Hkv * cap] (capacity; inv_ptr[-1] used)
+    inv_word: Tensor      # like fwd_word
+    chunk: int            # entries per dK/dV piece
+    piece_ptr: Tensor     # int32 [n_lists + 1]
+    piece_list: Tensor    # int32 [max_pieces]
+    slot_ptr: Tensor      # int32 [n_lists]
+    max_pieces: int       # grid bound of the dK/dV kernel
+    max_slots: int        # fp32 partial slots the dK/dV workspace holds
+
+    @property
+    def n_lists(self) -> int:
+        return self.layout.n_blocks * self.hkv
+
+    @property
+    def nnz(self) -> int:
+        """Listed (tile, head, block) entries (a host sync: statistics and tests only)."""
+        return int(self.inv_ptr[-1])
+
+
+@triton.jit
+def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap,
+                       NBW: tl.constexpr, HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
+                       BS: tl.constexpr, NBC: tl.constexpr):
+    """Per (query tile, KV head): the tile rows' selections ORed into one word per block (dense
+    ``Words`` row, columns up to the tile's own block) and the forward list of non-zero words."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    c = i // S
+    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    ks = tl.load(Blocks + c * 4 + 1)
+    ds = tl.load(Blocks + c * 4 + 2)
+    de = tl.load(Blocks + c * 4 + 3)
+    j = (ks - ds) // BS
+    qs = ks + (i % S) * QT
+    r = tl.arange(0, QT)
+    rmask = (qs + r) < de
+    w = (i * HKV + h).to(tl.int64)
+    n = 0
+    for m0 in range(0, j + 1, NBC):
+        cols = m0 + tl.arange(0, NBC)
+        cm = cols <= j
+        s = tl.load(Sel + b * s_sb + h * s_sh + (qs + r)[:, None].to(tl.int64) * s_st + cols[None, :],
+                    mask=rmask[:, None] & cm[None, :], other=0)
+        bits = (s != 0).to(Words.dtype.element_ty) << r[:, None].to(Words.dtype.element_ty)
+        word = tl.sum(bits, axis=0)  # disjoint bits: sum == OR (wraps correctly at the top bit)
+        tl.store(Words + w * NBW + cols, word, mask=cm)
+        nz = (word != 0) & cm
+        pos = n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
+        ok = nz & (pos < cap)
+        tl.store(FwdKs + w * cap + pos, ds + cols * BS, mask=ok)
+        tl.store(FwdWord + w * cap + pos, word, mask=ok)
+        n += tl.sum(nz.to(tl.int32), axis=0)
+    tl.store(Count + w, n)
+
+
+@triton.jit
+def _inverse_scan(Words, Blocks, c, h, NBW: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, BS: tl.constexpr):
+    """Column of KV block ``c`` in the dense words: tiles ``[i0, i1)`` of its document from its own
+    block on, the column ``j`` (block index in the document) and the batch row."""
+    ks = tl.load(Blocks + c * 4 + 1)
+    ds = tl.load(Blocks + c * 4 + 2)
+    de = tl.load(Blocks + c * 4 + 3)
+    j = (ks - ds) // BS
+    nb_doc = (de - ds + BS - 1) // BS
+    return c * S, (c - j + nb_doc) * S, j
+
+
+@triton.jit
+def _inv_count_kernel(Words, Blocks, InvCount, NBW: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr,
+                      BS: tl.constexpr, CB: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    i0, i1, j = _inverse_scan(Words, Blocks, c, h, NBW, HKV, S, BS)
+    cnt = 0
+    for t0 in range(i0, i1, CB):
+        i = t0 + tl.arange(0, CB)
+        wd = tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j, mask=i < i1, other=0)
+        cnt += tl.sum((wd != 0).to(tl.int32), axis=0)
+    tl.store(InvCount + c * HKV + h, cnt)
+
+
+@triton.jit
+def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, CH: tl.constexpr):
+    """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
+    the split lists (lists are split in order while the slot budget lasts)."""
+    carry_e = 0
+    carry_p = 0
+    carry_s = 0
+    for l0 in range(0, n_lists, CH):
+        idx = l0 + tl.arange(0, CH)
+        ok = idx < n_lists
+        cnt = tl.load(InvCount + idx, mask=ok, other=0)
+        tl.store(InvPtr + idx, carry_e + tl.cumsum(cnt, axis=0) - cnt, mask=ok)
+        pieces = tl.where(ok, tl.maximum((cnt + chunk - 1) // chunk, 1), 0)
+        need = tl.where(pieces > 1, pieces, 0)
+        s_end = carry_s + tl.cumsum(need, axis=0)
+        split = (need > 0) & (s_end <= max_slots)
+        tl.store(SlotPtr + idx, tl.where(split, s_end - need, -1), mask=ok)
+        pieces = tl.where(split, pieces, tl.minimum(pieces, 1))
+        tl.store(PiecePtr + idx, carry_p + tl.cumsum(pieces, axis=0) - pieces, mask=ok)
+        carry_e += tl.sum(cnt, axis=0)
+        carry_p += tl.sum(pieces, axis=0)
+        carry_s += tl.sum(tl.where(split, need, 0), axis=0)
+    tl.store(InvPtr + n_lists, carry_e)
+    tl.store(PiecePtr + n_lists, carry_p)
+
+
+@triton.jit
+def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
+                     NBW: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, QT: tl.constexpr,
+                     BS: tl.constexpr, CB: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    lst = c * HKV + h
+    i0, i1, j = _inverse_scan(Words, Blocks, c, h, NBW, HKV, S, BS)
+    base = tl.load(InvPtr + lst)
+    n = 0
+    for t0 in range(i0, i1, CB):
+        i = t0 + tl.arange(0, CB)
+        im = i < i1
+        wd = tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j, mask=im, other=0)
+        nz = (wd != 0) & im
+        pos = base + n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
+        qs = tl.load(Blocks + (i // S) * 4 + 1, mask=nz, other=0) + (i % S) * QT
+        tl.store(InvQs + pos, qs, mask=nz)
+        tl.store(InvWord + pos, wd, mask=nz)
+        n += tl.sum(nz.to(tl.int32), axis=0)
+    p0 = tl.load(PiecePtr + lst)
+    p1 = tl.load(PiecePtr + lst + 1)
+    for q0 in range(p0, p1, CB):
+        p = q0 + tl.arange(0, CB)
+        tl.store(PieceList + p, lst, mask=p < p1)
+
+
+def query_tile(G: int, block: int, rows: int = 64) -> tuple[int, int]:
+    """``(qt, heads)`` of a query tile: all ``G`` query heads of a KV group (at most ``rows``) and
+    ``qt = rows // heads`` tokens (a power of two dividing ``block``; at least 1, M >= 16)."""
+    heads = min(G, rows)
+    while G % heads:
+        heads -= 1
+    qt = max(1, min(block, rows // heads))
+    qt = 1 << (qt.bit_length() - 1)
+    while qt * heads < 16 and qt < block:
+        qt *= 2
+    return qt, heads
+
+
+def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None,
+                       num_q_heads: int | None = None, row_budget: int | None = None,
+                       qt: int | None = None, chunk: int | None = None, max_slots: int | None = None) -> SparseIndex:
+    """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
+    ``seq_len = T`` tokens, documents at ``cu_seqlens``).
+
+    ``num_q_heads`` sets the query tile (``query_tile``; default: 64-token tiles, one head per
+    program); ``row_budget``: most blocks any one row selects (``cfg.topk`` for NOSA selections),
+    which bounds the forward lists at ``qt * row_budget`` entries instead of ``nb``; ``qt``,
+    ``chunk`` (dK/dV piece length, entries) and ``max_slots`` override the launch configuration."""
+    from .attention_op import launch_config
+
+    check_device(selected)
+    B, Hkv, T, nbw = selected.shape
+    if T != seq_len:
+        raise ValueError(f"selected has {T} rows for a sequence of {seq_len} tokens")
+    bs = cfg.block_size
+    layout = block_layout(B, T, cu_seqlens, bs, selected.device)
+    launch = launch_config(selected.device)
+    if qt is None:
+        qt = query_tile(num_q_heads // Hkv, bs, launch["tile"]["rows"])[0] if num_q_heads else bs
+    if bs % qt or qt & (qt - 1):
+        raise ValueError(f"query tile of {qt} tokens must be a power of two dividing block_size {bs}")
+    S = bs // qt
+    n_tiles = layout.n_blocks * S
+    n_lists = layout.n_blocks * Hkv
+    cap = max(1, min(nbw, qt * row_budget) if row_budget else nbw)
+    chunk = max(1, chunk or launch["dkdv"]["CHUNK"])
+    max_slots = launch["dkdv"]["SLOTS"] if max_slots is None else max_slots
+    dev = selected.device
+    wdt = torch.int64 if qt > 32 else torch.int32
+    i32 = dict(dtype=torch.int32, device=dev)
+    fwd_count = torch.empty(n_tiles * Hkv, **i32)
+    fwd_ks = torch.empty(n_tiles * Hkv, cap, **i32)
+    fwd_word = torch.empty(n_tiles * Hkv, cap, dtype=wdt, device=dev)
+    inv_ptr = torch.empty(n_lists + 1, **i32)
+    piece_ptr = torch.empty(n_lists + 1, **i32)
+    slot_ptr = torch.empty(n_lists, **i32)
+    nnz_cap = n_tiles * Hkv * cap
+    max_pieces = n_lists + -(-nnz_cap // chunk)
+    inv_qs = torch.empty(max(nnz_cap, 1), **i32)
+    inv_word = torch.empty(max(nnz_cap, 1), dtype=wdt, device=dev)
+    piece_list = torch.empty(max(max_pieces, 1), **i32)
+    if n_tiles:
+        sel = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
+        words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
+        inv_count = torch.empty(n_lists, **i32)
+        _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, *sel.stride()[:3],
+                                           cap, NBW=nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
+        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, NBW=nbw, HKV=Hkv, S=S, BS=bs, CB=128)
+        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, CH=1024)
+        _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
+                                                 inv_word, NBW=nbw, HKV=Hkv, S=S, QT=qt, BS=bs, CB=128)
+    else:
+        inv_ptr.zero_()
+        piece_ptr.zero_()
+    return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots)
+
+
+def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
+    """Work of the tiles' union lists against the rows' own selections (statistics; host syncs):
+    ``inflation`` = listed blocks per row / selected blocks per row, ``bitmask_fill`` = selected
+    rows per listed (tile, block) entry / rows of the tile."""
+    per_token = selected.sum(-1).float()  # [B, Hkv, T]
+    counts = index.fwd_count.reshape(index.n_tiles, index.hkv).float()
+    blocks = index.layout.blocks.long()
+    S = index.block // index.qt
+    qs = blocks[:, 1].repeat_interleave(S) + torch.arange(S, device=blocks.device).repeat(blocks.shape[0]) * index.qt
+    de = blocks[:, 3].repeat_interleave(S)
+    rows = (de - qs).clamp(min=0, max=index.qt).float()  # rows of each tile
+    listed_rows = float((counts * rows[:, None]).sum())
+    selected_rows = float(per_token.sum())
+    e = torch.arange(index.cap, device=counts.device)[None, :] < index.fwd_count[:, None]
+    words = index.fwd_word[e].long() & ((1 << index.qt) - 1 if index.qt < 64 else -1)
+    bits = sum(((words >> i) & 1) for i in range(index.qt))
+    return {
+        "mean_blocks_per_token": float(per_token.mean()),
+        "mean_union_blocks_per_tile": listed_rows / max(float(rows.sum()) * index.hkv, 1.0),
+        "inflation": listed_rows / max(selected_rows, 1.0),
+        "bitmask_fill": float(bits.sum()) / max(float((counts * rows[:, None]).sum()), 1.0),
+        "nnz": int(e.sum()),
+    }

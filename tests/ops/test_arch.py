@@ -1,0 +1,33 @@
+"""Every kernel compiles for the sm80 (A100 / A800) and sm90 (H100 / H200) targets with the launch
+configuration of that architecture and fits its shared memory, so an Ampere break shows up here
+before a cluster run (Triton compiles for a target it does not run on; no GPU needed)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ops.conftest import HAS_TRITON
+
+SHARED_PER_BLOCK = {"sm80": 166912, "sm90": 232448}  # bytes of shared memory one program may use
+KERNELS = {"fwd", "dq", "dkdv", "dkdv_reduce", "delta", "pack_lists", "inv_count", "scan", "inv_fill", "compress",
+           "sel_lse", "sel_block", "topk_nb64", "topk_nb512"}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_every_kernel_compiles_for_ampere_and_hopper():
+    script = Path(__file__).with_name("compile_targets.py")
+    repo = script.parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = f"{repo}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, str(script), "8"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    for arch, limit in SHARED_PER_BLOCK.items():
+        mine = {row["kernel"]: row["shared"] for row in rows if row["arch"] == arch}
+        assert set(mine) == KERNELS, f"{arch}: compiled {sorted(mine)}"
+        too_big = {k: v for k, v in mine.items() if v > limit}
+        assert not too_big, f"{arch}: shared memory over {limit} B: {too_big}"

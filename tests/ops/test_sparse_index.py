@@ -1,0 +1,104 @@
+"""The block-sparse index (``nosa_layers/ops/sparse_index.py``) against a brute-force construction
+from the selection mask, on ``dev``: forward lists, inverse lists, dK/dV pieces and slots."""
+
+import pytest
+import torch
+
+from nosa_layers.ops import build_sparse_index
+from nosa_layers.ops.sparse_index import query_tile, union_inflation
+from tests.nosa.common import tiny_cfg
+
+
+def _random_selection(B, Hkv, T, spans, bs, g, p=0.3):
+    """Causal random block selection per row (own block always), zero past each document."""
+    nb = max(-(-(e - s) // bs) for s, e in spans)
+    sel = torch.zeros(B, Hkv, T, nb, dtype=torch.bool)
+    for s, e in spans:
+        for t in range(s, e):
+            qb = (t - s) // bs
+            sel[:, :, t, :qb + 1] = torch.rand(B, Hkv, qb + 1, generator=g) < p
+            sel[:, :, t, qb] = True
+    return sel
+
+
+def _brute_force(sel, spans, bs, qt):
+    """{(b, tile start, h): [(key start, word)]} and {(b, key start, h): [(tile start, word)]}."""
+    fwd, inv = {}, {}
+    B, Hkv = sel.shape[:2]
+    for b in range(B):
+        for s, e in spans:
+            for q0 in range(s, e, qt):
+                for h in range(Hkv):
+                    for m in range((q0 - s) // bs + 1):
+                        word = sum(int(sel[b, h, t, m]) << (t - q0) for t in range(q0, min(q0 + qt, e)))
+                        if word:
+                            fwd.setdefault((b, q0, h), []).append((s + m * bs, word))
+                            inv.setdefault((b, s + m * bs, h), []).append((q0, word))
+    return fwd, inv
+
+
+@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots", [
+    pytest.param(2, 70, 2, None, 4, 3, 100, id="B2-qt4"),
+    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, id="varlen-slot-budget"),
+    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, id="qt1-whole-lists"),
+])
+def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots):
+    cfg = tiny_cfg()
+    bs = cfg.block_size
+    spans = [(0, T)] if cu is None else [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+    sel = _random_selection(B, Hkv, T, spans, bs, torch.Generator().manual_seed(T + qt))
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, qt=qt, chunk=chunk, max_slots=slots)
+    fwd, inv = _brute_force(sel, spans, bs, qt)
+    blocks = idx.layout.blocks.cpu().tolist()
+    count, ks, word = idx.fwd_count.cpu(), idx.fwd_ks.cpu(), idx.fwd_word.cpu()
+    S = bs // qt
+    for i in range(idx.n_tiles):
+        b, k0, _, de = blocks[i // S]
+        q0 = k0 + (i % S) * qt
+        for h in range(Hkv):
+            w = i * Hkv + h
+            got = [(int(ks[w, e]), int(word[w, e]) & ((1 << qt) - 1)) for e in range(int(count[w]))]
+            assert got == (fwd.get((b, q0, h), []) if q0 < de else []), (i, h)
+    ptr, qs, iw = idx.inv_ptr.cpu(), idx.inv_qs.cpu(), idx.inv_word.cpu()
+    pieces, plist, slot = idx.piece_ptr.cpu(), idx.piece_list.cpu(), idx.slot_ptr.cpu()
+    used_slots = []
+    for c, (b, k0, _, _) in enumerate(blocks):
+        for h in range(Hkv):
+            lst = c * Hkv + h
+            got = [(int(qs[e]), int(iw[e]) & ((1 << qt) - 1)) for e in range(int(ptr[lst]), int(ptr[lst + 1]))]
+            assert got == inv.get((b, k0, h), []), (c, h)
+            n_pieces = int(pieces[lst + 1] - pieces[lst])
+            assert plist[int(pieces[lst]):int(pieces[lst + 1])].tolist() == [lst] * n_pieces
+            if int(slot[lst]) >= 0:
+                assert n_pieces == -(-len(got) // chunk) > 1
+                used_slots += list(range(int(slot[lst]), int(slot[lst]) + n_pieces))
+            else:
+                assert n_pieces == 1
+    assert used_slots == list(range(len(used_slots))) and len(used_slots) <= slots  # consecutive, in order
+    assert int(pieces[-1]) <= idx.max_pieces
+
+
+def test_query_tile_takes_a_kv_groups_heads():
+    assert query_tile(8, 64) == (8, 8) and query_tile(16, 64) == (4, 16) and query_tile(1, 64) == (64, 1)
+    assert query_tile(2, 16) == (16, 2) and query_tile(128, 64) == (1, 64) and query_tile(6, 64) == (8, 6)
+
+
+def test_union_inflation_counts_union_blocks_and_bitmask_fill(dev):
+    """Tiles of 16 rows over 4 blocks: rows that agree give inflation 1 and a full bitmask; two row
+    halves with disjoint picks double the union and half-fill each listed block's word."""
+    cfg = tiny_cfg()
+    T, bs = 64, cfg.block_size
+    sel = torch.zeros(1, 1, T, 4, dtype=torch.bool)
+    for t in range(T):
+        sel[0, 0, t, t // bs] = True
+    st = union_inflation(build_sparse_index(sel.to(dev), cfg, T), sel.to(dev))
+    assert st["inflation"] == pytest.approx(1.0) and st["bitmask_fill"] == pytest.approx(1.0) and st["nnz"] == 4
+    sel[0, 0, 48:56, 0] = True  # last tile: first half adds block 0, second half block 1
+    sel[0, 0, 56:64, 1] = True
+    st = union_inflation(build_sparse_index(sel.to(dev), cfg, T), sel.to(dev))
+    assert st["mean_union_blocks_per_tile"] == pytest.approx((1 + 1 + 1 + 3) / 4)
+    assert st["mean_blocks_per_token"] == pytest.approx((48 + 16 * 2) / 64)
+    assert st["bitmask_fill"] == pytest.approx((4 * 16 + 8 + 8) / (6 * 16))
+    st8 = union_inflation(build_sparse_index(sel.to(dev), cfg, T, qt=8), sel.to(dev))
+    assert st8["inflation"] == pytest.approx(1.0)  # 8-token tiles separate the two halves
