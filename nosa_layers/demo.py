@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from nosa_layers.config import NOSAConfig
-from nosa_layers.layer import NOSASelfAttention
+from nosa_layers.reference_layer import NOSAReferenceSelfAttention
 from nosa_layers.locality import LocalityStats, format_locality_table, measure_locality
 
 
 def build_stack(cfg: NOSAConfig, layers: int, hidden: int, heads: int, kv_heads: int, seed: int) -> nn.ModuleList:
     torch.manual_seed(seed)
-    stack = nn.ModuleList(NOSASelfAttention(hidden, heads, kv_heads, cfg) for _ in range(layers))
+    stack = nn.ModuleList(NOSAReferenceSelfAttention(hidden, heads, kv_heads, cfg) for _ in range(layers))
     for layer in stack:
         if hasattr(layer.eviction, "A"):
             nn.init.uniform_(layer.eviction.A, 0.5, 1.5)

@@ -4,7 +4,7 @@ Public API::
 
     from nosa_layers.megatron import (ModelConfig, AttentionConfig, ParallelConfig, validate,
         model_preset, build_model, build_transformer_config, get_nosa_layer_spec,
-        get_nosa_decoder_block_spec, NOSASelfAttention, NOSACoreAttention, DenseCoreAttention)
+        get_nosa_decoder_block_spec, NOSAMegatronSelfAttention, NOSACoreAttention, DenseCoreAttention)
 
 Names that need megatron-core are imported lazily, so the configs import without it.
 """
@@ -18,9 +18,9 @@ _LAZY = {
     "NOSAGPTModel": "nosa_layers.megatron.model",
     "get_nosa_layer_spec": "nosa_layers.megatron.spec",
     "get_nosa_decoder_block_spec": "nosa_layers.megatron.spec",
-    "NOSASelfAttention": "nosa_layers.megatron.attention",
-    "NOSACoreAttention": "nosa_layers.megatron.attention",
-    "DenseCoreAttention": "nosa_layers.megatron.attention",
+    "NOSAMegatronSelfAttention": "nosa_layers.megatron.self_attention",
+    "NOSACoreAttention": "nosa_layers.megatron.core_attention",
+    "DenseCoreAttention": "nosa_layers.megatron.core_attention",
     "LongRoPERotaryEmbedding": "nosa_layers.megatron.rope",
 }
 

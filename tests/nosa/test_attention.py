@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nosa_layers import EVICTION_HEADS, NOSAConfig, build_eviction_head, nosa_attention, select_blocks
-from nosa_layers.layer import NOSASelfAttention
+from nosa_layers.reference_layer import NOSAReferenceSelfAttention
 from nosa_layers.reference import block_sparse_attention
 from tests.nosa.common import random_qkvs, tiny_cfg
 
@@ -126,7 +126,7 @@ def test_dtypes(dtype):
 @pytest.mark.parametrize("name", sorted(EVICTION_HEADS))
 def test_every_variant_runs_forward_backward(name):
     cfg = tiny_cfg(eviction_head=name)
-    layer = NOSASelfAttention(hidden_size=32, num_heads=4, num_kv_heads=2, cfg=cfg)
+    layer = NOSAReferenceSelfAttention(hidden_size=32, num_heads=4, num_kv_heads=2, cfg=cfg)
     for p in layer.parameters():
         if p.dim() == 1:
             torch.nn.init.uniform_(p, 0.5, 1.0)  # A != 0 so every head parameter gets gradient
