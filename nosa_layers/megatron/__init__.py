@@ -1,16 +1,15 @@
-"""NOSA models on megatron-core: typed configs, presets, layer specs, model builder.
+"""NOSA models on megatron-core: typed configs, layer specs, model builder.
 
 Public API::
 
     from nosa_layers.megatron import (ModelConfig, AttentionConfig, ParallelConfig, validate,
-        model_preset, build_model, build_transformer_config, get_nosa_layer_spec,
+        build_model, build_transformer_config, get_nosa_layer_spec,
         get_nosa_decoder_block_spec, NOSAMegatronSelfAttention, NOSACoreAttention, DenseCoreAttention)
 
 Names that need megatron-core are imported lazily, so the configs import without it.
 """
 
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig, validate
-from nosa_layers.megatron.presets import ATTENTION_PRESETS, MODEL_PRESETS, model_preset, tiny_nosa_geometry
 
 _LAZY = {
     "build_model": "nosa_layers.megatron.model",
@@ -24,8 +23,7 @@ _LAZY = {
     "LongRoPERotaryEmbedding": "nosa_layers.megatron.rope",
 }
 
-__all__ = ["ModelConfig", "AttentionConfig", "ParallelConfig", "validate", "model_preset", "MODEL_PRESETS",
-           "ATTENTION_PRESETS", "tiny_nosa_geometry", *_LAZY]
+__all__ = ["ModelConfig", "AttentionConfig", "ParallelConfig", "validate", *_LAZY]
 
 
 def __getattr__(name: str):
