@@ -52,7 +52,7 @@ class NOSAMegatronSelfAttention(SelfAttention):
 
     Used for every layer of a NOSA model (dense layers simply have no eviction head), so RoPE
     scaling is applied the same way everywhere. Eviction-head TP design: parameters replicated on
-    all TP ranks; inputs (pre-RoPE v, and q/k for Locret) all-gathered over TP; the head runs on all
+    all TP ranks; inputs (pre-RoPE v, and q/k for heads with ``reads_qk``) all-gathered over TP; the head runs on all
     KV heads identically on every rank; its output's gradient is all-reduced over TP
     (:func:`replicate_grad`) so the replicated parameters receive identical, complete gradients.
     """
