@@ -68,7 +68,7 @@ def extra_eviction_heads() -> str:
         src = ast.unparse(tree)
         unknown = _free_names(compile(src, cls.__qualname__, "exec")) - known
         if unknown:
-            raise RuntimeError(f"eviction head {name!r} ({cls.__module__}.{cls.__qualname__}) uses "
+            raise ValueError(f"eviction head {name!r} ({cls.__module__}.{cls.__qualname__}) uses "
                                f"{', '.join(sorted(unknown))}, which an export cannot ship; define "
                                f"them inside the class or in nosa_layers/eviction.py")
         parts.append(f"\n\n# eviction head {name!r}, copied from {cls.__module__}\n{src}\n"

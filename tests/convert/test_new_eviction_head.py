@@ -41,6 +41,18 @@ class KeyGateHead(EvictionHead):
         return EvictionOutput(score=s, bias=s)
 
 
+def _squash(x: Tensor) -> Tensor:
+    return torch.tanh(x)
+
+
+class HelperHead(KeyGateHead):
+    """Uses a helper of this test module, which an export cannot ship."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> EvictionOutput:
+        s = self.gain.float() * _squash(self.proj(k.float()).squeeze(-1))
+        return EvictionOutput(score=s, bias=s)
+
+
 def register() -> None:
     register_eviction_head(NAME)(KeyGateHead)
 
@@ -50,6 +62,18 @@ def key_gate_head():
     register()
     yield NAME
     EVICTION_HEADS.pop(NAME)
+
+
+def test_a_head_the_export_cannot_ship_is_named(key_gate_head):
+    from checkpoints_convert.hf_modeling import reference_sources
+
+    assert "class KeyGateHead(EvictionHead):" in reference_sources()["nosa_eviction.py"]
+    register_eviction_head("test_helper")(HelperHead)
+    try:
+        with pytest.raises(ValueError, match=r"'test_helper' .*HelperHead\) uses _squash, which an export cannot"):
+            reference_sources()
+    finally:
+        EVICTION_HEADS.pop("test_helper")
 
 
 # Runs in a fresh process (megatron-core never runs in the pytest process): registers the head,
