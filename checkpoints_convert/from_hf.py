@@ -96,10 +96,9 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
         if len(variants) != model.num_layers:
             raise ConversionError(f"nosa_config.layer_variants has {len(variants)} entries for "
                                   f"{model.num_layers} layers")
-        geo = {k: int(n[k]) for k in ("block_size", "kernel_size", "kernel_stride", "init_blocks", "local_blocks",
-                                      "select_blocks", "topk")}
-        nosa = NOSAConfig(**geo, eviction_head=n.get("eviction_head", "ed_dma") if "nosa" in variants else "ed_dma",
-                          detach_value=bool(n.get("detach_value", False)))
+        # without NOSA layers the head name stays the default (AttentionConfig maps InfLLM-V2 layers to "none")
+        default_head = {} if "nosa" in variants else {"eviction_head": NOSAConfig().eviction_head}
+        nosa = NOSAConfig.from_fields(n, **default_head)
         same = len(set(variants)) == 1
         attn = AttentionConfig(variant=variants[0] if same else "nosa" if "nosa" in variants else variants[-1],
                                layer_pattern=None if same else variants, nosa=nosa,

@@ -14,19 +14,26 @@ Transforms:
 * ``gated``  megatron's ``linear_fc1`` (gate rows stacked over up rows) <-> ``gate_proj``, ``up_proj``;
 * ``vocab``  embedding / output rows: megatron pads the vocabulary, HF has exactly ``vocab_size``.
 
-MiniCPM4 muP is *folded* into the HF weights (NOSA_ALGORITHM.md section 4.4): embeddings x
-``scale_emb``, every ``o_proj`` / ``down_proj`` x ``scale_depth / sqrt(num_layers)``, ``lm_head`` x
-``dim_model_base / hidden_size``; the exported config is plain Llama.
+The eviction-head rules are not written here: they come from the registered head module itself
+(:func:`eviction_parameters`), so a new head converts with no edit of this file.
+
+MiniCPM4 muP is *folded* into the HF weights (its multipliers are constants, so a plain Llama
+forward with folded weights equals the muP forward): embeddings x ``scale_emb``, every ``o_proj`` /
+``down_proj`` x ``scale_depth / sqrt(num_layers)``, ``lm_head`` x ``dim_model_base / hidden_size``;
+the exported config is plain Llama.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from nosa_layers.eviction import EVICTION_HEADS
 
 # Keys of a trainer checkpoint that belong to the model (everything else: optimizer, RNG, ...).
 NON_MODEL_PREFIXES = ("optimizer", "rng_state", "common_state")
@@ -70,22 +77,28 @@ LLAMA_RULES: Tuple[Rule, ...] = (
     Rule("decoder.layers.*.mlp.linear_fc2.weight", ("model.layers.*.mlp.down_proj.weight",), mup="residual"),
 )
 
-# Eviction-head parameters (NOSA layers only), named as in the public NOSA checkpoints: the head's
-# parameters sit directly on ``self_attn`` (``A``, ``delta``; Locret: ``fc1``, ``fc2``).
-EVICTION_PARAMS: Dict[str, Tuple[str, ...]] = {
-    "ed_dma": ("A", "delta.weight", "delta.bias"),
-    "dma": ("A", "delta.weight", "delta.bias"),
-    "s_dma": ("A", "delta.weight", "delta.bias"),
-    "locret": ("fc1.weight", "fc2.weight"),
-    "none": (),
-}
 
 
-def eviction_rules(head: str) -> Tuple[Rule, ...]:
-    if head not in EVICTION_PARAMS:
-        raise ConversionError(f"unknown eviction head {head!r}; known: {sorted(EVICTION_PARAMS)}")
-    return tuple(Rule(f"decoder.layers.*.self_attention.eviction_head.{p}", (f"model.layers.*.self_attn.{p}",),
-                      optional=p.endswith(".bias")) for p in EVICTION_PARAMS[head])
+def eviction_parameters(head: str, num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> Dict[str, Tuple[Tuple[int, ...], bool]]:
+    """``{name: (shape, optional)}`` of an eviction head's parameters, read from the registry's own
+    module (``nosa_layers.eviction``, built on the meta device): the names megatron saves under
+    ``self_attention.eviction_head.`` and HF under ``self_attn.`` (as in the public NOSA checkpoints).
+    A parameter that exists only with ``bias=True`` is optional."""
+    if head not in EVICTION_HEADS:
+        raise ConversionError(f"unknown eviction head {head!r}; known: {sorted(EVICTION_HEADS)}")
+    return _parameter_shapes(EVICTION_HEADS[head], num_heads, num_kv_heads, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_shapes(cls: type, num_heads: int, num_kv_heads: int, head_dim: int):
+    def shapes(bias: bool) -> Dict[str, Tuple[int, ...]]:
+        with torch.device("meta"):
+            module = cls(num_q_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias)
+        return {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+    required = shapes(False)
+    return {n: (s, n not in required) for n, s in shapes(True).items()}
 
 
 # --- geometry -----------------------------------------------------------------------------------
@@ -107,11 +120,16 @@ class Geometry:
     eviction_head: str = "none"
     mup: Optional[Dict[str, float]] = None  # {"emb": s, "residual": s, "logits": s} when folding
 
+    def eviction_parameters(self) -> Dict[str, Tuple[Tuple[int, ...], bool]]:
+        """The eviction head's ``{name: (shape, optional)}`` (empty without NOSA layers)."""
+        if "nosa" not in self.layer_variants:
+            return {}
+        return eviction_parameters(self.eviction_head, self.num_heads, self.num_kv_heads, self.head_dim)
+
     def rules(self) -> List[Rule]:
-        rules = list(LLAMA_RULES)
-        if "nosa" in self.layer_variants:
-            rules += eviction_rules(self.eviction_head)
-        return rules
+        return list(LLAMA_RULES) + [
+            Rule(f"decoder.layers.*.self_attention.eviction_head.{n}", (f"model.layers.*.self_attn.{n}",),
+                 optional=optional) for n, (_, optional) in self.eviction_parameters().items()]
 
     def layer_has(self, rule: Rule, layer: int) -> bool:
         """Eviction parameters exist only in NOSA layers (per-layer patterns may mix variants)."""
@@ -193,8 +211,9 @@ def _unscale(t: Tensor, s: float) -> Tensor:
 
 # --- expected shapes ----------------------------------------------------------------------------
 
-def hf_shapes(geo: Geometry) -> Dict[str, Tuple[int, ...]]:
-    """Every HF tensor name of the model and its shape (the contract of an export)."""
+def hf_shapes(geo: Geometry, optional: bool = True) -> Dict[str, Tuple[int, ...]]:
+    """Every HF tensor name of the model and its shape (the contract of an export); without the
+    optional ones (an eviction bias) when ``optional=False``."""
     H, D, Hq, Hkv, I, V = (geo.hidden_size, geo.head_dim, geo.num_heads, geo.num_kv_heads,
                            geo.ffn_hidden_size, geo.vocab_size)
     per_layer = {
@@ -203,22 +222,14 @@ def hf_shapes(geo: Geometry) -> Dict[str, Tuple[int, ...]]:
         "self_attn.v_proj.weight": (Hkv * D, H), "self_attn.o_proj.weight": (H, Hq * D),
         "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
     }
-    ev = {"A": (Hkv,), "delta.weight": (Hkv, Hkv * D), "delta.bias": (Hkv,),
-          "fc1.weight": (None, (Hq + 2 * Hkv) * D), "fc2.weight": (Hkv, None)}
+    ev = {f"self_attn.{n}": s for n, (s, opt) in geo.eviction_parameters().items() if optional or not opt}
     out: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not geo.tie_embeddings or geo.mup:
         out["lm_head.weight"] = (V, H)
     for i in range(geo.num_layers):
-        for k, s in per_layer.items():
+        for k, s in (per_layer | ev if geo.layer_variants[i] == "nosa" else per_layer).items():
             out[f"model.layers.{i}.{k}"] = s
-        if geo.layer_variants[i] == "nosa":
-            for p in EVICTION_PARAMS[geo.eviction_head]:
-                out[f"model.layers.{i}.self_attn.{p}"] = ev[p]
     return out
-
-
-def _shape_ok(shape: Tuple[int, ...], want: Tuple[Optional[int], ...]) -> bool:
-    return len(shape) == len(want) and all(w is None or s == w for s, w in zip(shape, want))
 
 
 # --- Megatron -> HF -----------------------------------------------------------------------------
@@ -280,10 +291,10 @@ def megatron_to_hf(sd: Dict[str, Tensor], geo: Geometry) -> Dict[str, Tensor]:
     unexpected = sorted(set(sd) - used)
     want = hf_shapes(geo)
     for n, s_ in want.items():
-        if n in out and not _shape_ok(tuple(out[n].shape), s_):
+        if n in out and tuple(out[n].shape) != s_:
             bad.append(f"{n}: shape {tuple(out[n].shape)}, expected {s_}")
     if not missing:  # consistency guard: every HF tensor of the contract was produced
-        missing = [n for n in want if n not in out and not n.endswith(".bias")]
+        missing = [n for n in hf_shapes(geo, optional=False) if n not in out]
     _raise_if(missing, unexpected, bad, "megatron checkpoint")
     return out
 
@@ -297,11 +308,11 @@ def hf_to_megatron(hf: Dict[str, Tensor], geo: Geometry, unfold_mup: bool = Fals
     muP itself; otherwise the weights are taken as they are (a plain Llama parametrisation).
     """
     want = hf_shapes(geo)
-    missing = sorted(n for n in want if n not in hf and not n.endswith(".bias")
+    missing = sorted(n for n in hf_shapes(geo, optional=False) if n not in hf
                      and not (n == "lm_head.weight" and geo.tie_embeddings))
     unexpected = sorted(n for n in hf if n not in want)
     bad = [f"{n}: shape {tuple(hf[n].shape)}, expected {want[n]}" for n in hf
-           if n in want and not _shape_ok(tuple(hf[n].shape), want[n])]
+           if n in want and tuple(hf[n].shape) != want[n]]
     _raise_if(missing, unexpected, bad, "Hugging Face checkpoint")
     mup = (geo.mup or {}) if unfold_mup else {}
     out: Dict[str, Tensor] = {}

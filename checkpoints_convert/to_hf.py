@@ -21,6 +21,7 @@ the output directory is written to a temp dir and renamed at the end, so it is n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -97,12 +98,8 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
         n = attn.nosa
         head = n.eviction_head if "nosa" in variants else "none"
         cfg["auto_map"] = dict(AUTO_MAP)
-        cfg["nosa_config"] = {
-            "layer_variants": variants, "eviction_head": head, "eviction_bias": bool(attn.eviction_bias),
-            "block_size": n.block_size, "kernel_size": n.kernel_size, "kernel_stride": n.kernel_stride,
-            "init_blocks": n.init_blocks, "local_blocks": n.local_blocks, "select_blocks": n.select_blocks,
-            "topk": n.topk, "detach_value": bool(n.detach_value), "backend": "auto",
-        }
+        cfg["nosa_config"] = {"layer_variants": variants, **dataclasses.asdict(n), "eviction_head": head,
+                              "eviction_bias": bool(attn.eviction_bias), "backend": "auto"}
     export = {"family": model.family, "size": model.size,
               "variant": attn.variant if attn.layer_pattern is None else "pattern",
               "padded_vocab_size": model.padded_vocab_size,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 # ``attn_bias`` / ``bias_cache`` default of the attention entry points: the bias is the eviction
 # score itself (ED-DMA); pass a tensor for another bias, or ``None`` for none.
@@ -32,6 +34,16 @@ class NOSAConfig:
     topk: int = 64
     eviction_head: str = "ed_dma"
     detach_value: bool = False  # detach v in front of the eviction head (reference: False)
+
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any], **overrides: Any) -> "NOSAConfig":
+        """The config from a mapping that holds every field (e.g. the ``nosa_config`` block of an
+        export's ``config.json``; other keys are ignored); ``overrides`` win. Not validated."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in values and n not in overrides]
+        if missing:
+            raise ValueError(f"NOSAConfig: missing {', '.join(missing)}")
+        return cls(**{**{n: values[n] for n in names if n in values}, **overrides})
 
     @property
     def query_aware_blocks(self) -> int:
@@ -84,3 +96,13 @@ class NOSAConfig:
         need(self.eviction_head in EVICTION_HEADS,
              f"unknown eviction_head {self.eviction_head!r}; choose one of {sorted(EVICTION_HEADS)}")
         return self
+
+
+def tiny_geometry(**overrides) -> NOSAConfig:
+    """A geometry that is really sparse at a few hundred tokens (tests, demos, the tiny recipes):
+    16-token blocks and 8/4-token windows (block m pools windows 4m-1..4m+3, as 64/32/16 does),
+    1 sink + 2 window + 2 query-aware blocks, 6 in total (dense up to 96 tokens). ``overrides``
+    replace fields (e.g. ``eviction_head``)."""
+    fields = dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2, select_blocks=2,
+                  topk=6)
+    return NOSAConfig(**{**fields, **overrides})

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nosa_layers.config import NOSAConfig
-from nosa_layers.layer import NOSASelfAttention
+from nosa_layers.config import NOSAConfig, tiny_geometry
+from nosa_layers.reference_layer import NOSAReferenceSelfAttention
 from nosa_layers.locality import LocalityStats, format_locality_table, measure_locality
 
 
 def build_stack(cfg: NOSAConfig, layers: int, hidden: int, heads: int, kv_heads: int, seed: int) -> nn.ModuleList:
     torch.manual_seed(seed)
-    stack = nn.ModuleList(NOSASelfAttention(hidden, heads, kv_heads, cfg) for _ in range(layers))
+    stack = nn.ModuleList(NOSAReferenceSelfAttention(hidden, heads, kv_heads, cfg) for _ in range(layers))
     for layer in stack:
         if hasattr(layer.eviction, "A"):
             nn.init.uniform_(layer.eviction.A, 0.5, 1.5)
@@ -87,12 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    base = (dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
-                 select_blocks=2, topk=7) if args.tiny else {})
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}
     for name in args.heads_variants.split(","):
-        cfg = NOSAConfig(**base, eviction_head=name).validate()
+        cfg = (tiny_geometry(topk=7, eviction_head=name) if args.tiny else NOSAConfig(eviction_head=name)).validate()
         print(f"NOSA locality demo: head={name} T={args.seq_len} layers={args.layers} "
               f"block={cfg.block_size} topk={cfg.topk} (dense up to {cfg.dense_len} tokens)", flush=True)
         results[name] = run_variant(cfg, args)

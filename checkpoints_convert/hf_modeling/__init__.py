@@ -5,11 +5,19 @@ reference modules of ``nosa_layers`` it uses, renamed ``nosa_<module>.py`` with 
 imports made relative, so the export runs with only torch + transformers installed. Imports of
 optional framework parts (the Triton kernels in ``nosa_layers.ops``) become lazy
 ``importlib`` calls, which the guarded code paths only reach when the framework is installed.
+Eviction heads registered from outside ``nosa_layers/eviction.py`` travel as copies of their
+class source appended to ``nosa_eviction.py`` (:func:`extra_eviction_heads`).
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import dis
+import inspect
 import re
+import textwrap
+import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +50,47 @@ def rewrite_reference_source(src: str) -> str:
     return src
 
 
+def extra_eviction_heads() -> str:
+    """Source of every registered eviction head defined outside ``nosa_layers/eviction.py``, each
+    followed by its registration, to append to the shipped copy of that module.
+
+    A head class may use only what ``eviction.py`` defines (``torch``, ``nn``, ``F``,
+    ``EvictionHead``, ...) and earlier heads; anything else is a one-line error naming it."""
+    from nosa_layers import eviction
+
+    known = set(vars(eviction)) | set(dir(builtins))
+    parts = []
+    for name, cls in eviction.EVICTION_HEADS.items():
+        if cls.__module__ == eviction.__name__:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        tree.body[0].decorator_list = []  # registered explicitly below
+        src = ast.unparse(tree)
+        unknown = _free_names(compile(src, cls.__qualname__, "exec")) - known
+        if unknown:
+            raise ValueError(f"eviction head {name!r} ({cls.__module__}.{cls.__qualname__}) uses "
+                               f"{', '.join(sorted(unknown))}, which an export cannot ship; define "
+                               f"them inside the class or in nosa_layers/eviction.py")
+        parts.append(f"\n\n# eviction head {name!r}, copied from {cls.__module__}\n{src}\n"
+                     f"register_eviction_head({name!r})({cls.__name__})\n")
+        known.add(cls.__name__)
+    return "".join(parts)
+
+
+def _free_names(code: types.CodeType) -> set:
+    """Global names a compiled class reads (its body and every function in it)."""
+    loaded, stored = set(), set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            loaded.add(ins.argval)
+        elif ins.opname == "STORE_NAME":
+            stored.add(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            loaded |= _free_names(const)
+    return loaded - stored
+
+
 def reference_sources() -> dict:
     """``{file name: source}`` of every file an export ships (modeling file included)."""
     import nosa_layers
@@ -51,7 +100,8 @@ def reference_sources() -> dict:
               "# Do not edit: the framework's reference is the single source of the NOSA math.\n")
     files = {MODELING_FILE: (HERE / MODELING_FILE).read_text()}
     for name in SHIPPED:
-        files[f"nosa_{name}.py"] = header.format(name=name) + rewrite_reference_source((pkg / f"{name}.py").read_text())
+        src = (pkg / f"{name}.py").read_text() + (extra_eviction_heads() if name == "eviction" else "")
+        files[f"nosa_{name}.py"] = header.format(name=name) + rewrite_reference_source(src)
     return files
 
 

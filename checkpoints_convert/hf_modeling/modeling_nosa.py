@@ -46,8 +46,6 @@ from .nosa_eviction import build_eviction_head
 from .nosa_reference import block_sparse_attention
 from .nosa_selection import select_rows
 
-VALUE_ONLY_HEADS = ("ed_dma", "dma", "s_dma")
-_GEOMETRY = ("block_size", "kernel_size", "kernel_stride", "init_blocks", "local_blocks", "select_blocks", "topk")
 # Bound on the fp32 attention logits of one chunk of prefill rows in the PyTorch path.
 ROW_CHUNK_ELEMENTS = 1 << 27
 
@@ -74,9 +72,9 @@ def nosa_settings(config) -> dict:
 class NOSAAttention(nn.Module):
     """Llama attention whose layer variant is dense, InfLLM-V2 (query-aware blocks) or NOSA (+ eviction head).
 
-    The eviction head's parameters sit directly on this module (``A``, ``delta``), as in the public
-    checkpoints; the head object of the reference module is kept unregistered and re-pointed at
-    them before every use.
+    The eviction head (any head of the shipped registry, ``nosa_eviction.py``) keeps its parameters
+    directly on this module (``A``, ``delta``, ...), as in the public checkpoints; the head object
+    of the reference module is kept unregistered and re-pointed at them before every use.
     """
 
     def __init__(self, config, layer_idx: int) -> None:
@@ -95,23 +93,23 @@ class NOSAAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.cfg: Optional[NOSAConfig] = None
+        self._head_args: dict = {}
         self._head_params: tuple = ()
         self._head_children: tuple = ()
         object.__setattr__(self, "_evict", None)
         if self.variant in ("nosa", "infllm_v2"):
             head = s["eviction_head"] if self.variant == "nosa" else "none"
-            self.cfg = NOSAConfig(**{k: int(s[k]) for k in _GEOMETRY}, eviction_head=head,
-                                  detach_value=bool(s.get("detach_value", False))).validate()
-            if head != "none":
-                ev = build_eviction_head(head, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                         head_dim=d, bias=bool(s.get("eviction_bias", False)))
-                self._head_children = tuple(n for n, _ in ev.named_children())
-                self._head_params = tuple(n for n, _ in ev.named_parameters(recurse=False))
-                for n, m in ev.named_children():
-                    self.add_module(n, m)
-                for n, p in ev.named_parameters(recurse=False):
-                    self.register_parameter(n, p)
-                object.__setattr__(self, "_evict", ev)
+            self.cfg = NOSAConfig.from_fields(s, eviction_head=head).validate()
+            self._head_args = dict(name=head, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                   head_dim=d, bias=bool(s.get("eviction_bias", False)))
+            ev = build_eviction_head(**self._head_args)
+            self._head_children = tuple(n for n, _ in ev.named_children())
+            self._head_params = tuple(n for n, _ in ev.named_parameters(recurse=False))
+            for n, m in ev.named_children():
+                self.add_module(n, m)
+            for n, p in ev.named_parameters(recurse=False):
+                self.register_parameter(n, p)
+            object.__setattr__(self, "_evict", ev)
         elif self.variant != "dense":
             raise ValueError(f"layer {layer_idx}: unknown attention variant {self.variant!r}")
         self.record_selection = False  # test hook: keep the blocks selected by the last call
@@ -126,12 +124,21 @@ class NOSAAttention(nn.Module):
             ev._parameters[n] = self._parameters[n]
         return ev
 
+    def init_eviction_parameters(self) -> None:
+        """The head's own parameters as the registry's module initialises them (NOSA: ``A = 0``);
+        its sub-layers (``delta``, ...) are HF's usual linear layers."""
+        if self._head_params:
+            fresh = build_eviction_head(**self._head_args)
+            with torch.no_grad():
+                for n in self._head_params:
+                    self._parameters[n].copy_(fresh._parameters[n])
+
     def _scores(self, q: Tensor, k: Tensor, v: Tensor, v_all: Tensor, cache, fresh: bool):
         """Eviction score and bias ``[B, L, Hkv]`` of every cached token (L = cache length)."""
         if self._evict is None:
             return None, None
         head = self._head()
-        if head.name in VALUE_ONLY_HEADS:  # a function of v alone: recompute from the value cache
+        if not head.reads_qk:  # a function of v alone: recompute from the value cache
             ev = head(None, None, v_all)
             return ev.score, ev.bias
         ev = head(q, k, v)  # needs the token's own pre-RoPE q/k: keep a side cache of the outputs
@@ -259,9 +266,8 @@ class NOSALlamaPreTrainedModel(LlamaPreTrainedModel):
 
     def _init_weights(self, module) -> None:
         super()._init_weights(module)
-        if isinstance(module, NOSAAttention) and "A" in module._parameters:
-            with torch.no_grad():
-                module.A.zero_()  # NOSA initialises the eviction scale at zero
+        if isinstance(module, NOSAAttention):
+            module.init_eviction_parameters()
 
 
 class NOSALlamaModel(NOSALlamaPreTrainedModel):

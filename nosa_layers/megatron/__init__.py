@@ -1,16 +1,15 @@
-"""NOSA models on megatron-core: typed configs, presets, layer specs, model builder.
+"""NOSA models on megatron-core: typed configs, layer specs, model builder.
 
 Public API::
 
     from nosa_layers.megatron import (ModelConfig, AttentionConfig, ParallelConfig, validate,
-        model_preset, build_model, build_transformer_config, get_nosa_layer_spec,
-        get_nosa_decoder_block_spec, NOSASelfAttention, NOSACoreAttention, DenseCoreAttention)
+        build_model, build_transformer_config, get_nosa_layer_spec,
+        get_nosa_decoder_block_spec, NOSAMegatronSelfAttention, NOSACoreAttention, DenseCoreAttention)
 
 Names that need megatron-core are imported lazily, so the configs import without it.
 """
 
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig, validate
-from nosa_layers.megatron.presets import ATTENTION_PRESETS, MODEL_PRESETS, model_preset, tiny_nosa_geometry
 
 _LAZY = {
     "build_model": "nosa_layers.megatron.model",
@@ -18,14 +17,13 @@ _LAZY = {
     "NOSAGPTModel": "nosa_layers.megatron.model",
     "get_nosa_layer_spec": "nosa_layers.megatron.spec",
     "get_nosa_decoder_block_spec": "nosa_layers.megatron.spec",
-    "NOSASelfAttention": "nosa_layers.megatron.attention",
-    "NOSACoreAttention": "nosa_layers.megatron.attention",
-    "DenseCoreAttention": "nosa_layers.megatron.attention",
+    "NOSAMegatronSelfAttention": "nosa_layers.megatron.self_attention",
+    "NOSACoreAttention": "nosa_layers.megatron.core_attention",
+    "DenseCoreAttention": "nosa_layers.megatron.core_attention",
     "LongRoPERotaryEmbedding": "nosa_layers.megatron.rope",
 }
 
-__all__ = ["ModelConfig", "AttentionConfig", "ParallelConfig", "validate", "model_preset", "MODEL_PRESETS",
-           "ATTENTION_PRESETS", "tiny_nosa_geometry", *_LAZY]
+__all__ = ["ModelConfig", "AttentionConfig", "ParallelConfig", "validate", *_LAZY]
 
 
 def __getattr__(name: str):

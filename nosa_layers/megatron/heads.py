@@ -60,6 +60,14 @@ class HeadLayout:
         return (self.tp_rank % self.replication) * self.q_per_rank if self.group_spans_ranks else 0
 
 
+def tp_head_layout(pg_collection, num_q_heads: int, num_kv_heads: int):
+    """``(tp group, HeadLayout)`` of this rank from a megatron ``ProcessGroupCollection``."""
+    group = pg_collection.tp
+    size = group.size() if group is not None else 1
+    rank = group.rank() if group is not None else 0
+    return group, HeadLayout(size, rank, num_q_heads, num_kv_heads)
+
+
 def gather_heads(x: Tensor, layout: HeadLayout, group, kv: bool) -> Tensor:
     """All heads of ``x [s, b, h_local, D]`` on every TP rank, in global head order.
 

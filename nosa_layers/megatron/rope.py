@@ -3,7 +3,7 @@
 :class:`LongRoPERotaryEmbedding` replaces ``GPTModel.rotary_pos_emb``: it switches between short
 and long factors on the rotary length of the forward pass (the longest document for packed
 sequences: HF's ``max(position_ids) + 1``). The attention factor multiplies cos and sin; megatron
-applies it through the attention's RoPE ``mscale`` (see ``NOSASelfAttention``), which computes
+applies it through the attention's RoPE ``mscale`` (see ``NOSAMegatronSelfAttention``), which computes
 ``cos(freqs) * mscale`` exactly like HF's ``cos * attention_scaling``.
 """
 

@@ -7,7 +7,7 @@ Entry points:
   of this pipeline stage (per-layer variants, e.g. the first layers dense).
 
 Both start from megatron-core's own GPT layer submodules (TE when importable, local otherwise)
-and replace only ``self_attention`` (-> :class:`NOSASelfAttention` with a dense, InfLLM-V2 or
+and replace only ``self_attention`` (-> :class:`NOSAMegatronSelfAttention` with a dense, InfLLM-V2 or
 NOSA core attention), the local norms (-> SP-capable RMSNorm) and, with muP, the residual
 ``*_bda`` (-> :class:`ScaledBiasDropoutAdd`).
 """
@@ -26,16 +26,15 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-from nosa_layers.megatron.attention import (
-    DenseCoreAttention,
-    NOSACoreAttention,
-    NOSASelfAttention,
-    NOSASelfAttentionSubmodules,
-    eviction_head_builder,
-)
+from nosa_layers.megatron.core_attention import DenseCoreAttention, NOSACoreAttention
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 from nosa_layers.megatron.mup import ScaledBiasDropoutAdd
 from nosa_layers.megatron.norm import RMSNorm
+from nosa_layers.megatron.self_attention import (
+    NOSAMegatronSelfAttention,
+    NOSAMegatronSelfAttentionSubmodules,
+    eviction_head_builder,
+)
 
 
 def have_te() -> bool:
@@ -86,9 +85,9 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
         raise ValueError(f"unknown attention variant {variant!r}; use dense, infllm_v2 or nosa")
 
     self_attention = ModuleSpec(
-        module=NOSASelfAttention,
+        module=NOSAMegatronSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal, "rope_attention_factor": rope_attention_factor(model)},
-        submodules=NOSASelfAttentionSubmodules(
+        submodules=NOSAMegatronSelfAttentionSubmodules(
             linear_qkv=stock.linear_qkv, core_attention=core, linear_proj=stock.linear_proj,
             q_layernorm=stock.q_layernorm, k_layernorm=stock.k_layernorm, eviction_head=eviction))
     submods = replace(submods, self_attention=self_attention)

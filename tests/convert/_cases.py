@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict
 
-from nosa_layers.config import NOSAConfig
+from nosa_layers.config import NOSAConfig, tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig
 from nosa_layers.rope.longrope import LongRoPEConfig
 
@@ -34,16 +34,11 @@ def tiny_model(family: str, longrope: bool = False) -> ModelConfig:
     return m
 
 
-def tiny_geometry(head: str) -> NOSAConfig:
-    return NOSAConfig(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2, select_blocks=2,
-                      topk=6, eviction_head=head)
-
-
 def attention(variant: str, long: bool) -> AttentionConfig:
     if variant == "dense":
         return AttentionConfig(variant="dense", backend="reference")
     head = "none" if variant == "infllm_v2" else "ed_dma"
-    nosa = NOSAConfig(eviction_head=head) if long else tiny_geometry(head)
+    nosa = NOSAConfig(eviction_head=head) if long else tiny_geometry(eviction_head=head)
     return AttentionConfig(variant=variant, nosa=nosa, backend="reference")
 
 

@@ -31,7 +31,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cases import BATCH, CASES  # noqa: E402
 
-from nosa_layers.megatron.attention import NOSACoreAttention  # noqa: E402
+from nosa_layers.megatron.core_attention import NOSACoreAttention  # noqa: E402
 from nosa_layers.megatron.model import build_model  # noqa: E402
 
 

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import torch
 
 from checkpoints_convert.common import rel_err
+from nosa_layers.config import tiny_geometry
 from tests.convert._cases import CASES
 from tests.convert.conftest import load_hf
 
@@ -71,8 +73,7 @@ def tiny_geometry_export(src, dst):
     """The same weights with the tiny geometry (16-token blocks, 6-block budget): sparse at ~100 tokens."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["nosa_config"].update(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
-                              select_blocks=2, topk=6)
+    cfg["nosa_config"].update(dataclasses.asdict(tiny_geometry(eviction_head=cfg["nosa_config"]["eviction_head"])))
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
 

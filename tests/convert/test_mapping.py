@@ -31,8 +31,7 @@ def geo(**kw) -> Geometry:
 
 def random_hf(g: Geometry) -> dict:
     gen = torch.Generator().manual_seed(0)
-    return {n: torch.randn(*[d or 8 for d in s], generator=gen) for n, s in hf_shapes(g).items()
-            if not n.endswith(".bias")}
+    return {n: torch.randn(*s, generator=gen) for n, s in hf_shapes(g, optional=False).items()}
 
 
 def test_qkv_layout_is_gqa_interleaved():

@@ -5,11 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
+from nosa_layers.config import tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig
-from nosa_layers.megatron.presets import tiny, tiny_minicpm4, tiny_nosa_geometry
 from nosa_layers.rope.longrope import LongRoPEConfig
+from tests.recipes import model_recipe
 
 SEQ = 256  # 16 blocks of 16 tokens; the 6-block budget makes NOSA really sparse
+
+
+def tiny() -> ModelConfig:
+    """``recipes/model/tiny.yaml`` (4 layers, hidden 64, 4 / 2 heads of 16) with a 256-token vocabulary."""
+    return model_recipe("tiny", vocab_size=256, max_position_embeddings=1024)
+
+
+def tiny_minicpm4() -> ModelConfig:
+    """``tiny`` with MiniCPM4's muP (scale_emb 12, scale_depth 1.4, dim_model_base 16)."""
+    return replace(tiny(), family="minicpm4", use_mup=True, scale_emb=12.0, scale_depth=1.4, dim_model_base=16)
 
 
 @dataclass
@@ -44,7 +55,7 @@ class Case:
 
 def _nosa(head: str = "ed_dma", pattern: Optional[List[str]] = None, variant: str = "nosa") -> AttentionConfig:
     return AttentionConfig(variant=variant, layer_pattern=pattern,
-                           nosa=replace(tiny_nosa_geometry(), eviction_head=head), backend="reference")
+                           nosa=tiny_geometry(eviction_head=head), backend="reference")
 
 
 def _longrope_model() -> ModelConfig:

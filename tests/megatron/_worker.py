@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cases import CASES, GLOBAL_BATCH, LAYOUTS, MICRO_BATCH, PACKED_DOCS, SEQ  # noqa: E402
 
-from nosa_layers.megatron.attention import NOSACoreAttention  # noqa: E402
+from nosa_layers.megatron.core_attention import NOSACoreAttention  # noqa: E402
 from nosa_layers.megatron.model import build_model  # noqa: E402
 
 # Adam eps of the parity step: with 1e-8, the first Adam step turns fp32 summation noise on gradient
@@ -288,8 +288,8 @@ def check_core_attention(out: dict) -> None:
 
 
 def check_layer_vs_reference(out: dict) -> None:
-    """A megatron NOSASelfAttention (TP=1) vs the plain nosa_layers.layer.NOSASelfAttention."""
-    from nosa_layers.layer import NOSASelfAttention as RefLayer
+    """A megatron NOSAMegatronSelfAttention (TP=1) vs the reference NOSAReferenceSelfAttention."""
+    from nosa_layers.reference_layer import NOSAReferenceSelfAttention as RefLayer
 
     case = CASES["nosa"]
     setup(LAYOUTS["ref"].parallel)

@@ -3,8 +3,8 @@
 * core level: the q/k/v (post-RoPE) and eviction score/bias that ``NOSACoreAttention`` receives in
   a real model forward, fed to ``nosa_attention(backend="reference")``: identical output
   (measured rel 0.0) for ed_dma, s_dma, locret, InfLLM-V2, one KV head and packed documents;
-* layer level: a megatron ``NOSASelfAttention`` (projections, RoPE, eviction head, sparse attention)
-  vs ``nosa_layers.layer.NOSASelfAttention`` in fp64 with the same weights (measured rel ~2e-7).
+* layer level: a megatron ``NOSAMegatronSelfAttention`` (projections, RoPE, eviction head, sparse attention)
+  vs ``nosa_layers.reference_layer.NOSAReferenceSelfAttention`` in fp64 with the same weights (measured rel ~2e-7).
 """
 
 from __future__ import annotations
@@ -23,4 +23,4 @@ def test_core_attention_equals_reference(megatron_ref, case):
 
 def test_megatron_layer_equals_plain_reference_layer(megatron_ref):
     r = megatron_ref.status("ref", "layer_vs_reference")
-    assert r["rel"] <= 1e-5, f"megatron NOSASelfAttention vs reference layer: rel {r['rel']:.2e}"
+    assert r["rel"] <= 1e-5, f"megatron NOSAMegatronSelfAttention vs reference layer: rel {r['rel']:.2e}"

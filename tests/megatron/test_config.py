@@ -1,4 +1,4 @@
-"""Model presets and the one-line config errors (no megatron-core needed)."""
+"""Model recipes and the one-line config errors (no megatron-core needed)."""
 
 from __future__ import annotations
 
@@ -6,25 +6,26 @@ from dataclasses import replace
 
 import pytest
 
+from nosa_layers.config import tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ParallelConfig, validate
-from nosa_layers.megatron.presets import ATTENTION_PRESETS, MODEL_PRESETS, model_preset, tiny_nosa_geometry
+from tests.recipes import attention_recipe, model_recipe, recipe_names
 
-NOSA = ATTENTION_PRESETS["nosa"]()
+NOSA = attention_recipe("nosa")
 
 
 @pytest.mark.parametrize("name,shape", [("llama3_1b", (28, 2048, 16, 2)), ("llama3_3b", (32, 2560, 32, 2)),
                                         ("minicpm4_8b", (32, 4096, 32, 2))])
-def test_presets(name, shape):
-    m = model_preset(name)
+def test_model_recipes(name, shape):
+    m = model_recipe(name)
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads) == shape
     assert m.vocab_size == 73448 and m.padded_vocab_size == 73448 and m.kv_channels == 128
     for tp in (1, 2, 4, 8):
         validate(m, NOSA, ParallelConfig(tensor_parallel=tp), seq_length=16384)
 
 
-def test_every_preset_validates():
-    for name in MODEL_PRESETS:
-        validate(model_preset(name), AttentionConfig(variant="dense"))
+def test_every_model_recipe_validates():
+    for name in recipe_names("model"):
+        validate(model_recipe(name), AttentionConfig(variant="dense"))
 
 
 @pytest.mark.parametrize("kwargs,parallel,seq,match", [
@@ -35,7 +36,7 @@ def test_every_preset_validates():
     ({}, ParallelConfig(sequence_parallel=True), None, "sequence_parallel=True needs tensor_parallel > 1"),
 ])
 def test_config_errors_are_one_line(kwargs, parallel, seq, match):
-    m = replace(model_preset("minicpm4_8b"), **kwargs)
+    m = replace(model_recipe("minicpm4_8b"), **kwargs)
     with pytest.raises(ValueError, match=match) as e:
         validate(m, NOSA, parallel, seq_length=seq)
     assert "\n" not in str(e.value)
@@ -43,13 +44,13 @@ def test_config_errors_are_one_line(kwargs, parallel, seq, match):
 
 def test_cp_with_nosa_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="context_parallel=2 is not supported with NOSA"):
-        validate(model_preset("llama3_1b"), NOSA, ParallelConfig(context_parallel=2))
-    validate(model_preset("llama3_1b"), AttentionConfig(variant="dense"), ParallelConfig(context_parallel=2))
+        validate(model_recipe("llama3_1b"), NOSA, ParallelConfig(context_parallel=2))
+    validate(model_recipe("llama3_1b"), AttentionConfig(variant="dense"), ParallelConfig(context_parallel=2))
 
 
 def test_layer_pattern():
-    m = model_preset("tiny")
-    a = AttentionConfig(variant="nosa", layer_pattern=["dense", "nosa", "nosa", "nosa"], nosa=tiny_nosa_geometry())
+    m = model_recipe("tiny")
+    a = AttentionConfig(variant="nosa", layer_pattern=["dense", "nosa", "nosa", "nosa"], nosa=tiny_geometry())
     validate(m, a, seq_length=256)
     assert a.layer_variants(4)[0] == "dense"
     with pytest.raises(ValueError, match="one variant per layer"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from nosa_layers.megatron.presets import minicpm4_8b, tiny_minicpm4
+from tests.megatron._cases import tiny_minicpm4
+from tests.recipes import model_recipe
 
 
 def test_mup_forward_matches_minicpm_formulas(megatron_ref):
@@ -15,7 +16,7 @@ def test_mup_forward_matches_minicpm_formulas(megatron_ref):
 
 
 def test_minicpm4_8b_mup_multipliers():
-    m = minicpm4_8b()
+    m = model_recipe("minicpm4_8b")
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads) == (32, 4096, 32, 2)
     assert m.scale_emb == 12 and m.dim_model_base == 256
     assert math.isclose(m.residual_scale, 1.4 / math.sqrt(32))

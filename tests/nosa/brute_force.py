@@ -1,7 +1,8 @@
 """An independent, loop-based recomputation of NOSA block selection for ONE query position.
 
-It only ever sees the prefix ``[0, t]`` and is written from the spec (NOSA_ALGORITHM.md 2.2-2.8)
-with explicit Python loops, sharing no code with ``nosa_layers.selection``.
+It only ever sees the prefix ``[0, t]`` and is written from the step list of
+``nosa_layers/README.md`` ("Selection, step by step") with explicit Python loops, sharing no code
+with ``nosa_layers.selection``.
 """
 
 import math

@@ -3,14 +3,12 @@
 import torch
 
 from nosa_layers import NOSAConfig
-
-# block 16, compression 8/4: block m pools windows 4m-1..4m+3 like the released 64/32/16.
-TINY = dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2,
-            select_blocks=2, topk=7)
+from nosa_layers.config import tiny_geometry
 
 
 def tiny_cfg(**overrides) -> NOSAConfig:
-    return NOSAConfig(**{**TINY, **overrides}).validate()
+    """The tiny geometry with a 7-block budget (2 query-agnostic blocks), validated."""
+    return tiny_geometry(**{"topk": 7, **overrides}).validate()
 
 
 def random_qkvs(B, T, Hq, Hkv, D, dtype=torch.float64, score_scale=1.0, grad=False, seed=None):

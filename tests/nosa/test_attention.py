@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nosa_layers import EVICTION_HEADS, NOSAConfig, build_eviction_head, nosa_attention, select_blocks
-from nosa_layers.layer import NOSASelfAttention
+from nosa_layers.reference_layer import NOSAReferenceSelfAttention
 from nosa_layers.reference import block_sparse_attention
 from tests.nosa.common import random_qkvs, tiny_cfg
 
@@ -126,7 +126,7 @@ def test_dtypes(dtype):
 @pytest.mark.parametrize("name", sorted(EVICTION_HEADS))
 def test_every_variant_runs_forward_backward(name):
     cfg = tiny_cfg(eviction_head=name)
-    layer = NOSASelfAttention(hidden_size=32, num_heads=4, num_kv_heads=2, cfg=cfg)
+    layer = NOSAReferenceSelfAttention(hidden_size=32, num_heads=4, num_kv_heads=2, cfg=cfg)
     for p in layer.parameters():
         if p.dim() == 1:
             torch.nn.init.uniform_(p, 0.5, 1.0)  # A != 0 so every head parameter gets gradient
@@ -185,6 +185,21 @@ def test_precomputed_selection_is_used_as_given():
         nosa_attention(q, k, v, s, cfg, selected=sel[:, :1])
 
 
-def test_heads_declare_their_inputs():
-    assert {n: c.reads_qk for n, c in EVICTION_HEADS.items()} == {
-        "ed_dma": False, "dma": False, "s_dma": False, "locret": True, "none": False}
+@pytest.mark.parametrize("name", sorted(EVICTION_HEADS))
+def test_heads_declare_their_inputs(name):
+    """``reads_qk`` is what callers rely on to skip gathering q/k (megatron TP) and to recompute
+    scores from the value cache (HF decode): a head that leaves it False must not read q or k."""
+    head = build_eviction_head(name, num_q_heads=4, num_kv_heads=2, head_dim=8).double()
+    for p in head.parameters():
+        torch.nn.init.uniform_(p, 0.5, 1.0)
+    q, k, v, _ = random_qkvs(1, 20, 4, 2, 8, seed=0)
+    ev = head(q, k, v)
+    if not head.has_score:
+        assert ev.score is None and ev.bias is None
+        return
+    moved = head(q + 1.0, k - 1.0, v)
+    if head.reads_qk:
+        assert not torch.allclose(moved.score, ev.score), f"{name} declares reads_qk but ignores q and k"
+    else:
+        torch.testing.assert_close(head(None, None, v).score, ev.score, rtol=0, atol=0)
+        torch.testing.assert_close(moved.score, ev.score, rtol=0, atol=0)

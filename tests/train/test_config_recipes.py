@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from nosa_layers.config import NOSAConfig, tiny_geometry
+from nosa_layers.eviction import EVICTION_HEADS
 from train.compose import from_dict, load_config
 from train.config import RunConfig, validate
 from tests.train.conftest import ROOT
@@ -29,12 +31,20 @@ def test_every_recipe_composes_and_validates(name):
         assert cfg.train.seq_length == 16384 and cfg.data.packing == "document"
 
 
-def test_ablation_recipes_pick_their_eviction_head():
+def test_every_eviction_head_has_its_ablation_recipe():
+    """Each registered head is one class plus an attention preset and a 1B CPT ablation recipe."""
     heads = {n: load_config([f"recipe={n}"]).attention for n in RECIPES if "_evict_" in n}
     assert heads["nosa_1b_cpt_evict_none"].variant == "infllm_v2"
-    for h in ("dma", "s_dma", "locret"):
+    for h in sorted(set(EVICTION_HEADS) - {"none", NOSAConfig().eviction_head}):
+        assert (ROOT / "recipes" / "attention" / f"nosa_evict_{h}.yaml").is_file(), h
         assert heads[f"nosa_1b_cpt_evict_{h}"].nosa.eviction_head == h
         assert heads[f"nosa_1b_cpt_evict_{h}"].variant == "nosa"
+
+
+def test_tiny_recipes_use_the_tiny_geometry():
+    """``recipes/attention/nosa_tiny.yaml`` is ``nosa_layers.config.tiny_geometry()``, the tests' geometry."""
+    for name in ("tiny_cpt", "tiny_sft"):
+        assert load_config([f"recipe={name}"]).attention.nosa == tiny_geometry()
 
 
 def test_dotted_overrides_win_over_the_recipe():

@@ -1,7 +1,9 @@
-"""A plain PyTorch NOSA self-attention layer (projections, RoPE, eviction head, sparse attention).
+"""The single-device reference NOSA self-attention layer, in plain PyTorch (projections, RoPE,
+eviction head, sparse attention).
 
-Single-device and framework-free: used by tests, the locality demo and as the model of record
-for the Hugging Face export. Parallel training uses ``nosa_layers.megatron`` instead.
+Framework-free: used by tests, the locality demo and as the model of record for the Hugging
+Face export; the megatron layer (``nosa_layers.megatron.NOSAMegatronSelfAttention``, used for
+parallel training) is tested equal to it.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from nosa_layers.dispatch import nosa_attention
 from nosa_layers.config import NOSAConfig
+from nosa_layers.dispatch import nosa_attention
 from nosa_layers.eviction import EvictionOutput, build_eviction_head
 
 
@@ -42,7 +44,7 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor | None, seq_len: int, device=No
     return pos - starts
 
 
-class NOSASelfAttention(nn.Module):
+class NOSAReferenceSelfAttention(nn.Module):
     """``[B, T, hidden] -> [B, T, hidden]``; parameter names follow the HF Llama layout."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, cfg: NOSAConfig,

@@ -1,0 +1,103 @@
+"""The private megatron-core seams ``nosa_layers/megatron/self_attention.py`` relies on.
+
+megatron-core 0.19 has no public seam for three things NOSA needs, so the NOSA layer uses:
+
+* ``Attention._checkpointed_attention_forward`` (overridden): under selective recompute it is the
+  only place where the eviction score/bias can enter the checkpoint as tensor keyword arguments
+  (``core_attention_extra_kwargs``) and where the selection can be prepared outside it;
+* ``Attention._yarn_concentration_factor`` (set): the RoPE ``mscale`` that carries LongRoPE's
+  attention factor into ``apply_rotary_pos_emb``;
+* the ``pending_eviction`` hand-off: ``get_query_key_value_tensors`` (overridden) computes the
+  eviction outputs, which relies on ``Attention.forward`` calling it before the core attention.
+
+A megatron-core upgrade that changes any of them fails here with the hook's name, instead of
+silently training without the eviction bias or the LongRoPE factor.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+from tests.megatron.conftest import REPO
+from tests.subproc import run_logged
+
+CHECKPOINTED = "_checkpointed_attention_forward"
+YARN = "_yarn_concentration_factor"
+QKV = "get_query_key_value_tensors"
+CHECKPOINTED_PARAMS = ["self", "query", "key", "value", "attention_mask", "rotary_pos_emb", "attn_mask_type",
+                       "attention_bias", "packed_seq_params", "core_attention_extra_kwargs"]
+QKV_PARAMS = ["self", "hidden_states", "key_value_states", "output_gate", "split_qkv"]
+
+
+def hook_problems(attention_cls: type, self_attention_cls: type) -> list[str]:
+    """One line per hook of ``Attention`` / ``SelfAttention`` that is missing or changed."""
+    problems = []
+
+    def need(ok: bool, hook: str, what: str) -> None:
+        if not ok:
+            problems.append(f"megatron-core hook {hook}: {what}")
+
+    def params(fn) -> list[str]:
+        return list(inspect.signature(fn).parameters) if fn is not None else []
+
+    forward = inspect.getsource(attention_cls.forward)
+    checkpointed = getattr(attention_cls, CHECKPOINTED, None)
+    need(params(checkpointed) == CHECKPOINTED_PARAMS, CHECKPOINTED,
+         f"parameters {params(checkpointed)}, expected {CHECKPOINTED_PARAMS}")
+    if checkpointed is not None:
+        src = inspect.getsource(checkpointed)
+        need("torch.is_tensor" in src and "core_attention_extra_kwargs" in src, CHECKPOINTED,
+             "no longer passes tensor core_attention_extra_kwargs through the checkpoint")
+    need(f"self.{CHECKPOINTED}(" in forward, CHECKPOINTED, "Attention.forward no longer calls it")
+
+    need(f"self.{YARN} =" in inspect.getsource(attention_cls.__init__), YARN, "Attention.__init__ no longer sets it")
+    need(f"mscale=self.{YARN}" in forward, YARN, "Attention.forward no longer passes it as the RoPE mscale")
+
+    qkv = getattr(self_attention_cls, QKV, None)
+    need(params(qkv) == QKV_PARAMS, f"pending_eviction ({QKV})", f"parameters {params(qkv)}, expected {QKV_PARAMS}")
+    first = {name: forward.find(f"self.{name}") for name in (QKV, "core_attention", CHECKPOINTED)}
+    need(-1 < first[QKV] < min(first["core_attention"], first[CHECKPOINTED]), f"pending_eviction ({QKV})",
+         "Attention.forward no longer computes q/k/v before running the core attention")
+    return problems
+
+
+SCRIPT = """
+import json
+from megatron.core.transformer.attention import Attention, SelfAttention
+from tests.megatron.test_megatron_hooks import hook_problems
+print("HOOKS", json.dumps(hook_problems(Attention, SelfAttention)))
+"""
+
+
+def test_megatron_core_keeps_the_hooks_nosa_uses(tmp_path):
+    log = tmp_path / "hooks.log"
+    rc = run_logged([sys.executable, "-c", SCRIPT], log, 180, REPO)
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("HOOKS ")]
+    assert rc == 0 and lines, log.read_text()[-3000:]
+    problems = json.loads(lines[-1][len("HOOKS "):])
+    assert not problems, "\n".join(problems)
+
+
+def test_a_changed_hook_is_named():
+    """The check itself: a megatron-core whose hooks moved is reported hook by hook."""
+
+    class Attention:
+        def __init__(self, config):
+            self.concentration = 1.0
+
+        def forward(self, hidden_states):
+            out = self.core_attention(hidden_states)
+            return self.get_query_key_value_tensors(out)
+
+        def _checkpointed_attention_forward(self, query, key, value, attention_mask):
+            return query
+
+    class SelfAttention(Attention):
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+            return hidden_states
+
+    problems = "\n".join(hook_problems(Attention, SelfAttention))
+    for hook in (CHECKPOINTED, YARN, f"pending_eviction ({QKV})"):
+        assert f"megatron-core hook {hook}:" in problems, problems
