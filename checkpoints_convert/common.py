@@ -23,7 +23,7 @@ from torch import Tensor
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
 
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
-from runtime.checkpoint_files import find_checkpoint, read_configs
+from runtime.checkpoint_files import CheckpointError, read_configs, select_checkpoint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,10 +31,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 # --- trainer checkpoints ------------------------------------------------------------------------
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir."""
+    """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir,
+    verified against its manifest (a damaged one is refused in one line naming the newest intact one)."""
     try:
-        ckpt = find_checkpoint(path)
-    except FileNotFoundError as e:
+        ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr))
+    except CheckpointError as e:
         raise ConversionError(str(e)) from None
     if ckpt is None:
         raise ConversionError(f"--ckpt {path}: no distributed checkpoint there (expected a run dir, its "
@@ -92,8 +93,14 @@ def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
     if backend != "torch_dist":
         raise ConversionError(f"{ckpt}: sharded_backend={backend!r}; only megatron-core 'torch_dist' "
                               f"checkpoints are supported")
+    from runtime.safe_metadata import install_safe_metadata_reader
+
+    install_safe_metadata_reader()
     reader = dcp.FileSystemReader(str(ckpt))
-    meta = reader.read_metadata()
+    try:
+        meta = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - missing, truncated or crafted .metadata: one line
+        raise ConversionError(f"{ckpt}: cannot read its .metadata ({type(e).__name__}: {e})") from None
     sd = {}
     for key, m in meta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata) and not key.startswith(NON_MODEL_PREFIXES):

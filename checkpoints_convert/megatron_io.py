@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from checkpoints_convert.common import LATEST, MODEL_CONFIG, configs_to_dict
+from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
 
 ITER0 = "iter_0000000"
 
@@ -51,6 +52,7 @@ def save_dist_checkpoint(tensors: Dict[str, Tensor], out: Path, model_cfg, attn_
     if extra:
         cfg.update(extra)
     (ckpt / MODEL_CONFIG).write_text(json.dumps(cfg, indent=2))
+    write_manifest(ckpt, hash_files(ckpt, list_files(ckpt)))
     (out / LATEST).write_text(ITER0 + "\n")
     return ckpt
 
@@ -75,6 +77,9 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
     # _extra_state entries (TE/fp8 metadata; empty with the local spec) are absent from from_hf
     # checkpoints: load everything else strictly, as the trainer's init_from does.
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    from runtime.safe_metadata import install_safe_metadata_reader
+
+    install_safe_metadata_reader()
     loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
     result = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if "_extra_state" not in k]
