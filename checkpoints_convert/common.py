@@ -117,16 +117,42 @@ def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
 
 # --- output directories -------------------------------------------------------------------------
 
-@contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir)."""
+def is_conversion_output(path: Path) -> bool:
+    """An earlier ``to_hf`` export (``config.json`` with ``nosa_export``) or ``from_hf`` import."""
+    try:
+        if (path / "config.json").is_file():
+            return "nosa_export" in json.loads((path / "config.json").read_text())
+        imported = path / "iter_0000000" / MODEL_CONFIG
+        return (path / LATEST).is_file() and imported.is_file() and "source" in json.loads(imported.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """``out`` resolved; refuses (one line) an existing ``out`` that is not empty, not an earlier
+    conversion output and not to be overwritten, so a typo cannot replace a run directory."""
     out = Path(out).resolve()
-    if out.exists() and not overwrite:
-        raise ConversionError(f"{out} exists; pass --overwrite to replace it")
+    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())) \
+            and not is_conversion_output(out):
+        raise ConversionError(f"--out {out} exists and is not an earlier conversion output; choose another "
+                              f"--out, remove it first, or pass --overwrite (to_hf) to replace it")
+    return out
+
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir).
+
+    An existing ``out`` is replaced only when it is empty, an earlier conversion output, or
+    ``overwrite`` is set; anything else (a typo naming a run dir) is refused before any work.
+    The result gets the usual permissions (0777 / 0666 minus the umask), not the temp dir's 0700.
+    """
+    out = check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        _normal_permissions(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -134,9 +160,21 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
     else:
         os.replace(tmp, out)
+
+
+def _normal_permissions(root: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~umask)
 
 
 # --- safetensors --------------------------------------------------------------------------------
