@@ -92,8 +92,8 @@ class Trainer:
         model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
                                         .get(self.precision, "float32"))
         overrides = dict(calculate_per_token_loss=True)
-        if cfg.run.cpu_init or env.device.type == "cpu":
-            overrides["use_cpu_initialization"] = True
+        if cfg.run.cpu_init or env.device.type == "cpu":  # initial weights independent of the layout
+            overrides.update(use_cpu_initialization=True, init_seed=cfg.run.seed)
         if cfg.train.recompute == "selective":
             overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         elif cfg.train.recompute == "full":
