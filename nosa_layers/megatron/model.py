@@ -129,12 +129,14 @@ def _check_parallel_state(parallel: ParallelConfig) -> None:
 
 def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[ParallelConfig] = None,
                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                vp_stage: Optional[int] = None, seq_length: Optional[int] = None, use_te: Optional[bool] = None,
+                vp_stage: Optional[int] = None, seq_length: Optional[int] = None, use_te: bool = False,
                 init_seed: Optional[int] = None, **config_overrides) -> NOSAGPTModel:
     """One pipeline stage (``vp_stage`` chunk) of the model, on this rank's TP shard.
 
     ``pre_process`` / ``post_process`` default to this rank's pipeline position. ``seq_length``
-    (optional) is validated against the NOSA block size. ``init_seed`` (needs
+    (optional) is validated against the NOSA block size. ``use_te`` picks the Transformer Engine
+    layer spec instead of megatron-core's local one (explicit: never chosen because TE imports;
+    its checkpoints name the fused norms differently). ``init_seed`` (needs
     ``use_cpu_initialization``) makes the initial weights independent of the parallel layout
     (:class:`NOSAGPTModel`). Extra keywords override ``TransformerConfig`` fields (e.g.
     ``recompute_granularity``, ``bias_activation_fusion``).
@@ -147,7 +149,9 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    use_te = have_te() if use_te is None else use_te
+    if use_te and not have_te():
+        raise ValueError("use_te=True but Transformer Engine is not importable; install it (pip install -e .[te]) "
+                         "or build the local spec")
     block_spec = get_nosa_decoder_block_spec(config, model, attn, use_te=use_te, vp_stage=vp_stage,
                                              pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     if init_seed is not None:
