@@ -19,6 +19,7 @@ STAGES = ("pretrain", "cpt", "sft")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
+TRANSFORMER_IMPLS = ("local", "te")
 SCHEDULES = ("wsd", "cosine", "constant")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 NAN_POLICIES = ("stop", "skip")
@@ -84,6 +85,7 @@ class TrainSection:
     eval_iters: int = 2
     precision: str = "bf16"  # fp32 is used on CPU whatever this says
     recompute: str = "none"
+    transformer_impl: str = "local"  # layer spec: local (megatron-core local layers) | te (Transformer Engine)
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
     nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps
     locality_interval: int = 0  # log NOSA locality stats every N steps (0: off)
@@ -258,6 +260,12 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _choice(cfg.stage.kind, STAGES, "stage.kind")
     _choice(t.precision, PRECISIONS, "train.precision")
     _choice(t.recompute, RECOMPUTE, "train.recompute")
+    _choice(t.transformer_impl, TRANSFORMER_IMPLS, "train.transformer_impl")
+    if t.transformer_impl == "te":
+        from nosa_layers.megatron.spec import have_te
+
+        _need(have_te(), "train.transformer_impl=te but Transformer Engine is not importable; install it "
+                         "(pip install -e .[te]) or use train.transformer_impl=local")
     _choice(t.nan_policy, NAN_POLICIES, "train.nan_policy")
     _choice(o.schedule, SCHEDULES, "optim.schedule")
     _choice(o.wsd_decay_style, WSD_DECAY_STYLES, "optim.wsd_decay_style")

@@ -27,6 +27,9 @@ from train.metrics import MetricsLogger, peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
 
 
+SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
+
+
 class NonFiniteError(RuntimeError):
     """A non-finite loss, gradient or weight stopped the run (nothing non-finite was applied or saved)."""
 
@@ -102,7 +105,7 @@ class Trainer:
         chunks = []
         for i in range(vpp or 1):
             m = build_model(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
-                            seq_length=cfg.train.seq_length, **overrides)
+                            seq_length=cfg.train.seq_length, use_te=cfg.train.transformer_impl == "te", **overrides)
             if env.device.type == "cuda":
                 m.cuda(torch.cuda.current_device())
             if self.precision in ("bf16", "fp16"):
@@ -129,7 +132,8 @@ class Trainer:
                   f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
                   f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
                   f"PP={ps.get_pipeline_model_parallel_world_size()} DP={env.dp_size}), precision={self.precision}, "
-                  f"device={env.device.type}")
+                  f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, initial weights "
+                  f"{'from (seed, layer) on the CPU: the same for every layout' if 'init_seed' in overrides else 'drawn per TP rank on the GPU'}")
         self._build_data()
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.attention, cfg.train.seq_length)
         self.peak = peak_flops(env.device)
