@@ -93,14 +93,14 @@ def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
     if backend != "torch_dist":
         raise ConversionError(f"{ckpt}: sharded_backend={backend!r}; only megatron-core 'torch_dist' "
                               f"checkpoints are supported")
-    from runtime.safe_metadata import install_safe_metadata_reader
+    from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
 
-    install_safe_metadata_reader()
+    install_safe_checkpoint_loading()
     reader = dcp.FileSystemReader(str(ckpt))
     try:
         meta = reader.read_metadata()
     except Exception as e:  # noqa: BLE001 - missing, truncated or crafted .metadata: one line
-        raise ConversionError(f"{ckpt}: cannot read its .metadata ({type(e).__name__}: {e})") from None
+        raise ConversionError(f"{ckpt}: cannot read its .metadata ({load_error_line(e)})") from None
     sd = {}
     for key, m in meta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata) and not key.startswith(NON_MODEL_PREFIXES):

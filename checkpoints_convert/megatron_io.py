@@ -77,10 +77,16 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
     # _extra_state entries (TE/fp8 metadata; empty with the local spec) are absent from from_hf
     # checkpoints: load everything else strictly, as the trainer's init_from does.
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    from runtime.safe_metadata import install_safe_metadata_reader
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    install_safe_metadata_reader()
-    loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
+    from checkpoints_convert.mapping import ConversionError
+    from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
+
+    install_safe_checkpoint_loading()
+    try:
+        loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
+        raise ConversionError(f"cannot load {ckpt}: {load_error_line(e)}") from None
     result = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if "_extra_state" not in k]
     if missing or result.unexpected_keys:

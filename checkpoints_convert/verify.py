@@ -152,18 +152,27 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the export's modeling code even if it differs from the code this project ships")
     args = ap.parse_args(argv)
-    hf_dir = Path(args.hf)
-    report: dict = {"hf": str(hf_dir)}
-    ok = True
     try:
-        ckpt = resolve_checkpoint(args.ckpt) if args.ckpt else None
-        fails = tensor_roundtrip(hf_dir, ckpt)
-        model = load_hf_model(hf_dir, args.trust_remote_code)
+        report = run_checks(args)
     except (ConversionError, FileNotFoundError) as e:
         print(f"verify: error: {e}", file=sys.stderr)
         return 2
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if report["ok"] else 1
+
+
+def run_checks(args) -> dict:
+    """The report of every check; bad input raises ``ConversionError`` / ``FileNotFoundError``."""
+    hf_dir = Path(args.hf)
+    report: dict = {"hf": str(hf_dir)}
+    ckpt = resolve_checkpoint(args.ckpt) if args.ckpt else None
+    fails = tensor_roundtrip(hf_dir, ckpt)
+    model = load_hf_model(hf_dir, args.trust_remote_code)
     report["tensor_roundtrip"] = "ok" if not fails else fails
-    ok &= not fails
+    ok = not fails
     tokens = make_tokens(args, model.config.vocab_size)
     report["tokens"] = list(tokens.shape)
     if ckpt is not None:
@@ -179,11 +188,7 @@ def main(argv=None) -> int:
         report["decode_vs_forward"] = decode_check(model, tokens, args.decode_steps)
         ok &= report["decode_vs_forward"]["rel"] <= args.tol
     report["ok"] = bool(ok)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
-    return 0 if ok else 1
+    return report
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from runtime import checkpoint_manifest as manifest
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
+from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
@@ -225,22 +226,16 @@ def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int
     return int(loaded["step"]), loaded["data"], loaded.get("extra", {})
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
 def _load(sharded_state: dict, ckpt: Path) -> dict:
     """``dist_checkpointing.load`` whose failures (unreadable or unsafe files) are one ``CheckpointError`` line."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from runtime.safe_metadata import install_safe_metadata_reader
-
-    install_safe_metadata_reader()
+    install_safe_checkpoint_loading()
     try:
         return dist_checkpointing.load(sharded_state, str(ckpt))
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot load {ckpt}: {_first_line(e)}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
+        raise CheckpointError(f"cannot load {ckpt}: {load_error_line(e)}") from None
 
 
 def _load_model(model_chunks, loaded: dict, strict: bool) -> list[str]:
@@ -265,10 +260,11 @@ def load_weights(path: str, model_chunks, log=print) -> Path:
         raise CheckpointError(f"init_from={path!r}: no checkpoint there (expected a run dir, "
                               f"its checkpoints/ dir with a 'latest' pointer, or an iter_* dir)")
     sd = _model_sharded_state(model_chunks)
+    install_safe_checkpoint_loading()
     try:
         saved = set(dist_checkpointing.load_tensors_metadata(str(ckpt)).keys())
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint is one line
-        raise CheckpointError(f"cannot read {ckpt}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {ckpt}: {load_error_line(e)}") from None
     skipped = []
     for key in list(sd):
         for name in list(sd[key]):

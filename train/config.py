@@ -218,21 +218,27 @@ def config_changes(cfg: RunConfig) -> tuple[list[str], list[str]]:
         return [], []
     new = _flatten(dataclasses.asdict(cfg))
     free, refused = [], []
-    for k in sorted(set(old) | set(new)):
-        if old.get(k) != new.get(k):
-            line = f"{k} {old.get(k)!r} -> {new.get(k)!r}"
+    for k in sorted(set(old) & set(new)):  # keys added or removed since are not changes of the run
+        if old[k] != new[k]:
+            line = f"{k} {old[k]!r} -> {new[k]!r}"
             (free if k.startswith(RESUME_FREE) else refused).append(line)
     return free, refused
 
 
 def _check_resume(cfg: RunConfig) -> None:
     """A resume must continue the same model, within train.max_steps, with the same trajectory settings."""
-    from runtime.checkpoint_files import CheckpointError, find_checkpoint, read_configs
+    from pathlib import Path
 
+    from runtime.checkpoint_files import CheckpointError, complete_checkpoints, find_checkpoint, read_configs
+
+    root = Path(cfg.run_dir) / "checkpoints"
     try:
-        ckpt = find_checkpoint(f"{cfg.run_dir}/checkpoints")
+        ckpt = find_checkpoint(root)
+    except CheckpointError:  # a damaged `latest` is reported (and fallen back from) when the run resumes
+        ckpt = next(iter(complete_checkpoints(root)), None)
+    try:
         got = read_configs(ckpt) if ckpt is not None else None
-    except (CheckpointError, ValueError):
+    except (ValueError, OSError):
         return  # a damaged checkpoint is reported (and fallen back from) when the run resumes
     if got is None:
         return

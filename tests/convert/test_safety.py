@@ -115,3 +115,30 @@ def test_verify_runs_only_the_shipped_modeling_code(exports, tmp_path, capsys):
     assert verify_main(["--hf", str(edited), "--decode-steps", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--trust-remote-code" in err
+
+
+def test_checkpoint_objects_are_loaded_without_running_code(tmp_path):
+    """Non-tensor checkpoint items (megatron's common state, RNG states) are torch.save bytes that
+    torch loads with weights_only=False; after install_safe_checkpoint_loading they load only plain data."""
+    import io
+    import warnings
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
+
+    install_safe_checkpoint_loading()
+    marker = tmp_path / "PWNED"
+    good = np.random.RandomState(0).get_state()  # a tuple with a NumPy array: what megatron stores for RNG
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"good": good, "evil": _Marker(marker)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        loaded = {"good": None}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        assert loaded["good"][0] == "MT19937" and np.array_equal(loaded["good"][1], good[1])
+        with pytest.raises(BaseException) as e:  # torch's CheckpointException is a BaseException
+            dcp.load({"evil": None}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert load_error_line(e.value) == ("UnpicklingError: a checkpoint object refers to posix.system, which "
+                                        "checkpoints never contain: refusing to load it (crafted or foreign file)")
+    assert not marker.exists()
