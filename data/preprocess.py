@@ -100,7 +100,7 @@ def preprocess(
         }
         with open(tmp_prefix + ".summary.json", "w") as f:
             json.dump(summary, f, indent=2)
-        for ext in (".bin", ".idx", ".summary.json"):  # the index last: readers open .bin through it
+        for ext in (".bin", ".idx", ".summary.json"):  # the index after the data it describes
             os.replace(tmp_prefix + ext, out_prefix + ext)
         return summary
     finally:

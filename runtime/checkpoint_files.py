@@ -29,7 +29,9 @@ class CheckpointError(ValueError):
 
 
 def _is_complete(d: Path) -> bool:
-    return d.is_dir() and not d.name.endswith(".tmp") and ((d / MANIFEST).is_file() or (d / "metadata.json").is_file())
+    """A finished checkpoint dir: not a ``.tmp`` save in progress, with a manifest or megatron's metadata."""
+    return d.is_dir() and not d.name.endswith(".tmp") and \
+        ((d / MANIFEST).is_file() or (d / "metadata.json").is_file())
 
 
 def _step_of(d: Path) -> int:

@@ -207,8 +207,6 @@ def _init_empty_adam_states(optimizer) -> None:
 
 def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int, dict, dict]:
     """Full resume: model, optimizer, scheduler, RNG. Returns ``(step, loader_state, extra)``."""
-    from megatron.core import dist_checkpointing
-
     from runtime.megatron_compat import patch_distributed_optimizer_step_state, untie_adam_step_tensors
 
     patch_distributed_optimizer_step_state()

@@ -284,14 +284,17 @@ class Trainer:
             log0(self.env, f"step {step}: {what}; update skipped ({self.nonfinite_streak} in a row, "
                            f"the run stops at train.nan_skip_limit={t.nan_skip_limit})")
             return
-        good = ckpt.newest_intact_checkpoint(str(self.run_dir))
-        kept = f"newest intact checkpoint: {good}" if good else "no checkpoint of this run was written"
+        kept = self._newest_intact()
         if t.nan_policy == "skip":
             raise NonFiniteError(f"step {step}: {what}; {self.nonfinite_streak} consecutive steps skipped "
                                  f"(train.nan_skip_limit={t.nan_skip_limit}); stopping, the weights were not "
                                  f"updated by any of them ({kept}). Lower optim.lr or check the data")
         raise NonFiniteError(f"step {step}: {what}; the update was not applied, stopping ({kept}). Lower "
                              f"optim.lr, check the data, or set train.nan_policy=skip to skip such steps")
+
+    def _newest_intact(self) -> str:
+        good = ckpt.newest_intact_checkpoint(str(self.run_dir))
+        return f"newest intact checkpoint: {good}" if good else "no checkpoint of this run was written"
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -313,9 +316,8 @@ class Trainer:
         if not self.cfg.checkpoint.save:
             return
         if weights_nonfinite(self.model, self.env.device):
-            good = ckpt.newest_intact_checkpoint(str(self.run_dir))
             raise NonFiniteError(f"the weights hold NaN/inf at step {self.step}: not saving a checkpoint "
-                                 f"({'newest intact checkpoint: ' + str(good) if good else 'no checkpoint was written'})")
+                                 f"({self._newest_intact()})")
         ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
                              self.train_loader.state_dict(),
                              {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
