@@ -93,12 +93,11 @@ def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
     if backend != "torch_dist":
         raise ConversionError(f"{ckpt}: sharded_backend={backend!r}; only megatron-core 'torch_dist' "
                               f"checkpoints are supported")
-    from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
+    from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
 
-    install_safe_checkpoint_loading()
     reader = dcp.FileSystemReader(str(ckpt))
     try:
-        meta = reader.read_metadata()
+        meta = read_checkpoint_metadata(ckpt)
     except Exception as e:  # noqa: BLE001 - missing, truncated or crafted .metadata: one line
         raise ConversionError(f"{ckpt}: cannot read its .metadata ({load_error_line(e)})") from None
     sd = {}

@@ -80,10 +80,10 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
     from torch.distributed.checkpoint.api import CheckpointException
 
     from checkpoints_convert.mapping import ConversionError
-    from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
+    from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
 
-    install_safe_checkpoint_loading()
     try:
+        read_checkpoint_metadata(ckpt)
         loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
         raise ConversionError(f"cannot load {ckpt}: {load_error_line(e)}") from None

@@ -103,6 +103,15 @@ def _install_safe_bytes_loading() -> None:
     default_planner.DefaultLoadPlanner.load_bytes = load_bytes
 
 
+def read_checkpoint_metadata(ckpt) -> object:
+    """The ``.metadata`` of a checkpoint dir through :class:`MetadataUnpickler`. Call before a load:
+    torch's loader retries a refused file as rank-local metadata and logs both tracebacks."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    install_safe_checkpoint_loading()
+    return FileSystemReader(str(ckpt)).read_metadata()
+
+
 def load_error_line(e: BaseException) -> str:
     """One line for a failed checkpoint load: the first rank's root cause inside torch's
     ``CheckpointException`` (a ``BaseException`` whose text is a whole traceback), else ``e``."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from runtime import checkpoint_manifest as manifest
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
-from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
+from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
@@ -229,8 +229,8 @@ def _load(sharded_state: dict, ckpt: Path) -> dict:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    install_safe_checkpoint_loading()
     try:
+        read_checkpoint_metadata(ckpt)
         return dist_checkpointing.load(sharded_state, str(ckpt))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
         raise CheckpointError(f"cannot load {ckpt}: {load_error_line(e)}") from None
@@ -258,8 +258,8 @@ def load_weights(path: str, model_chunks, log=print) -> Path:
         raise CheckpointError(f"init_from={path!r}: no checkpoint there (expected a run dir, "
                               f"its checkpoints/ dir with a 'latest' pointer, or an iter_* dir)")
     sd = _model_sharded_state(model_chunks)
-    install_safe_checkpoint_loading()
     try:
+        read_checkpoint_metadata(ckpt)
         saved = set(dist_checkpointing.load_tensors_metadata(str(ckpt)).keys())
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint is one line
         raise CheckpointError(f"cannot read {ckpt}: {load_error_line(e)}") from None

@@ -153,3 +153,31 @@ def test_sft_file_without_a_usable_row_is_one_line(tmp_path, data_args):
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-2000:]
     assert "no usable conversations" in errors[0] and "no assistant turn" in errors[0]
+
+
+class _Marker:
+    """A pickle that would create a file if plain pickle ever loaded it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_resume_from_a_crafted_metadata_file_runs_no_code(trained, tmp_path, data_args):
+    import pickle
+
+    run = _copy(trained, tmp_path)
+    ckpt = run / "checkpoints" / "iter_0000004"
+    marker = tmp_path / "PWNED"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    write_manifest(ckpt, hash_files(ckpt, list_files(ckpt)))  # the manifest matches: only the unpickler stops it
+    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], check=False)
+    errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-2000:]
+    assert errors[0] == (f"error: cannot load {ckpt}: UnpicklingError: checkpoint metadata refers to posix.system, "
+                         f"which checkpoint metadata never contains: refusing to load it (crafted or foreign file)")
+    assert not marker.exists()
