@@ -23,7 +23,7 @@ from torch import Tensor
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
 
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
-from runtime.checkpoint_files import find_checkpoint, read_configs
+from runtime.checkpoint_files import CheckpointError, read_configs, select_checkpoint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,10 +31,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 # --- trainer checkpoints ------------------------------------------------------------------------
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir."""
+    """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir,
+    verified against its manifest (a damaged one is refused in one line naming the newest intact one)."""
     try:
-        ckpt = find_checkpoint(path)
-    except FileNotFoundError as e:
+        ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr))
+    except CheckpointError as e:
         raise ConversionError(str(e)) from None
     if ckpt is None:
         raise ConversionError(f"--ckpt {path}: no distributed checkpoint there (expected a run dir, its "
@@ -92,8 +93,13 @@ def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
     if backend != "torch_dist":
         raise ConversionError(f"{ckpt}: sharded_backend={backend!r}; only megatron-core 'torch_dist' "
                               f"checkpoints are supported")
+    from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
+
     reader = dcp.FileSystemReader(str(ckpt))
-    meta = reader.read_metadata()
+    try:
+        meta = read_checkpoint_metadata(ckpt)
+    except Exception as e:  # noqa: BLE001 - missing, truncated or crafted .metadata: one line
+        raise ConversionError(f"{ckpt}: cannot read its .metadata ({load_error_line(e)})") from None
     sd = {}
     for key, m in meta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata) and not key.startswith(NON_MODEL_PREFIXES):
@@ -110,16 +116,42 @@ def load_megatron_tensors(ckpt: Path) -> Dict[str, Tensor]:
 
 # --- output directories -------------------------------------------------------------------------
 
-@contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir)."""
+def is_conversion_output(path: Path) -> bool:
+    """An earlier ``to_hf`` export (``config.json`` with ``nosa_export``) or ``from_hf`` import."""
+    try:
+        if (path / "config.json").is_file():
+            return "nosa_export" in json.loads((path / "config.json").read_text())
+        imported = path / "iter_0000000" / MODEL_CONFIG
+        return (path / LATEST).is_file() and imported.is_file() and "source" in json.loads(imported.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """``out`` resolved; refuses (one line) an existing ``out`` that is not empty, not an earlier
+    conversion output and not to be overwritten, so a typo cannot replace a run directory."""
     out = Path(out).resolve()
-    if out.exists() and not overwrite:
-        raise ConversionError(f"{out} exists; pass --overwrite to replace it")
+    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())) \
+            and not is_conversion_output(out):
+        raise ConversionError(f"--out {out} exists and is not an earlier conversion output; choose another "
+                              f"--out, remove it first, or pass --overwrite (to_hf) to replace it")
+    return out
+
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir).
+
+    An existing ``out`` is replaced only when it is empty, an earlier conversion output, or
+    ``overwrite`` is set; anything else (a typo naming a run dir) is refused before any work.
+    The result gets the usual permissions (0777 / 0666 minus the umask), not the temp dir's 0700.
+    """
+    out = check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        _normal_permissions(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -127,9 +159,21 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
     else:
         os.replace(tmp, out)
+
+
+def _normal_permissions(root: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~umask)
 
 
 # --- safetensors --------------------------------------------------------------------------------

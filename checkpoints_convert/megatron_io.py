@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from checkpoints_convert.common import LATEST, MODEL_CONFIG, configs_to_dict
+from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
 
 ITER0 = "iter_0000000"
 
@@ -51,6 +52,7 @@ def save_dist_checkpoint(tensors: Dict[str, Tensor], out: Path, model_cfg, attn_
     if extra:
         cfg.update(extra)
     (ckpt / MODEL_CONFIG).write_text(json.dumps(cfg, indent=2))
+    write_manifest(ckpt, hash_files(ckpt, list_files(ckpt)))
     (out / LATEST).write_text(ITER0 + "\n")
     return ckpt
 
@@ -75,7 +77,16 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
     # _extra_state entries (TE/fp8 metadata; empty with the local spec) are absent from from_hf
     # checkpoints: load everything else strictly, as the trainer's init_from does.
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoints_convert.mapping import ConversionError
+    from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
+
+    try:
+        read_checkpoint_metadata(ckpt)
+        loaded = dist_checkpointing.load({"model": sharded}, str(ckpt))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
+        raise ConversionError(f"cannot load {ckpt}: {load_error_line(e)}") from None
     result = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if "_extra_state" not in k]
     if missing or result.unexpected_keys:

@@ -15,7 +15,10 @@ model is described by the ``nosa_config.json`` the trainer writes next to the te
 * tokenizer files when ``--tokenizer`` is given; ``generation_config.json``.
 
 Any mismatch (missing / extra tensors, shapes, unknown variant) raises one error listing the names;
-the output directory is written to a temp dir and renamed at the end, so it is never partial.
+the output directory is written to a temp dir and renamed at the end, so it is never partial. An
+existing ``--out`` is replaced only if it is empty or an earlier export (``--overwrite`` for anything
+else); the checkpoint is verified against its manifest and weights holding NaN/inf are refused
+(``--allow-non-finite``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from checkpoints_convert.common import (
     DTYPES,
     atomic_dir,
     cast,
+    check_out_dir,
     geometry,
     load_megatron_tensors,
     read_model_config,
@@ -133,11 +137,12 @@ def tokenizer_ids(tokenizer_dir: Path) -> dict:
 
 
 def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = None,
-           max_shard_bytes: int = 4 << 30, log=print) -> Path:
+           max_shard_bytes: int = 4 << 30, log=print, overwrite: bool = False, allow_non_finite: bool = False) -> Path:
     t0 = time.time()
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use one of fp32, bf16, fp16")
     torch_dtype = DTYPES[dtype]
+    check_out_dir(out, overwrite)
     ck = resolve_checkpoint(ckpt)
     model, attn, extra = read_model_config(ck)
     from nosa_layers.megatron.config import validate
@@ -145,13 +150,17 @@ def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = 
     validate(model, attn)
     geo = geometry(model, attn)
     tensors = load_megatron_tensors(ck)
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad and not allow_non_finite:
+        raise ConversionError(f"{ck}: {len(bad)} tensor(s) hold NaN/inf (e.g. {bad[0]}); export a finite "
+                              f"checkpoint, or pass --allow-non-finite to export it anyway")
     hf = cast(megatron_to_hf(tensors, geo), torch_dtype)
     tok_dir = Path(tokenizer) if tokenizer else None
     if tok_dir is not None and not tok_dir.is_dir():
         raise ConversionError(f"--tokenizer {tokenizer}: not a directory")
     tokens = tokenizer_ids(tok_dir) if tok_dir is not None else {}
     cfg = hf_config(model, attn, torch_dtype, extra, tokens)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
@@ -180,12 +189,15 @@ def parse_size(s: str) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
-    ap.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    ap.add_argument("--out", required=True, help="output directory: new, empty or an earlier export (replaced atomically)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
+    ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory to copy into the export")
     ap.add_argument("--max-shard-size", default="4GB")
     args = ap.parse_args(argv)
-    return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size))
+    return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size),
+                   print, args.overwrite, args.allow_non_finite)
 
 
 if __name__ == "__main__":

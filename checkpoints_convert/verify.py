@@ -6,11 +6,13 @@
 1. Tensors: HF -> Megatron -> HF must be bitwise equal; with ``--ckpt`` also Megatron -> HF must equal
    the export (after the export's dtype cast) and HF -> Megatron must give back the checkpoint's tensors.
 2. Logits (with ``--ckpt``): the Megatron forward (TP=PP=1, reference attention, fp32) vs
-   ``AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True)`` in fp32 on the prompts
+   ``AutoModelForCausalLM.from_pretrained(hf)`` in fp32 on the prompts
    (one per line of ``--prompts``, tokenised with ``--tokenizer`` or the export's tokenizer) or on
    random token rows; reports the relative L2 error, max |diff|, KL and top-1 agreement.
 3. Decode: the KV-cache path (one token at a time) vs the full forward on the last tokens.
-Exit status 1 when a check fails.
+The export's modeling code runs only when it is byte-identical to the code this project ships
+(or with ``--trust-remote-code``); ``--ckpt`` is verified against its manifest first.
+Exit status 1 when a check fails, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -69,10 +71,33 @@ def tensor_roundtrip(hf_dir: Path, ckpt: Optional[Path]) -> list[str]:
     return fails
 
 
-def load_hf_model(hf_dir: Path):
+def trust_remote_code(hf_dir: Path, allowed: bool = False) -> bool:
+    """Whether loading ``hf_dir`` may run its modeling code: it has none (stock Llama: False), its
+    ``auto_map`` and shipped files are byte-identical to this project's, or ``allowed`` says so.
+    Any other modeling code is refused in one line."""
+    from checkpoints_convert.hf_modeling import AUTO_MAP, reference_sources
+
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    if "auto_map" not in cfg:
+        return False
+    if allowed:
+        return True
+    differs = [] if cfg["auto_map"] == AUTO_MAP else ["config.json auto_map"]
+    for name, src in reference_sources().items():
+        f = Path(hf_dir) / name
+        if not f.is_file() or f.read_bytes() != src.encode():
+            differs.append(name)
+    if differs:
+        raise ConversionError(f"--hf {hf_dir} ships modeling code that differs from this project's "
+                              f"({', '.join(differs[:4])}); review it and pass --trust-remote-code to run it")
+    return True
+
+
+def load_hf_model(hf_dir: Path, allow_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=trust_remote_code(hf_dir, allow_remote_code),
+                                                 dtype=torch.float32)
     return model.eval()
 
 
@@ -124,19 +149,30 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=1e-4, help="max relative L2 error of the logits")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the export's modeling code even if it differs from the code this project ships")
     args = ap.parse_args(argv)
-    hf_dir = Path(args.hf)
-    report: dict = {"hf": str(hf_dir)}
-    ok = True
     try:
-        ckpt = resolve_checkpoint(args.ckpt) if args.ckpt else None
-        fails = tensor_roundtrip(hf_dir, ckpt)
-    except ConversionError as e:
+        report = run_checks(args)
+    except (ConversionError, FileNotFoundError) as e:
         print(f"verify: error: {e}", file=sys.stderr)
         return 2
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if report["ok"] else 1
+
+
+def run_checks(args) -> dict:
+    """The report of every check; bad input raises ``ConversionError`` / ``FileNotFoundError``."""
+    hf_dir = Path(args.hf)
+    report: dict = {"hf": str(hf_dir)}
+    ckpt = resolve_checkpoint(args.ckpt) if args.ckpt else None
+    fails = tensor_roundtrip(hf_dir, ckpt)
+    model = load_hf_model(hf_dir, args.trust_remote_code)
     report["tensor_roundtrip"] = "ok" if not fails else fails
-    ok &= not fails
-    model = load_hf_model(hf_dir)
+    ok = not fails
     tokens = make_tokens(args, model.config.vocab_size)
     report["tokens"] = list(tokens.shape)
     if ckpt is not None:
@@ -152,11 +188,7 @@ def main(argv=None) -> int:
         report["decode_vs_forward"] = decode_check(model, tokens, args.decode_steps)
         ok &= report["decode_vs_forward"]["rel"] <= args.tol
     report["ok"] = bool(ok)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
-    return 0 if ok else 1
+    return report
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ class SFTConfig:
           otherwise one conversation per row, right-padded.
     overlong: conversations longer than ``seq_length`` are "truncate"d or "drop"ped (counted).
     on_bad_example: "count" (skip and count unknown roles / empty / no assistant) or "error".
+    warn_dropped_fraction / max_dropped_fraction: share of rows skipped or dropped (bad, over-long)
+          above which loading warns / stops with an error.
     """
 
     path: str = ""
@@ -69,13 +71,40 @@ class SFTConfig:
     messages_field: str = "messages"
     seed: int = 1234
     model_vocab_size: Optional[int] = None
+    warn_dropped_fraction: float = 0.1
+    max_dropped_fraction: float = 0.5
 
 
-def _check_tokenizer_dir(path: str, what: str) -> None:
+def _check_tokenizer_dir(path: str, what: str, model_vocab_size: Optional[int] = None) -> None:
     if not path:
         raise ValueError(f"{what}.tokenizer is empty: set it to an HF tokenizer dir (e.g. from `python -m data.demo_corpus`)")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"{what}.tokenizer={path!r} has no tokenizer.json: point it to a saved HF fast-tokenizer dir")
+    if model_vocab_size is not None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        n = RustTokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        if n > model_vocab_size:
+            raise ValueError(f"{what}.tokenizer={path!r} has {n} tokens but the model's vocabulary is {model_vocab_size}: "
+                             f"use a model with vocab_size >= {n} or a smaller tokenizer")
+
+
+def _check_indexed(prefix: str) -> None:
+    """Both files of an indexed dataset exist and hold at least one document."""
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise ValueError(f"data.paths entry {prefix!r}: {prefix + ext} not found; build it with "
+                             f"`python -m data.preprocess --out {prefix}`")
+    import struct
+
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read(26)  # magic (9 bytes), version (8), dtype code (1), sequence count (8)
+    if len(head) < 26 or not head.startswith(b"MMIDIDX"):
+        raise ValueError(f"data.paths entry {prefix!r}: {prefix}.idx is not a megatron index (truncated or another "
+                         f"format); rebuild it with `python -m data.preprocess --out {prefix}`")
+    if struct.unpack("<Q", head[18:26])[0] == 0 or os.path.getsize(prefix + ".bin") == 0:
+        raise ValueError(f"data.paths entry {prefix!r} is empty (0 documents); rebuild it with "
+                         f"`python -m data.preprocess --out {prefix}`")
 
 
 def _check_common(c, what: str, dp_size: int) -> None:
@@ -118,10 +147,8 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
                 raise ValueError(f"data.{n}={v} must be > 0 or null (one epoch)")
         if check_files:
             for p in cfg.paths:
-                for ext in (".bin", ".idx"):
-                    if not os.path.isfile(p + ext):
-                        raise ValueError(f"data.paths entry {p!r}: {p + ext} not found; build it with `python -m data.preprocess --out {p}`")
-            _check_tokenizer_dir(cfg.tokenizer, what)
+                _check_indexed(p)
+            _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
     elif isinstance(cfg, SFTConfig):
         what = "sft"
         _check_common(cfg, what, dp_size)
@@ -131,9 +158,12 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
             raise ValueError(f"sft.overlong={cfg.overlong!r} is not one of {OVERLONG_POLICIES}")
         if cfg.on_bad_example not in BAD_EXAMPLE_POLICIES:
             raise ValueError(f"sft.on_bad_example={cfg.on_bad_example!r} is not one of {BAD_EXAMPLE_POLICIES}")
+        if not 0 <= cfg.warn_dropped_fraction <= cfg.max_dropped_fraction <= 1:
+            raise ValueError(f"need 0 <= sft.warn_dropped_fraction ({cfg.warn_dropped_fraction}) <= "
+                             f"sft.max_dropped_fraction ({cfg.max_dropped_fraction}) <= 1")
         if check_files:
             if not cfg.path or not os.path.exists(cfg.path):
                 raise ValueError(f"sft.path={cfg.path!r} does not exist: give a JSONL/parquet file or an HF dataset dir")
-            _check_tokenizer_dir(cfg.tokenizer, what)
+            _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
     else:
         raise ValueError(f"validate() got {type(cfg).__name__}: expected DataConfig or SFTConfig")

@@ -41,6 +41,12 @@ class IndexedWriter:
     def close(self) -> None:
         self._builder.finalize(self.prefix + ".idx")
 
+    def discard(self) -> None:
+        """Close the ``.bin`` file handle without writing an index (files are left to the caller)."""
+        f = getattr(self._builder, "data_file", None)
+        if f is not None and not f.closed:
+            f.close()
+
 
 def write_indexed(prefix: str, docs: Iterable, vocab_size: int) -> tuple[int, int]:
     """Write all ``docs`` (already including EOD); returns ``(documents, tokens)``."""

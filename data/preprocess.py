@@ -1,8 +1,9 @@
 """``python -m data.preprocess``: text (JSONL / parquet / HF dataset dir) -> megatron ``.bin/.idx``.
 
 Reads with :mod:`data.sources` (``datasets`` for parquet/HF dirs), tokenizes in batches with the
-Rust tokenizer, appends EOD to every document and writes with megatron-core's
-``IndexedDatasetBuilder``. Prints a progress line and a summary (documents, tokens, skipped rows
+Rust tokenizer (long documents in pieces, so memory stays bounded), appends EOD to every
+document and writes with megatron-core's ``IndexedDatasetBuilder`` under temporary names that
+replace ``--out`` only on success. Prints a progress line and a summary (documents, tokens, skipped rows
 by reason); the summary is also saved as ``<prefix>.summary.json``.
 """
 
@@ -11,12 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Optional
 
+import numpy as np
+
 from data.sources import ReadStats, iter_texts
 from data.tokenizer import Tokenizer
+
+PIECE_CHARS = 1 << 18  # longest text handed to the tokenizer at once (it needs ~200 bytes per char)
 
 
 def preprocess(
@@ -30,18 +36,23 @@ def preprocess(
     model_vocab_size: Optional[int] = None,
     strict: bool = False,
     progress: bool = True,
+    piece_chars: int = PIECE_CHARS,
 ) -> dict:
     """Tokenize ``input_path`` into ``out_prefix.bin/.idx``; returns the summary dict.
 
-    Units: ``tokens`` counts stored tokens including one EOD per document; ``tokens_per_s`` is
-    wall-clock over read + tokenize + write.
+    Writes ``<out_prefix>.tmp-<pid>.*`` and renames them over ``out_prefix.*`` only when at least one
+    document was written, so a failed or interrupted run leaves an existing dataset untouched.
+    Documents longer than ``piece_chars`` are tokenized in pieces (:func:`split_for_encoding`), which
+    bounds memory. Units: ``tokens`` counts stored tokens including one EOD per document;
+    ``tokens_per_s`` is wall-clock over read + tokenize + write.
     """
     from data.indexed import IndexedWriter
 
     tok = Tokenizer(tokenizer_dir)
     tok.check_model_vocab(model_vocab_size)
     stats = ReadStats()
-    writer = IndexedWriter(out_prefix, tok.vocab_size)
+    tmp_prefix = f"{out_prefix}.tmp-{os.getpid()}"
+    writer = IndexedWriter(tmp_prefix, tok.vocab_size)
     t0 = time.perf_counter()
     chars = 0
     bar = None
@@ -53,40 +64,88 @@ def preprocess(
                    unit_scale=True, desc="preprocess", file=sys.stderr, mininterval=1.0)
 
     def flush(batch: list[str]) -> None:
-        for ids in tok.encode_plain(batch):
-            ids.append(tok.eod)
-            writer.add(ids)
+        for ids in encode_documents(tok, batch, piece_chars):
+            writer.add(np.append(ids, tok.eod))
         if bar is not None:
             bar.update((stats.bytes_read if bar.unit == "B" else writer.documents) - bar.n)
             bar.set_postfix(docs=writer.documents, tokens=f"{writer.tokens / 1e6:.1f}M",
                             tok_s=f"{writer.tokens / (time.perf_counter() - t0) / 1e3:.0f}K", refresh=False)
 
-    batch: list[str] = []
-    for text in iter_texts(input_path, text_key, stats, split=split, strict=strict):
-        batch.append(text)
-        chars += len(text)
-        if len(batch) >= batch_docs:
+    try:
+        batch: list[str] = []
+        batch_chars = 0
+        for text in iter_texts(input_path, text_key, stats, split=split, strict=strict):
+            batch.append(text)
+            chars += len(text)
+            batch_chars += len(text)
+            if len(batch) >= batch_docs or batch_chars >= piece_chars:
+                flush(batch)
+                batch, batch_chars = [], 0
+            if max_docs is not None and stats.kept >= max_docs:
+                break
+        if batch:
             flush(batch)
-            batch = []
-        if max_docs is not None and stats.kept >= max_docs:
-            break
-    if batch:
-        flush(batch)
-    writer.close()
-    elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    summary = {
-        "input": input_path, "tokenizer": tok.path, "out": out_prefix, "vocab_size": tok.vocab_size,
-        "dtype": writer.dtype.__name__, "documents": writer.documents, "tokens": writer.tokens, "chars": chars,
-        "seconds": round(elapsed, 3), "tokens_per_s": round(writer.tokens / max(elapsed, 1e-9), 1),
-        "read": stats.as_dict(),
-    }
-    with open(out_prefix + ".summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
-    if writer.documents == 0:
-        raise ValueError(f"no usable documents in {input_path!r} ({'; '.join(stats.summary_lines())}); check --text-key")
-    return summary
+        writer.close()
+        if bar is not None:
+            bar.close()
+        if writer.documents == 0:
+            raise ValueError(f"no usable documents in {input_path!r} ({'; '.join(stats.summary_lines())}); "
+                             f"check --text-key (nothing was written to {out_prefix}.*)")
+        elapsed = time.perf_counter() - t0
+        summary = {
+            "input": input_path, "tokenizer": tok.path, "out": out_prefix, "vocab_size": tok.vocab_size,
+            "dtype": writer.dtype.__name__, "documents": writer.documents, "tokens": writer.tokens, "chars": chars,
+            "seconds": round(elapsed, 3), "tokens_per_s": round(writer.tokens / max(elapsed, 1e-9), 1),
+            "read": stats.as_dict(),
+        }
+        with open(tmp_prefix + ".summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+        for ext in (".bin", ".idx", ".summary.json"):  # the index after the data it describes
+            os.replace(tmp_prefix + ext, out_prefix + ext)
+        return summary
+    finally:
+        writer.discard()
+        for ext in (".bin", ".idx", ".summary.json"):
+            if os.path.exists(tmp_prefix + ext):
+                os.remove(tmp_prefix + ext)
+
+
+def split_for_encoding(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """Cut ``text`` into pieces of at most ``piece_chars`` chars, each cut (where possible) at the
+    start of a whitespace run that follows a non-space char. GPT-2 style byte-level pre-tokenizers
+    end a pre-token there and tokenize what follows from that point alone, so the pieces' token ids
+    concatenate to those of the whole text (tested); text without whitespace is cut anywhere."""
+    pieces, start, n = [], 0, len(text)
+    while n - start > piece_chars:
+        lo, hi = start + piece_chars // 2, start + piece_chars
+        last = None
+        for last in _WORD_END.finditer(text, lo - 1, hi):
+            pass
+        cut = last.end() - 1 if last is not None else hi
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+_WORD_END = re.compile(r"\S\s")
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], piece_chars: int = PIECE_CHARS) -> list[np.ndarray]:
+    """Token ids (int64 arrays, no EOD) of each text; long texts are encoded piece by piece."""
+    spans, pieces = [], []
+    for t in texts:
+        parts = split_for_encoding(t, piece_chars)
+        spans.append((len(pieces), len(pieces) + len(parts)))
+        pieces += parts
+    ids, group, size = [], [], 0
+    for i, piece in enumerate(pieces):  # groups of at most piece_chars chars (or one piece)
+        group.append(piece)
+        size += len(piece)
+        if size >= piece_chars or i == len(pieces) - 1 or size + len(pieces[i + 1]) > piece_chars:
+            ids += [np.asarray(x, dtype=np.int64) for x in tok.encode_plain(group)]
+            group, size = [], 0
+    return [np.concatenate(ids[a:b]) if b - a > 1 else ids[a] for a, b in spans]
 
 
 def print_summary(s: dict) -> None:

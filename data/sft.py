@@ -124,7 +124,17 @@ def load_sft(cfg, tok: Tokenizer | None = None, log=None) -> SFTData:
         out.masks.append(mask)
     for reason, n in out.read.rejected.items():
         out.stats[f"skipped: {reason}"] = n
+    log = log or (lambda m: print(m, file=sys.stderr))
     if not out.ids:
         raise BadInputError(f"no usable conversations in {cfg.path!r}: {'; '.join(out.read.summary_lines())}")
-    (log or (lambda m: print(m, file=sys.stderr)))(out.summary())
+    lost = sum(out.read.rejected.values()) + out.stats["dropped_overlong"]
+    share = lost / max(out.read.rows, 1)
+    if share > cfg.max_dropped_fraction:
+        raise BadInputError(f"{lost} of {out.read.rows} conversations in {cfg.path!r} ({share:.0%}) are unusable "
+                            f"({'; '.join(f'{k}: {v}' for k, v in sorted(out.stats.items()))}), above "
+                            f"sft.max_dropped_fraction={cfg.max_dropped_fraction}: fix the data or raise the limit")
+    if share > cfg.warn_dropped_fraction:
+        log(f"warning: {lost} of {out.read.rows} SFT conversations ({share:.0%}) were skipped or dropped, above "
+            f"sft.warn_dropped_fraction={cfg.warn_dropped_fraction}")
+    log(out.summary())
     return out

@@ -1,7 +1,7 @@
 """Reading rows from JSONL, parquet and HF dataset dirs, with every rejected row counted.
 
-JSONL is read line by line (a malformed line is counted with its line number instead of aborting
-the whole file, which is what ``datasets``' json builder does); parquet and HF dataset dirs
+JSONL is read line by line (a malformed line, or one that is not valid UTF-8, is counted with its
+line number instead of aborting the whole file or being silently repaired, which is what ``datasets``' json builder does); parquet and HF dataset dirs
 (``save_to_disk`` output or a folder of data files) are read with the ``datasets`` library,
 streaming, so nothing is cached or downloaded.
 """
@@ -58,13 +58,18 @@ def iter_rows(path: str, stats: ReadStats, split: str = "train", strict: bool = 
         raise FileNotFoundError(f"input {path!r} does not exist")
     if os.path.isfile(path) and _is_jsonl(path):
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                stats.bytes_read += len(line)
-                if not line.strip():
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                stats.bytes_read += len(raw)
+                if not raw.strip():
                     continue  # blank separator lines are not rows
                 stats.rows += 1
                 where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    stats.reject("invalid UTF-8", where, strict, f"byte {e.start}")
+                    continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:

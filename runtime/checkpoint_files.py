@@ -3,6 +3,7 @@
     <run dir>/checkpoints/latest          text: name of the last COMPLETE iter_* dir
     <run dir>/checkpoints/iter_XXXXXXX/   megatron-core dist_checkpointing (torch_dist), model under "model"
         nosa_config.json                  {"model": ModelConfig, "attention": AttentionConfig, ...} as dicts
+        manifest.json                     size + checksum of every file (runtime.checkpoint_manifest)
 
 Kept here (below both ``train/`` and ``checkpoints_convert/``) so neither restates the layout.
 """
@@ -14,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from runtime.checkpoint_manifest import MANIFEST
+from runtime.checkpoint_manifest import verify as manifest_verify
 from runtime.dataclass_io import from_dict
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
@@ -21,22 +24,117 @@ LATEST = "latest"
 MODEL_CONFIG = "nosa_config.json"
 
 
-def find_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The complete checkpoint a run dir, its ``checkpoints/`` dir or an ``iter_*`` dir points at.
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (damaged, incomplete, unsafe); the message is one line."""
 
-    Returns None where there is none; raises ``FileNotFoundError`` for a dangling ``latest``.
+
+def _is_complete(d: Path) -> bool:
+    """A finished checkpoint dir: not a ``.tmp`` save in progress, with a manifest or megatron's metadata."""
+    return d.is_dir() and not d.name.endswith(".tmp") and \
+        ((d / MANIFEST).is_file() or (d / "metadata.json").is_file())
+
+
+def _step_of(d: Path) -> int:
+    try:
+        return int(d.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _root_of(p: Path) -> Path | None:
+    """The folder holding ``latest`` / ``iter_*`` for a run dir or its ``checkpoints/`` dir."""
+    for candidate in (p, p / "checkpoints"):
+        if (candidate / LATEST).exists() or any(_is_complete(d) for d in candidate.glob("iter_*")):
+            return candidate
+    return None
+
+
+def read_pointer(root: Path) -> tuple[Path | None, str | None]:
+    """``(checkpoint named by root/latest, problem)``; problem is a one-line reason the pointer is unusable."""
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None, None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{pointer} is unreadable ({type(e).__name__})"
+    if not name.startswith("iter_") or "/" in name or not _is_complete(root / name):
+        return None, f"{pointer} names {name[:60]!r}, which is not a complete checkpoint"
+    return root / name, None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete ``iter_*`` dirs under ``root``, newest step first."""
+    return sorted((d for d in root.glob("iter_*") if _is_complete(d)), key=_step_of, reverse=True)
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint a run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir names.
+
+    Unverified; None where there is none. A damaged ``latest`` raises :class:`CheckpointError`.
     """
     p = Path(path)
-    for candidate in (p, p / "checkpoints"):
-        pointer = candidate / LATEST
-        if pointer.is_file():
-            ckpt = candidate / pointer.read_text().strip()
-            if (ckpt / "metadata.json").is_file():
-                return ckpt
-            raise FileNotFoundError(f"{pointer} names {ckpt.name}, which is not a complete checkpoint")
-    if (p / "metadata.json").is_file():
+    if _is_explicit(p):
         return p
-    return None
+    root = _root_of(p)
+    if root is None:
+        return None
+    ckpt, problem = read_pointer(root)
+    if problem:
+        raise CheckpointError(problem)
+    return ckpt
+
+
+def select_checkpoint(path: str | os.PathLike, verify=None, fallback: bool = True, log=None) -> Path | None:
+    """The newest intact checkpoint at ``path`` (run dir, ``checkpoints/`` dir or one ``iter_*`` dir).
+
+    ``verify(ckpt) -> problem | None`` (default: full manifest check). A checkpoint without a
+    manifest (written by another tool) is used with a warning. At a run dir, a damaged ``latest``
+    or checkpoint is reported in one line each and, with ``fallback``, the next newest intact one
+    is used; without ``fallback`` (or for an explicit ``iter_*`` dir) a :class:`CheckpointError`
+    names the problem and the newest intact checkpoint. None where there is no checkpoint at all.
+    """
+    verify = verify or (lambda c: manifest_verify(c, deep=True))
+    log = log or (lambda m: None)
+    p = Path(path)
+    if _is_explicit(p):
+        problem = _usable(p, verify, log)
+        if problem:
+            raise CheckpointError(f"checkpoint {p} is damaged: {problem}")
+        return p
+    root = _root_of(p)
+    if root is None:
+        return None
+    pointed, problem = read_pointer(root)
+    problems = [problem] if problem else []
+    order = ([pointed] if pointed else []) + [d for d in complete_checkpoints(root) if d != pointed]
+    for ckpt in order:
+        bad = None if problems and not fallback else _usable(ckpt, verify, log)
+        if bad is None and not problems:
+            return ckpt
+        if bad is None and fallback:
+            log(f"warning: {'; '.join(problems)}: falling back to {ckpt}")
+            return ckpt
+        if bad is not None:
+            problems.append(f"checkpoint {ckpt} is damaged: {bad}")
+        if not fallback:
+            rest = [d for d in order if not (bad and d == ckpt)]
+            good = next((d for d in rest if _usable(d, verify, lambda m: None) is None), None)
+            hint = f"; the newest intact checkpoint is {good}" if good else ""
+            raise CheckpointError(f"{problems[0]}{hint}")
+    raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(problems[:3])}")
+
+
+def _is_explicit(p: Path) -> bool:
+    """An ``iter_*`` dir (or any megatron checkpoint dir) rather than a folder of them."""
+    return (p / "metadata.json").is_file() or (_is_complete(p) and p.name.startswith("iter_"))
+
+
+def _usable(ckpt: Path, verify, log) -> str | None:
+    if not (ckpt / MANIFEST).is_file() and (ckpt / "metadata.json").is_file():
+        log(f"warning: {ckpt} has no {MANIFEST} (written by another tool or an older version): not verified")
+        return None
+    return verify(ckpt)
 
 
 def configs_to_dict(model: ModelConfig, attn: AttentionConfig) -> dict:

@@ -3,13 +3,19 @@
 Layout under ``<run.dir>/checkpoints``::
 
     iter_0000020/        one complete checkpoint (model, optimizer, scheduler, RNG, data position)
+        manifest.json    size + xxh3-128 checksum of every file (runtime.checkpoint_manifest)
     latest               text file naming the last COMPLETE checkpoint, replaced atomically
 
-A save writes ``iter_N.tmp`` first and renames it when every rank has finished, then moves the
-``latest`` pointer, so a crash (even kill -9) during a save leaves the previous checkpoint and
-pointer intact. ``resume`` restores everything; ``init_from`` loads model weights only (the next
-stage), tolerating parameters that the checkpoint lacks when they are new eviction-head
-parameters (dense -> NOSA), which keep their initial values (A = 0).
+A save writes ``iter_N.tmp`` first; when every rank has finished, the ranks hash the files (each
+a share), rank 0 writes the manifest, renames the directory and moves the ``latest`` pointer, so
+a crash (even kill -9) during a save leaves the previous checkpoint and pointer intact. Loading
+verifies the manifest first (again split over the ranks); a damaged checkpoint is reported in
+one line and the resume falls back to the newest intact one (``checkpoint.on_corrupt=fallback``)
+or stops (``fail``). Rotation keeps the ``keep_last`` newest intact checkpoints.
+
+``resume`` restores everything; ``init_from`` loads model weights only (the next stage),
+tolerating parameters that the checkpoint lacks when they are new eviction-head parameters
+(dense -> NOSA), which keep their initial values (A = 0).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint_files import LATEST, MODEL_CONFIG, find_checkpoint
+from runtime import checkpoint_manifest as manifest
+from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
+from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
@@ -111,29 +119,71 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
     if os.environ.get("NOSA_FAULT_KILL_DURING_SAVE") == str(step):  # test hook: crash mid-save
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+    if dist.get_rank() == 0 and model_config is not None:
+        (tmp / MODEL_CONFIG).write_text(json.dumps({**model_config, "step": step}, indent=2))
+    dist.barrier()
+    entries = _hash_shared(tmp)
     if dist.get_rank() == 0:
-        if model_config is not None:
-            (tmp / MODEL_CONFIG).write_text(json.dumps({**model_config, "step": step}, indent=2))
+        manifest.write_manifest(tmp, entries)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer_tmp = root / (LATEST + ".tmp")
         pointer_tmp.write_text(final.name + "\n")
         os.replace(pointer_tmp, root / LATEST)
-        _prune(root, keep_last, keep=final.name)
+        manifest.fsync_dir(root)
+        _prune(root, keep_last, keep=final)
         log(f"saved checkpoint {final}")
     dist.barrier()
     return final
 
 
-def _prune(root: Path, keep_last: int, keep: str) -> None:
-    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+def _my_share(names: list[str]) -> list[str]:
+    return names[dist.get_rank()::dist.get_world_size()]
+
+
+def _hash_shared(ckpt: Path) -> dict:
+    """Manifest entries of every file of ``ckpt``, each rank hashing a share (all ranks call this)."""
+    names = manifest.list_files(ckpt)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, manifest.hash_files(ckpt, _my_share(names)))
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def verify_shared(ckpt: Path) -> str | None:
+    """``runtime.checkpoint_manifest.verify`` with the hashing split over the ranks (all ranks call this)."""
+    try:
+        entries = manifest.read_manifest(ckpt)
+    except ValueError as e:
+        return str(e)
+    names = sorted(entries)
+    mine = manifest.check_entries(ckpt, {n: entries[n] for n in _my_share(names)})
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return manifest.first_problem([p for part in parts for p in part])
+
+
+def newest_intact_checkpoint(run_dir: str) -> Path | None:
+    """The newest checkpoint of a run whose files match their manifest sizes (no re-hash; one rank)."""
+    root = checkpoints_dir(run_dir)
+    return next((d for d in complete_checkpoints(root) if manifest.verify(d, deep=False) is None), None) \
+        if root.is_dir() else None
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Delete checkpoints older than the ``keep_last`` newest intact ones (never ``keep``)."""
     for p in root.glob("iter_*.tmp"):
         shutil.rmtree(p, ignore_errors=True)
-    if keep_last > 0:
-        for p in done[:-keep_last]:
-            if p.name != keep:
-                shutil.rmtree(p, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    done = complete_checkpoints(root)  # newest first
+    intact = [d for d in done if manifest.verify(d, deep=False) is None]
+    if len(intact) < keep_last:
+        return
+    oldest_kept = intact[keep_last - 1]
+    for d in done[done.index(oldest_kept) + 1:]:
+        if d != keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _init_empty_adam_states(optimizer) -> None:
@@ -157,8 +207,6 @@ def _init_empty_adam_states(optimizer) -> None:
 
 def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int, dict, dict]:
     """Full resume: model, optimizer, scheduler, RNG. Returns ``(step, loader_state, extra)``."""
-    from megatron.core import dist_checkpointing
-
     from runtime.megatron_compat import patch_distributed_optimizer_step_state, untie_adam_step_tensors
 
     patch_distributed_optimizer_step_state()
@@ -166,7 +214,7 @@ def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int
     sd = _model_sharded_state(model_chunks)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
     sd["rng_state"] = _rng_sharded(dist.get_world_size(), dist.get_rank())
-    loaded = dist_checkpointing.load(sd, str(ckpt))
+    loaded = _load(sd, ckpt)
     _load_model(model_chunks, loaded, strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     untie_adam_step_tensors(optimizer)
@@ -174,6 +222,18 @@ def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int
     scheduler.load_state_dict(loaded["scheduler"])
     _set_rng_state(loaded["rng_state"])
     return int(loaded["step"]), loaded["data"], loaded.get("extra", {})
+
+
+def _load(sharded_state: dict, ckpt: Path) -> dict:
+    """``dist_checkpointing.load`` whose failures (unreadable or unsafe files) are one ``CheckpointError`` line."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        read_checkpoint_metadata(ckpt)
+        return dist_checkpointing.load(sharded_state, str(ckpt))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
+        raise CheckpointError(f"cannot load {ckpt}: {load_error_line(e)}") from None
 
 
 def _load_model(model_chunks, loaded: dict, strict: bool) -> list[str]:
@@ -193,12 +253,16 @@ def load_weights(path: str, model_chunks, log=print) -> Path:
     """Weights-only start from a checkpoint (``init_from``); new eviction-head params keep their init."""
     from megatron.core import dist_checkpointing
 
-    ckpt = find_checkpoint(path)
+    ckpt = select_checkpoint(path, verify=verify_shared, fallback=False, log=log)
     if ckpt is None:
-        raise FileNotFoundError(f"init_from={path!r}: no checkpoint there (expected a run dir, "
-                                f"its checkpoints/ dir with a 'latest' pointer, or an iter_* dir)")
+        raise CheckpointError(f"init_from={path!r}: no checkpoint there (expected a run dir, "
+                              f"its checkpoints/ dir with a 'latest' pointer, or an iter_* dir)")
     sd = _model_sharded_state(model_chunks)
-    saved = set(dist_checkpointing.load_tensors_metadata(str(ckpt)).keys())
+    try:
+        read_checkpoint_metadata(ckpt)
+        saved = set(dist_checkpointing.load_tensors_metadata(str(ckpt)).keys())
+    except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint is one line
+        raise CheckpointError(f"cannot read {ckpt}: {load_error_line(e)}") from None
     skipped = []
     for key in list(sd):
         for name in list(sd[key]):
@@ -210,7 +274,7 @@ def load_weights(path: str, model_chunks, log=print) -> Path:
                                    f"only new eviction-head parameters may be missing")
                 skipped.append(name)
                 del sd[key][name]
-    loaded = dist_checkpointing.load(sd, str(ckpt))
+    loaded = _load(sd, ckpt)
     missing = _load_model(model_chunks, loaded, strict=False)
     unexpected = [k for k in missing if k not in skipped and not any(m in k for m in NEW_STAGE_PARAM_MARKERS)]
     if unexpected:

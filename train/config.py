@@ -7,6 +7,7 @@ with one-line messages that name the fix. Builders downstream take these datacla
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -18,11 +19,13 @@ STAGES = ("pretrain", "cpt", "sft")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
+TRANSFORMER_IMPLS = ("local", "te")
 SCHEDULES = ("wsd", "cosine", "constant")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 NAN_POLICIES = ("stop", "skip")
 WANDB_MODES = ("online", "offline", "disabled")
 RESUME = ("auto", "none")
+ON_CORRUPT = ("fallback", "fail")
 
 
 @dataclass
@@ -32,7 +35,7 @@ class RunSection:
     dir: Optional[str] = None
     seed: int = 1234
     device: str = "auto"  # auto: cuda when available, else cpu (gloo + megatron CPU shim)
-    cpu_init: bool = False  # initialise weights on the CPU: identical initial weights for every TP/PP size
+    cpu_init: bool = False  # initialise on the CPU from (seed, layer, parameter): the same weights for every TP/PP/DP layout
 
 
 @dataclass
@@ -82,7 +85,9 @@ class TrainSection:
     eval_iters: int = 2
     precision: str = "bf16"  # fp32 is used on CPU whatever this says
     recompute: str = "none"
-    nan_policy: str = "stop"
+    transformer_impl: str = "local"  # layer spec: local (megatron-core local layers) | te (Transformer Engine)
+    nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
+    nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps
     locality_interval: int = 0  # log NOSA locality stats every N steps (0: off)
 
 
@@ -109,7 +114,9 @@ class CheckpointSection:
 
     interval: int = 0  # every N steps (0: only at the end)
     resume: str = "auto"  # auto: continue from <run.dir>/checkpoints/latest if present
-    keep_last: int = 2  # older complete checkpoints are deleted (0: keep all)
+    keep_last: int = 2  # checkpoints older than the keep_last newest intact ones are deleted (0: keep all)
+    on_corrupt: str = "fallback"  # resume from a damaged checkpoint: fallback (to the newest intact one) | fail
+    allow_config_change: bool = False  # resume although settings that change the trajectory differ from config.yaml
     save: bool = True  # false: never write checkpoints (benchmarks)
 
 
@@ -143,6 +150,12 @@ class RunConfig:
         return self.run.dir or f"runs/{self.recipe}"
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -156,18 +169,94 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_
                        "ffn_hidden_size", "padded_vocab_size", "tie_embeddings", "use_mup")
 
 
+def _architecture_diff(cfg: RunConfig, saved) -> list[str]:
+    """Differences in shapes, tying and muP between a checkpoint's ``ModelConfig`` and the recipe."""
+    return [f"{f}: checkpoint {getattr(saved, f)} vs recipe {getattr(cfg.model, f)}"
+            for f in ARCHITECTURE_FIELDS if getattr(saved, f) != getattr(cfg.model, f)]
+
+
 def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
     """``init_from`` must hold the same architecture (shapes, tying, muP) as the model being built."""
     from runtime.checkpoint_files import read_configs
 
     got = read_configs(ckpt)
-    if got is None:
-        return
-    saved = got[0]
-    diff = [f"{f}: checkpoint {getattr(saved, f)} vs recipe {getattr(cfg.model, f)}"
-            for f in ARCHITECTURE_FIELDS if getattr(saved, f) != getattr(cfg.model, f)]
+    diff = _architecture_diff(cfg, got[0]) if got else []
     _need(not diff, f"init_from={str(ckpt)!r} has another architecture ({'; '.join(diff)}); "
                     f"use the same model.* settings as the stage that wrote it")
+
+
+# Settings a resumed run may change (said in one line); any other change alters the training
+# trajectory and needs checkpoint.allow_config_change=true.
+RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
+               "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
+               "checkpoint.", "logging.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
+               "data.num_builder_threads", "data.cache_dir", "run.dir", "recipe")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """``(free, refused)``: settings that differ from the ``config.yaml`` a resumed run was started with."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(cfg.run_dir) / "config.yaml"
+    if cfg.checkpoint.resume != "auto" or not path.is_file():
+        return [], []
+    try:
+        old = _flatten(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError:
+        return [], []
+    new = _flatten(dataclasses.asdict(cfg))
+    free, refused = [], []
+    for k in sorted(set(old) & set(new)):  # keys added or removed since are not changes of the run
+        if old[k] != new[k]:
+            line = f"{k} {old[k]!r} -> {new[k]!r}"
+            (free if k.startswith(RESUME_FREE) else refused).append(line)
+    return free, refused
+
+
+def _check_resume(cfg: RunConfig) -> None:
+    """A resume must continue the same model, within train.max_steps, with the same trajectory settings."""
+    from pathlib import Path
+
+    from runtime.checkpoint_files import CheckpointError, complete_checkpoints, find_checkpoint, read_configs
+
+    root = Path(cfg.run_dir) / "checkpoints"
+    try:
+        ckpt = find_checkpoint(root)
+    except CheckpointError:  # a damaged `latest` is reported (and fallen back from) when the run resumes
+        ckpt = next(iter(complete_checkpoints(root)), None)
+    try:
+        got = read_configs(ckpt) if ckpt is not None else None
+    except (ValueError, OSError):
+        return  # a damaged checkpoint is reported (and fallen back from) when the run resumes
+    if got is None:
+        return
+    saved, attn, extra = got
+    diff = _architecture_diff(cfg, saved)
+    if attn.layer_variants(saved.num_layers) != cfg.attention.layer_variants(cfg.model.num_layers):
+        diff.append(f"attention: checkpoint {attn.variant} vs recipe {cfg.attention.variant}")
+    _need(not diff, f"run.dir={cfg.run_dir} holds checkpoints of another model ({'; '.join(diff)}); choose a new "
+                    f"run.dir, or start a new stage from it with init_from={cfg.run_dir}")
+    step = extra.get("step")
+    _need(step is None or step <= cfg.train.max_steps,
+          f"run.dir={cfg.run_dir} is at step {step}, beyond train.max_steps={cfg.train.max_steps}; raise "
+          f"train.max_steps to continue, or choose a new run.dir")
+    _, refused = config_changes(cfg)
+    _need(not refused or cfg.checkpoint.allow_config_change,
+          f"resuming run.dir={cfg.run_dir} with settings that change the training trajectory: "
+          f"{'; '.join(refused[:4])}{' ...' if len(refused) > 4 else ''}; restore them, choose a new run.dir, or "
+          f"set checkpoint.allow_config_change=true")
 
 
 def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> RunConfig:
@@ -177,11 +266,18 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _choice(cfg.stage.kind, STAGES, "stage.kind")
     _choice(t.precision, PRECISIONS, "train.precision")
     _choice(t.recompute, RECOMPUTE, "train.recompute")
+    _choice(t.transformer_impl, TRANSFORMER_IMPLS, "train.transformer_impl")
+    if t.transformer_impl == "te":
+        from nosa_layers.megatron.spec import have_te
+
+        _need(have_te(), "train.transformer_impl=te but Transformer Engine is not importable; install it "
+                         "(pip install -e .[te]) or use train.transformer_impl=local")
     _choice(t.nan_policy, NAN_POLICIES, "train.nan_policy")
     _choice(o.schedule, SCHEDULES, "optim.schedule")
     _choice(o.wsd_decay_style, WSD_DECAY_STYLES, "optim.wsd_decay_style")
     _choice(cfg.logging.wandb, WANDB_MODES, "logging.wandb")
     _choice(cfg.checkpoint.resume, RESUME, "checkpoint.resume")
+    _choice(cfg.checkpoint.on_corrupt, ON_CORRUPT, "checkpoint.on_corrupt")
 
     _need(world_size % p.model_parallel_size == 0,
           f"world size {world_size} is not divisible by TP*PP*CP={p.model_parallel_size}; "
@@ -194,6 +290,7 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
           f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size*DP="
           f"{t.micro_batch_size}*{dp}; pick a multiple of {t.micro_batch_size * dp}")
+    _need(t.nan_skip_limit > 0, f"train.nan_skip_limit={t.nan_skip_limit} must be > 0")
     _need(t.log_interval > 0, f"train.log_interval={t.log_interval} must be > 0")
     _need(t.eval_interval >= 0 and t.eval_iters >= 0, "train.eval_interval and train.eval_iters must be >= 0")
     _need(o.lr > 0 and 0 <= o.min_lr <= o.lr, f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
@@ -205,6 +302,10 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _need(p.sequence_parallel is False or p.tensor_model_parallel_size > 1,
           "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
 
+    _need(cfg.run.device != "cuda" or _cuda_available(),
+          "run.device=cuda but CUDA is not available here; use run.device=cpu or auto")
+    if check_files and cfg.checkpoint.resume == "auto":
+        _check_resume(cfg)
     if cfg.init_from and check_files:
         from runtime.checkpoint_files import find_checkpoint
 
@@ -222,5 +323,6 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     from data.config import validate as validate_data
 
     if check_files or getattr(data, "paths", None) or getattr(data, "path", None):
-        validate_data(data, dp_size=dp, check_files=check_files)
+        validate_data(dataclasses.replace(data, model_vocab_size=cfg.model.vocab_size), dp_size=dp,
+                      check_files=check_files)
     return cfg

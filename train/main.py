@@ -51,27 +51,52 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg) -> int:
+    """Train under a lock on ``run.dir``; bad input, a damaged checkpoint or a non-finite step end in one line."""
     from pathlib import Path
 
     import torch.distributed as dist
 
+    from data.sources import BadInputError
+    from runtime.checkpoint_files import CheckpointError
     from train.compose import to_yaml
+    from train.config import config_changes
     from train.distributed import init_distributed, shutdown
-    from train.trainer import NonFiniteLossError, Trainer
+    from train.run_lock import RunDirLock, RunDirLocked
+    from train.trainer import NonFiniteError, Trainer
 
     env = init_distributed(cfg)
+    lock = RunDirLock(cfg.run_dir)
     try:
+        held = [None]
         if env.is_main:
-            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.run_dir) / "config.yaml").write_text(to_yaml(cfg))
+            try:
+                lock.acquire()
+            except RunDirLocked as e:
+                held[0] = str(e)
+        dist.broadcast_object_list(held, src=0)
+        if held[0]:
+            raise RunDirLocked(held[0])
+        if env.is_main:
+            changed = sum(config_changes(cfg), [])
+            if changed and (Path(cfg.run_dir) / "checkpoints").is_dir():
+                print(f"resuming with changed settings: {'; '.join(changed)}", flush=True)
+            _write_atomic(Path(cfg.run_dir) / "config.yaml", to_yaml(cfg))
         dist.barrier()
         Trainer(cfg, env).run()
-    except NonFiniteLossError as e:
-        print(f"[rank {env.rank}] {e}", file=sys.stderr, flush=True)
-        return 3
+    except (NonFiniteError, CheckpointError, RunDirLocked, BadInputError) as e:
+        if env.is_main or env.world_size == 1:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3 if isinstance(e, NonFiniteError) else 2
     finally:
+        lock.release()
         shutdown()
     return 0
+
+
+def _write_atomic(path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

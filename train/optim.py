@@ -23,6 +23,9 @@ def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
         params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32),
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
+        # megatron skips the update when the gradient norm exceeds this; an overflowed (inf) norm
+        # does, NaN gradients are caught before the step by train.finite.grads_nonfinite
+        grad_norm_skip_threshold=float(torch.finfo(torch.float32).max),
     )
     return get_megatron_optimizer(ocfg, model_chunks)
 

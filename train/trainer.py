@@ -22,12 +22,16 @@ from runtime.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
 from train.distributed import DistEnv
+from train.finite import grads_nonfinite, weights_nonfinite
 from train.metrics import MetricsLogger, peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss, gradient or weight stopped the run (nothing non-finite was applied or saved)."""
 
 
 def log0(env: DistEnv, msg: str) -> None:
@@ -74,6 +78,7 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.run_dir)
         self.step = 0
+        self.nonfinite_streak = 0  # consecutive steps whose update was not applied (non-finite)
         self.precision = mixed_precision(cfg, env.device)
         self.micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.dp_size)
 
@@ -90,8 +95,8 @@ class Trainer:
         model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
                                         .get(self.precision, "float32"))
         overrides = dict(calculate_per_token_loss=True)
-        if cfg.run.cpu_init or env.device.type == "cpu":
-            overrides["use_cpu_initialization"] = True
+        if cfg.run.cpu_init or env.device.type == "cpu":  # initial weights independent of the layout
+            overrides.update(use_cpu_initialization=True, init_seed=cfg.run.seed)
         if cfg.train.recompute == "selective":
             overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         elif cfg.train.recompute == "full":
@@ -100,7 +105,7 @@ class Trainer:
         chunks = []
         for i in range(vpp or 1):
             m = build_model(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
-                            seq_length=cfg.train.seq_length, **overrides)
+                            seq_length=cfg.train.seq_length, use_te=cfg.train.transformer_impl == "te", **overrides)
             if env.device.type == "cuda":
                 m.cuda(torch.cuda.current_device())
             if self.precision in ("bf16", "fp16"):
@@ -127,13 +132,25 @@ class Trainer:
                   f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
                   f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
                   f"PP={ps.get_pipeline_model_parallel_world_size()} DP={env.dp_size}), precision={self.precision}, "
-                  f"device={env.device.type}")
+                  f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, initial weights "
+                  f"{'from (seed, layer) on the CPU: the same for every layout' if 'init_seed' in overrides else 'drawn per TP rank on the GPU'}")
         self._build_data()
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.attention, cfg.train.seq_length)
         self.peak = peak_flops(env.device)
         return self
 
     def _build_data(self) -> None:
+        """The loaders; bad data (empty split, no usable SFT row, ...) is a one-line ``BadInputError``."""
+        from data.sources import BadInputError
+
+        try:
+            self._build_loaders()
+        except BadInputError:
+            raise
+        except ValueError as e:
+            raise BadInputError(str(e)) from None
+
+    def _build_loaders(self) -> None:
         cfg, env = self.cfg, self.env
         if cfg.stage.kind == "sft":
             from data.loader import build_sft_loader
@@ -155,11 +172,13 @@ class Trainer:
     def restore(self) -> None:
         """``checkpoint.resume=auto``: continue this run; else ``init_from``: weights of a previous stage."""
         cfg, env = self.cfg, self.env
-        latest = ckpt.find_checkpoint(ckpt.checkpoints_dir(str(self.run_dir))) \
+        latest = ckpt.select_checkpoint(ckpt.checkpoints_dir(str(self.run_dir)), verify=ckpt.verify_shared,
+                                        fallback=cfg.checkpoint.on_corrupt == "fallback", log=partial(log0, env)) \
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
-            self.step, loader_state, _ = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
+            self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
             self.train_loader.load_state_dict(loader_state)
+            self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))
             log0(env, f"resumed from {latest} at step {self.step}")
         elif cfg.init_from:
             src = ckpt.load_weights(cfg.init_from, self.model, log=partial(log0, env))
@@ -236,18 +255,46 @@ class Trainer:
             stats = self._locality(mbs[-1])
             for m in self._nosa_modules():
                 m.record_selection = False
-        if not math.isfinite(loss):
-            if self.cfg.train.nan_policy == "stop":
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {self.step + 1}; stopping (last good checkpoint is kept). "
-                    f"Lower optim.lr, check the data, or set train.nan_policy=skip to skip such steps")
-            return {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "skipped": True,
-                    "grad_norm": float("nan")}
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step applies
-        ok, grad_norm, _ = self.optimizer.step()
+        bad = None
+        if not math.isfinite(loss):
+            bad = f"loss is {loss}"
+        elif self.precision != "fp16" and grads_nonfinite(self.model, self.env.device):
+            bad = f"loss is {loss:.4f} but the gradients hold NaN/inf"  # fp16: megatron's loss scaler skips
+        grad_norm = None
+        ok = False
+        if bad is None:
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok and grad_norm is not None and not math.isfinite(grad_norm):
+                bad = f"loss is {loss:.4f} but the gradient norm is {grad_norm}"
         self.scheduler.step(increment=1)
+        if bad is not None:
+            self._non_finite_step(bad)
+        else:
+            self.nonfinite_streak = 0
         return {"loss": loss, "lr": lr, "skipped": not ok,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, **stats}
+
+    def _non_finite_step(self, what: str) -> None:
+        """A step whose update was not applied: stop (policy ``stop``) or count it (``skip``)."""
+        t = self.cfg.train
+        self.nonfinite_streak += 1
+        step = self.step + 1
+        if t.nan_policy == "skip" and self.nonfinite_streak < t.nan_skip_limit:
+            log0(self.env, f"step {step}: {what}; update skipped ({self.nonfinite_streak} in a row, "
+                           f"the run stops at train.nan_skip_limit={t.nan_skip_limit})")
+            return
+        kept = self._newest_intact()
+        if t.nan_policy == "skip":
+            raise NonFiniteError(f"step {step}: {what}; {self.nonfinite_streak} consecutive steps skipped "
+                                 f"(train.nan_skip_limit={t.nan_skip_limit}); stopping, the weights were not "
+                                 f"updated by any of them ({kept}). Lower optim.lr or check the data")
+        raise NonFiniteError(f"step {step}: {what}; the update was not applied, stopping ({kept}). Lower "
+                             f"optim.lr, check the data, or set train.nan_policy=skip to skip such steps")
+
+    def _newest_intact(self) -> str:
+        good = ckpt.newest_intact_checkpoint(str(self.run_dir))
+        return f"newest intact checkpoint: {good}" if good else "no checkpoint of this run was written"
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -268,8 +315,12 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        if weights_nonfinite(self.model, self.env.device):
+            raise NonFiniteError(f"the weights hold NaN/inf at step {self.step}: not saving a checkpoint "
+                                 f"({self._newest_intact()})")
         ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
-                             self.train_loader.state_dict(), {"recipe": self.cfg.recipe},
+                             self.train_loader.state_dict(),
+                             {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
                              keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
                              model_config={**configs_to_dict(self.cfg.model, self.cfg.attention),
                                            "recipe": self.cfg.recipe})
@@ -285,6 +336,9 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_length
         start_step, saved_at = self.step, self.step
         last: dict = {}
+        if self.step >= t.max_steps:
+            log0(env, f"run.dir {self.run_dir} is already at step {self.step} = train.max_steps: nothing to train "
+                      f"(raise train.max_steps to continue)")
         log0(env, f"training {cfg.recipe}: steps {self.step} -> {t.max_steps}, {self.micro_batches} "
                   f"micro-batches/step, {tokens_per_step} tokens/step, run dir {self.run_dir}")
         try:

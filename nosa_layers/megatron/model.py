@@ -8,6 +8,9 @@ packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import math
 from typing import Optional
 
@@ -16,6 +19,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+from megatron.core.utils import get_pg_rank
 
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig, ParallelConfig, validate
 from nosa_layers.megatron.rope import LongRoPERotaryEmbedding
@@ -60,11 +65,48 @@ def build_transformer_config(model: ModelConfig, attn: AttentionConfig, parallel
     return TransformerConfig(**kwargs)
 
 
-class NOSAGPTModel(GPTModel):
-    """``GPTModel`` with optional LongRoPE (replaces ``rotary_pos_emb``); everything else is megatron's."""
+def derive_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for one named part of the model (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
-    def __init__(self, *args, longrope: Optional[LongRoPEConfig] = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+
+def seeded_layer(seed: int) -> type:
+    """``TransformerLayer`` whose parameters are drawn from a generator seeded by ``(seed, global layer index)``.
+
+    With ``use_cpu_initialization`` megatron-core draws every weight at its full (unsharded) size on the
+    CPU and keeps this rank's slice, so what a layer draws does not depend on the TP size; reseeding at
+    each layer makes it independent of which pipeline stage (and which layers before it) built it.
+    """
+
+    class SeededTransformerLayer(TransformerLayer):
+        def __init__(self, config, submodules, layer_number: int = 1, *args, vp_stage=None, pg_collection=None,
+                     **kwargs):
+            pp_rank = (get_pg_rank(pg_collection.pp) if pg_collection is not None
+                       else parallel_state.get_pipeline_model_parallel_rank())
+            index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
+            torch.manual_seed(derive_seed(seed, f"decoder.layers.{index}"))
+            super().__init__(config, submodules, layer_number, *args, vp_stage=vp_stage,
+                             pg_collection=pg_collection, **kwargs)
+
+    return SeededTransformerLayer
+
+
+class NOSAGPTModel(GPTModel):
+    """``GPTModel`` with optional LongRoPE (replaces ``rotary_pos_emb``); everything else is megatron's.
+
+    ``init_seed`` (with ``use_cpu_initialization``): the initial weights are a function of the seed and
+    the parameter only: the embedding is drawn from ``derive_seed(seed, "embedding")``, each layer from
+    ``(seed, global layer index)`` (:func:`seeded_layer`), the output layer right after the last layer.
+    Any TP / PP / VPP / DP layout then starts from the same weights; the global RNG state is restored.
+    """
+
+    def __init__(self, *args, longrope: Optional[LongRoPEConfig] = None, init_seed: Optional[int] = None,
+                 **kwargs) -> None:
+        with torch.random.fork_rng(devices=[]) if init_seed is not None else contextlib.nullcontext():
+            if init_seed is not None:
+                torch.manual_seed(derive_seed(init_seed, "embedding"))
+            super().__init__(*args, **kwargs)
         if longrope is not None:
             self.rotary_pos_emb = LongRoPERotaryEmbedding(
                 kv_channels=self.config.kv_channels, longrope=longrope, rotary_base=self.rotary_base,
@@ -87,13 +129,17 @@ def _check_parallel_state(parallel: ParallelConfig) -> None:
 
 def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[ParallelConfig] = None,
                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                vp_stage: Optional[int] = None, seq_length: Optional[int] = None, use_te: Optional[bool] = None,
-                **config_overrides) -> NOSAGPTModel:
+                vp_stage: Optional[int] = None, seq_length: Optional[int] = None, use_te: bool = False,
+                init_seed: Optional[int] = None, **config_overrides) -> NOSAGPTModel:
     """One pipeline stage (``vp_stage`` chunk) of the model, on this rank's TP shard.
 
     ``pre_process`` / ``post_process`` default to this rank's pipeline position. ``seq_length``
-    (optional) is validated against the NOSA block size. Extra keywords override
-    ``TransformerConfig`` fields (e.g. ``recompute_granularity``, ``bias_activation_fusion``).
+    (optional) is validated against the NOSA block size. ``use_te`` picks the Transformer Engine
+    layer spec instead of megatron-core's local one (explicit: never chosen because TE imports;
+    its checkpoints name the fused norms differently). ``init_seed`` (needs
+    ``use_cpu_initialization``) makes the initial weights independent of the parallel layout
+    (:class:`NOSAGPTModel`). Extra keywords override ``TransformerConfig`` fields (e.g.
+    ``recompute_granularity``, ``bias_activation_fusion``).
     """
     parallel = parallel or ParallelConfig()
     validate(model, attn, parallel, seq_length=seq_length)
@@ -103,12 +149,20 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    use_te = have_te() if use_te is None else use_te
+    if use_te and not have_te():
+        raise ValueError("use_te=True but Transformer Engine is not importable; install it (pip install -e .[te]) "
+                         "or build the local spec")
     block_spec = get_nosa_decoder_block_spec(config, model, attn, use_te=use_te, vp_stage=vp_stage,
                                              pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    if init_seed is not None:
+        if not config.use_cpu_initialization:
+            raise ValueError("init_seed needs use_cpu_initialization=True (GPU initialisation draws per TP rank)")
+        layer = seeded_layer(init_seed)
+        block_spec = dataclasses.replace(block_spec, layer_specs=[
+            dataclasses.replace(s, module=layer) if s.module is TransformerLayer else s for s in block_spec.layer_specs])
     return NOSAGPTModel(
         config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type="rope", rotary_base=model.rope_theta, vp_stage=vp_stage,
-        longrope=model.longrope if model.rope_type == "longrope" else None)
+        longrope=model.longrope if model.rope_type == "longrope" else None, init_seed=init_seed)

@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
 from runtime.megatron_cpu import apply_cpu_shim
 
 apply_cpu_shim()
@@ -115,6 +116,7 @@ def run_case(case, out_root: str) -> None:
                "recipe": "tests/convert", "step": 0}
         with open(os.path.join(ckpt, "nosa_config.json"), "w") as fh:
             json.dump(cfg, fh)
+        write_manifest(ckpt, hash_files(ckpt, list_files(ckpt)))
         with open(os.path.join(root, "latest"), "w") as fh:
             fh.write("iter_0000000\n")
 

@@ -90,18 +90,21 @@ def test_errors_list_every_name():
 
 def test_bad_checkpoint_leaves_no_output(megatron_ckpts, tmp_path):
     from checkpoints_convert.to_hf import export
+    from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
 
     src = shutil.copytree(megatron_ckpts.ckpt("llama3-dense-tp2"), tmp_path / "ckpt")
     cfg_path = src / "iter_0000000" / "nosa_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["model"]["num_layers"] = 4  # the tensors stack 2 layers
     cfg_path.write_text(json.dumps(cfg))
+    write_manifest(cfg_path.parent, hash_files(cfg_path.parent, list_files(cfg_path.parent)))  # an intact file
     out = tmp_path / "out"
     with pytest.raises(ConversionError, match="num_layers=4"):
         export(str(src), str(out), log=lambda *_: None)
     cfg["model"]["num_layers"] = 2
     cfg["attention"]["variant"] = "sparse_magic"
     cfg_path.write_text(json.dumps(cfg))
+    write_manifest(cfg_path.parent, hash_files(cfg_path.parent, list_files(cfg_path.parent)))
     with pytest.raises(ValueError, match="sparse_magic"):
         export(str(src), str(out), log=lambda *_: None)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))

@@ -44,6 +44,21 @@ def test_sft_config_errors(demo, kw, msg):
         validate(SFTConfig(**{**base, **kw}))
 
 
+def test_empty_dataset_and_oversized_tokenizer_are_one_line_errors(demo, tmp_path):
+    from data.indexed import write_indexed
+
+    empty = str(tmp_path / "empty")
+    write_indexed(empty, [], vocab_size=1024)
+    open(str(tmp_path / "zero") + ".bin", "w").close()
+    open(str(tmp_path / "zero") + ".idx", "w").close()
+    for prefix, msg in ((empty, "is empty \\(0 documents\\)"), (str(tmp_path / "zero"), "not a megatron index")):
+        with pytest.raises(ValueError, match=msg) as e:
+            validate(DataConfig(paths=[prefix], tokenizer=demo["tokenizer"]))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="model's vocabulary is 100"):
+        validate(DataConfig(paths=[demo["indexed_prefix"]], tokenizer=demo["tokenizer"], model_vocab_size=100))
+
+
 def test_demo_contents(demo, tok):
     rows = [json.loads(x) for x in open(demo["corpus"])]
     assert {r["source"] for r in rows} == {"python-stdlib", "common-licenses", "debian-doc"}

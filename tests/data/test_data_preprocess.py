@@ -76,3 +76,64 @@ def test_parquet_and_hf_dir_match_jsonl(tmp_path, tok):
         r = read_indexed(str(tmp_path / name))
         out[name] = [r[i].tolist() for i in range(len(r))]
     assert out["j"] == out["p"] == out["h"] and len(out["j"]) == len(DOCS)
+
+
+def _files(prefix):
+    return {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
+
+
+def test_failed_or_interrupted_runs_leave_an_existing_dataset_untouched(tmp_path, tok, monkeypatch):
+    import data.preprocess as pre
+
+    good = tmp_path / "good.jsonl"
+    _write_jsonl(good, [{"text": t} for t in DOCS])
+    out = str(tmp_path / "ds")
+    preprocess(str(good), tok.path, out, progress=False)
+    before = _files(out)
+    (tmp_path / "empty.jsonl").write_text("")
+    bad = tmp_path / "bad.jsonl"
+    _write_jsonl(bad, [{"text": "fine"}, "{oops"])
+    failing = [(str(tmp_path / "empty.jsonl"), {}, ValueError, "no usable documents"),  # empty input
+               (str(good), {"text_key": "body"}, ValueError, "nothing was written"),  # wrong text key
+               (str(bad), {"strict": True}, BadInputError, "malformed JSON")]  # --strict stop
+    for src, kw, exc, msg in failing:
+        with pytest.raises(exc, match=msg):
+            preprocess(src, tok.path, out, progress=False, **kw)
+        assert _files(out) == before
+
+    def interrupted(*a, **k):  # Ctrl-C after the first document
+        yield DOCS[0]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pre, "iter_texts", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess(str(good), tok.path, out, progress=False)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ds")) == \
+        ["ds.bin", "ds.idx", "ds.summary.json"]  # no temporary files left
+
+
+def test_long_documents_are_encoded_in_pieces_with_the_same_tokens(demo, tok):
+    from data.preprocess import encode_documents, split_for_encoding
+
+    texts = [r["text"] for r in map(json.loads, open(demo["corpus"]))][:6]
+    texts.append("x" * 1000)  # no boundary at all: hard cuts
+    whole = [np.asarray(ids) for ids in tok.encode_plain(texts)]
+    for piece_chars in (300, 3000):
+        for text in texts:
+            pieces = split_for_encoding(text, piece_chars)
+            assert "".join(pieces) == text and max(map(len, pieces)) <= piece_chars
+        got = encode_documents(tok, texts, piece_chars)
+        for g, w, text in zip(got[:-1], whole[:-1], texts):  # cuts at line / word starts: identical ids
+            assert np.array_equal(g, w), text[:80]
+        assert tok.decode(got[-1]) == texts[-1]
+
+
+def test_invalid_utf8_rows_are_counted_not_repaired(tmp_path, tok):
+    src = tmp_path / "latin1.jsonl"
+    src.write_bytes(b'{"text": "good"}\n{"text": "caf\xe9"}\n{"text": "also good"}\n')
+    s = preprocess(str(src), tok.path, str(tmp_path / "o"), progress=False)
+    assert s["documents"] == 2 and s["read"]["rejected"] == {"invalid UTF-8": 1}
+    assert s["read"]["first_at"]["invalid UTF-8"].endswith("latin1.jsonl:2")
+    with pytest.raises(BadInputError, match="latin1.jsonl:2: invalid UTF-8"):
+        preprocess(str(src), tok.path, str(tmp_path / "o2"), strict=True, progress=False)

@@ -63,12 +63,18 @@ def test_bad_examples_are_counted_or_refused(tmp_path, tok):
             {"messages": [{"role": "user"}]}, "{broken", _conv("q2", "a2")]
     path = _write(tmp_path / "bad.jsonl", rows)
     cfg = SFTConfig(path=path, tokenizer=tok.path, seq_length=64, micro_batch_size=1)
+    # 6 of 8 rows unusable: above max_dropped_fraction=0.5 by default, one line naming the limit
+    with pytest.raises(BadInputError, match=r"6 of 8 conversations .* \(75%\) are unusable .*max_dropped_fraction") as e:
+        build_sft_loader(cfg, log=lambda m: None)
+    assert "\n" not in str(e.value)
+    cfg.max_dropped_fraction = 0.8  # allowed, but above warn_dropped_fraction: one warning line
     logs = []
     loader = build_sft_loader(cfg, log=logs.append)
     assert loader.stats == {"skipped: unknown role 'wizard'": 1, "skipped: missing or empty 'messages'": 2,
                             "skipped: no assistant turn": 1, "skipped: malformed JSON": 1,
                             "skipped: malformed message (needs string 'role' and 'content')": 1}
-    assert len(loader.data.ids) == 2 and len(logs) == 1 and "2 conversations kept" in logs[0]
+    assert len(loader.data.ids) == 2 and len(logs) == 2 and "2 conversations kept" in logs[1]
+    assert logs[0].startswith("warning: 6 of 8 SFT conversations (75%)")
     cfg.on_bad_example = "error"
     with pytest.raises(BadInputError, match=r"bad.jsonl:2: unknown role 'wizard'"):
         build_sft_loader(cfg)

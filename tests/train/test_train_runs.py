@@ -75,18 +75,33 @@ def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args):
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_non_finite_loss(tmp_path, data_args, policy):
+def test_non_finite_steps_are_never_applied_nor_saved(tmp_path, data_args, policy):
+    """stop: lr=1e6 gives a finite loss with NaN gradients at step 3: not applied, exit 3, the step-2
+    checkpoint (finite, intact) is named. skip: lr=1e30 makes the loss itself NaN; after
+    train.nan_skip_limit consecutive skips the run stops (exit 3) instead of saving garbage."""
+    import torch
+
+    from checkpoints_convert.common import load_megatron_tensors
+    from runtime.checkpoint_manifest import verify
+
     run = tmp_path / policy
-    p = run_main([*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=4", "checkpoint.interval=0",
-                  "optim.lr=1.0e+30", "optim.min_lr=0.0", "optim.clip_grad=0.0", "optim.warmup_steps=0",
-                  "train.eval_interval=0", f"train.nan_policy={policy}"], check=False)
+    lr = "1.0e+06" if policy == "stop" else "1.0e+30"
+    p = run_main([*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=8", "checkpoint.interval=2",
+                  f"optim.lr={lr}", "optim.min_lr=0.0", "optim.warmup_steps=0", "train.eval_interval=0",
+                  f"train.nan_policy={policy}", "train.nan_skip_limit=3", "logging.plot=false"], check=False)
     rows = [r for r in metrics(run) if "loss" in r]
+    errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 3 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-3000:]
     if policy == "stop":
-        assert p.returncode == 3 and "stopping" in p.stderr and "train.nan_policy=skip" in p.stderr
-        assert not (run / "checkpoints" / "latest").exists()  # nothing non-finite is saved
+        assert "step 3: loss is 9." in errors[0] and "gradients hold NaN/inf; the update was not applied" in errors[0]
+        assert "newest intact checkpoint: " + str(run / "checkpoints" / "iter_0000002") in errors[0]
+        assert [r["step"] for r in rows] == [1, 2]
     else:
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert any(r["skipped"] for r in rows) and len(rows) == 4
+        assert "3 consecutive steps skipped (train.nan_skip_limit=3)" in errors[0]
+        assert [r["skipped"] for r in rows][-2:] == [True, True]  # the third skip stops before it is logged
+    for ckpt in (run / "checkpoints").glob("iter_*"):  # whatever was saved is intact and finite
+        assert verify(ckpt) is None
+        assert all(torch.isfinite(t).all() for t in load_megatron_tensors(ckpt).values()), ckpt
 
 
 def test_launch_wrapper_names_the_run_dir_from_run_id(tmp_path, data_args):

@@ -1,0 +1,144 @@
+"""Converter safety: damaged or crafted checkpoints are refused in one line, ``to_hf --out`` never
+replaces what it did not write, non-finite weights are refused, and ``verify`` runs an export's
+modeling code only when it is the code this project ships (or ``--trust-remote-code``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import stat
+
+import pytest
+import torch
+
+from checkpoints_convert import to_hf
+from checkpoints_convert.mapping import ConversionError
+from checkpoints_convert.to_hf import export
+from checkpoints_convert.verify import main as verify_main
+from checkpoints_convert.verify import trust_remote_code
+from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
+
+CASE = "llama3-nosa-pp2-long"
+QUIET = dict(log=lambda *_: None)
+
+
+def _copy_run(megatron_ckpts, tmp_path, name="run"):
+    return shutil.copytree(megatron_ckpts.ckpt(CASE), tmp_path / name)
+
+
+class _Marker:
+    """A pickle that, if ever unpickled by plain pickle, creates a file."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, tmp_path):
+    run = _copy_run(megatron_ckpts, tmp_path)
+    ckpt = run / "iter_0000000"
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    original = shard.read_bytes()
+    with open(shard, "r+b") as f:  # 4 KB flipped in a shard
+        f.seek(len(original) // 2)
+        f.write(bytes(b ^ 0xFF for b in original[len(original) // 2: len(original) // 2 + 4096]))
+    with pytest.raises(ConversionError, match=f"{shard.name} does not match its checksum"):
+        export(str(run), str(tmp_path / "hf1"), **QUIET)
+    shard.write_bytes(original)
+    (ckpt / ".metadata").rename(tmp_path / "metadata.bak")  # a deleted .metadata
+    with pytest.raises(ConversionError, match=r"\.metadata is missing"):
+        export(str(run), str(tmp_path / "hf2"), **QUIET)
+    (tmp_path / "metadata.bak").rename(ckpt / ".metadata")
+    (run / "latest").write_text("iter_99\n")  # a damaged pointer
+    with pytest.raises(ConversionError, match="names 'iter_99', which is not a complete checkpoint"):
+        export(str(run), str(tmp_path / "hf3"), **QUIET)
+    (run / "latest").write_text("iter_0000000\n")
+
+    # a crafted .metadata whose manifest was rewritten to match: the restricted unpickler refuses it
+    marker = tmp_path / "PWNED"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    write_manifest(ckpt, hash_files(ckpt, list_files(ckpt)))
+    with pytest.raises(ConversionError, match=r"posix\.system, which checkpoint metadata never contains") as e:
+        export(str(run), str(tmp_path / "hf4"), **QUIET)
+    assert "\n" not in str(e.value) and not marker.exists()
+    assert not any(p.name.startswith("hf") for p in tmp_path.iterdir())  # nothing was written
+
+
+def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts, tmp_path, monkeypatch):
+    src = megatron_ckpts.ckpt(CASE)
+    foreign = tmp_path / "a_run"
+    foreign.mkdir()
+    (foreign / "metrics.jsonl").write_text("precious\n")
+    with pytest.raises(ConversionError, match="not an earlier conversion output.*--overwrite"):
+        export(str(src), str(foreign), **QUIET)
+    assert (foreign / "metrics.jsonl").read_text() == "precious\n" and len(list(foreign.iterdir())) == 1
+
+    old = os.umask(0o022)
+    try:
+        out = export(str(src), str(tmp_path / "hf"), **QUIET)
+        again = export(str(src), str(out), **QUIET)  # an earlier export is replaced
+    finally:
+        os.umask(old)
+    assert again == out and stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
+    export(str(src), str(foreign), overwrite=True, **QUIET)
+    assert (foreign / "config.json").is_file() and not (foreign / "metrics.jsonl").exists()
+
+    load = to_hf.load_megatron_tensors
+
+    def with_nan(ck):
+        sd = load(ck)
+        name = next(k for k in sd if sd[k].is_floating_point())
+        sd[name] = sd[name].clone().index_fill_(0, torch.tensor([0]), float("nan"))
+        return sd
+
+    monkeypatch.setattr(to_hf, "load_megatron_tensors", with_nan)
+    with pytest.raises(ConversionError, match="hold NaN/inf .*--allow-non-finite"):
+        export(str(src), str(tmp_path / "hf_nan"), **QUIET)
+    assert not (tmp_path / "hf_nan").exists()
+    nan_out = export(str(src), str(tmp_path / "hf_nan"), allow_non_finite=True, **QUIET)
+    assert nan_out.is_dir()
+
+
+def test_verify_runs_only_the_shipped_modeling_code(exports, tmp_path, capsys):
+    assert trust_remote_code(exports["llama3-dense-tp2"]) is False  # stock Llama: no remote code at all
+    assert trust_remote_code(exports[CASE]) is True  # byte-identical to what this project ships
+    edited = shutil.copytree(exports[CASE], tmp_path / "edited")
+    with open(edited / "modeling_nosa.py", "a") as f:
+        f.write("\nimport os; os.system('echo pwned')\n")
+    with pytest.raises(ConversionError, match=r"differs from this project's \(modeling_nosa\.py\).*--trust-remote-code"):
+        trust_remote_code(edited)
+    assert trust_remote_code(edited, allowed=True) is True
+    assert verify_main(["--hf", str(edited), "--decode-steps", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--trust-remote-code" in err
+
+
+def test_checkpoint_objects_are_loaded_without_running_code(tmp_path):
+    """Non-tensor checkpoint items (megatron's common state, RNG states) are torch.save bytes that
+    torch loads with weights_only=False; after install_safe_checkpoint_loading they load only plain data."""
+    import io
+    import warnings
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from runtime.safe_unpickling import install_safe_checkpoint_loading, load_error_line
+
+    install_safe_checkpoint_loading()
+    marker = tmp_path / "PWNED"
+    good = np.random.RandomState(0).get_state()  # a tuple with a NumPy array: what megatron stores for RNG
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"good": good, "evil": _Marker(marker)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        loaded = {"good": None}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        assert loaded["good"][0] == "MT19937" and np.array_equal(loaded["good"][1], good[1])
+        with pytest.raises(BaseException) as e:  # torch's CheckpointException is a BaseException
+            dcp.load({"evil": None}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert load_error_line(e.value) == ("UnpicklingError: a checkpoint object refers to posix.system, which "
+                                        "checkpoints never contain: refusing to load it (crafted or foreign file)")
+    assert not marker.exists()

@@ -1,0 +1,50 @@
+"""One training per run directory: an exclusive ``flock`` on ``<run.dir>/.lock`` held by rank 0.
+
+The lock is released by the kernel when the process exits (even on kill -9), so a stale lock
+file never blocks a later run; the file's text (pid, host, start time) names the holder in the
+refusal. ``flock`` works across nodes on NFSv4 and Lustre mounts with ``flock`` enabled.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class RunDirLocked(RuntimeError):
+    """Another process trains into the same run directory (one-line message)."""
+
+
+class RunDirLock:
+    """Acquire with :meth:`acquire` (raises :class:`RunDirLocked`); :meth:`release` or process exit frees it."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise RunDirLocked(f"run.dir {self.path.parent} is in use by another training ({holder}); wait "
+                               f"for it to finish, stop it, or choose another run.dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
