@@ -236,7 +236,8 @@ def write_report(r: dict, out: Path) -> list[Path]:
     if not sparse:
         return files
 
-    def curves(fig, ax):
+    def curves(fig):
+        ax = fig.add_subplot()
         for layer in sparse:
             ax.plot(layer["gamma_curve"]["position"], layer["gamma_curve"]["gamma"], label=f"layer {layer['layer']}")
         ax.axvline(r["config"]["from_step"], color="gray", ls=":", lw=1)
@@ -246,7 +247,8 @@ def write_report(r: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
 
-    def bars(fig, ax):
+    def bars(fig):
+        ax = fig.add_subplot()
         names = [str(layer["layer"]) for layer in sparse]
         x = np.arange(len(names))
         series = [("gamma mean", "gamma_mean"), ("sim hit rate (LRU)", "sim_lru_hit_rate")]

@@ -59,7 +59,8 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
 
 
 def save_plot(path: Path, draw: Callable, figsize=(7.5, 4.2)) -> Optional[Path]:
-    """Call ``draw(fig, ax)`` on a new figure and save it atomically as a PNG; None without matplotlib."""
+    """Call ``draw(fig)`` on a new figure (it adds its own axes) and save it atomically as a PNG;
+    None without matplotlib."""
     try:
         import matplotlib
 
@@ -68,8 +69,8 @@ def save_plot(path: Path, draw: Callable, figsize=(7.5, 4.2)) -> Optional[Path]:
     except ImportError:
         print(f"(matplotlib is not installed: {Path(path).name} skipped)")
         return None
-    fig, ax = plt.subplots(figsize=figsize)
-    draw(fig, ax)
+    fig = plt.figure(figsize=figsize)
+    draw(fig)
     fig.tight_layout()
     tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}.png")
     Path(path).parent.mkdir(parents=True, exist_ok=True)

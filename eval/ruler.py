@@ -159,13 +159,21 @@ def run(ckpt: str, tasks_dir: str, out: str, lengths: Optional[list[int]] = None
             raise EvalError(f"--harness lm-eval scores Hugging Face exports; export {ckpt} with "
                             f"python -m checkpoints_convert.to_hf or use --harness direct")
         items = score_lm_eval(str(src.path), ts, chosen, ts.tasks, limit, dtype=dtype, log=log)
+    result = write_outputs(items, Path(out), src, harness, {"tasks_dir": str(ts.root), "limit": limit})
+    log(f"RULER average {result['average']:.1f} over {len(result['cells'])} (task, length) cell(s); wrote {out}")
+    return result
+
+
+def write_outputs(items: list[ItemResult], out: Path, src, harness: str, extra: Optional[dict] = None) -> dict:
+    """``ruler.json`` (summary), ``ruler.md`` and ``items.jsonl`` under ``out``; returns the summary."""
+    import json
+
     summary = summarize(items)
     result = {"model": {"path": str(src.path), "label": src.label, "kind": src.kind}, "harness": harness,
-              "tasks_dir": str(ts.root), "limit": limit, **summary}
-    write_json(Path(out) / "ruler.json", result)
-    write_atomic(Path(out) / "ruler.md", markdown(summary, f"RULER-style tasks: {src.label} ({harness})"))
-    write_atomic(Path(out) / "items.jsonl", "".join(__import__("json").dumps(asdict(r)) + "\n" for r in items))
-    log(f"RULER average {summary['average']:.1f} over {len(summary['cells'])} (task, length) cell(s); wrote {out}")
+              **(extra or {}), **summary}
+    write_json(out / "ruler.json", result)
+    write_atomic(out / "ruler.md", markdown(summary, f"RULER-style tasks: {src.label} ({harness})"))
+    write_atomic(out / "items.jsonl", "".join(json.dumps(asdict(r)) + "\n" for r in items))
     return result
 
 

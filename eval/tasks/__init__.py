@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from data.sources import write_jsonl
 from eval.errors import EvalError
 from eval.tasks.ruler import TASKS, TaskSample, generate, item_token_spans
 
@@ -33,6 +34,7 @@ class TaskSetConfig:
     samples: int = 20
     seed: int = 0
     train_docs: int = 0  # per (task, length) for train.jsonl (0: none)
+    train_lengths: Optional[list[int]] = None  # lengths of the training documents (None: ``lengths``)
 
     def validate(self) -> "TaskSetConfig":
         bad = [t for t in self.tasks if t not in TASKS]
@@ -54,18 +56,33 @@ def encoder(tok):
     return lambda text: tok.hf.encode(text)
 
 
-def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=print) -> Path:
+def load_haystack(corpus: str, tok):
+    """Paragraphs and words of ``corpus`` (JSONL or indexed prefix) for the generators."""
+    from eval.tasks.haystack import build_haystack, corpus_texts
+
+    return build_haystack(corpus_texts(corpus, tok), tok)
+
+
+def training_documents(hay, tok, lengths: list[int], tasks: list[str], count: int, seed: int) -> list[dict]:
+    """``{"text", "task", "length"}`` documents (prompt + answers) to train retrieval on; drawn with
+    ``seed + TRAIN_SEED_OFFSET``, so they never repeat an evaluation sample of ``seed``."""
+    enc = encoder(tok)
+    return [{"text": s.full_text(), "task": s.task, "length": s.length}
+            for length in lengths for task in tasks
+            for s in generate(task, hay, enc, length, count, seed + TRAIN_SEED_OFFSET)]
+
+
+def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=print, hay=None) -> Path:
     """Generate the task set into ``out`` (written to a temp dir, then renamed)."""
     from checkpoints_convert.common import atomic_dir
     from eval.tasks import lm_eval_tasks
-    from eval.tasks.haystack import build_haystack, corpus_texts
 
     cfg.validate()
     out = Path(out)
     if out.exists() and not (out / MANIFEST).is_file():
         raise EvalError(f"--out {out} exists and is not a task set; give a new directory")
     t0 = time.perf_counter()
-    hay = build_haystack(corpus_texts(corpus, tok), tok)
+    hay = hay or load_haystack(corpus, tok)
     enc = encoder(tok)
     with atomic_dir(out) as tmp:
         pairs = []
@@ -78,27 +95,21 @@ def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=pr
                     rows.append({**asdict(s), "item_spans": spans})
                     items += [{"context": c, "continuation": k, "sample": s.index, "item": j}
                               for j, (c, k) in enumerate(zip(s.contexts(), s.continuations()))]
-                _write_jsonl(tmp / f"{task}_{length}.jsonl", rows)
-                _write_jsonl(tmp / f"{task}_{length}.items.jsonl", items)
+                write_jsonl(str(tmp / f"{task}_{length}.jsonl"), rows)
+                write_jsonl(str(tmp / f"{task}_{length}.items.jsonl"), items)
                 pairs.append((task, length))
                 log(f"  {task} @ {length}: {len(samples)} samples, {len(items)} items "
                     f"({time.perf_counter() - t0:.1f} s)")
         names = lm_eval_tasks.write_configs(tmp, pairs, out.resolve())
         if cfg.train_docs:
-            docs = [{"text": s.full_text(), "task": s.task, "length": s.length}
-                    for length in cfg.lengths for task in cfg.tasks
-                    for s in generate(task, hay, enc, length, cfg.train_docs, cfg.seed + TRAIN_SEED_OFFSET)]
-            _write_jsonl(tmp / "train.jsonl", docs)
+            docs = training_documents(hay, tok, cfg.train_lengths or cfg.lengths, cfg.tasks, cfg.train_docs, cfg.seed)
+            write_jsonl(str(tmp / "train.jsonl"), docs)
             log(f"  train.jsonl: {len(docs)} documents")
         manifest = {"config": asdict(cfg), "tokenizer": str(Path(tok.path).resolve()),
                     "tokenizer_sha1": tokenizer_hash(tok.path), "corpus": str(corpus),
                     "lm_eval_tasks": names, "group": lm_eval_tasks.GROUP}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @dataclass
