@@ -195,7 +195,7 @@ def summary_line(r: dict) -> str:
             f"-> {'not bus-bound' if tput is None else f'{tput:,.0f} tok/s'} at {s['bandwidth_gb_s']:g} GB/s"
             f"{'' if ratio is None else f' ({ratio:.2f}x dense)'}")
     if r["dense"]:
-        return f"{r['model']['label']}: dense: no selection; {cost}"
+        return f"dense: no selection; {cost}"
     return (f"{r['model']['label']}: gamma mean {s['gamma_mean']:.3f} p5 {s['gamma_p5']:.3f} min {s['gamma_min']:.3f}, "
             f"{s['fetched_per_step']:.2f} blocks fetched/step/head, sim hit rate {s['sim_hit_rate']:.3f} "
             f"({s['policy']}); {cost}")

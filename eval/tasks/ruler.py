@@ -123,9 +123,10 @@ class _Builder:
             if not paras:
                 raise EvalError(f"task {self.task}: the question and needles alone exceed {self.length} tokens; "
                                 f"use a larger length")
-            avg = max(1, sum(self.hay.paragraph_tokens) // len(self.hay.paragraph_tokens))
-            drop = max(1, (s.tokens - self.length) // avg)
-            paras = paras[:-drop]
+            excess, last = s.tokens - self.length, paras[-1]
+            keep = int(len(last) * (1 - (excess + 4) / max(1, self.n_tokens(last))))
+            cut = last.rfind(" ", 0, keep) if keep > 0 else -1
+            paras = paras[:-1] + ([last[:cut]] if cut > 0 else [])  # shorten the last paragraph, else drop it
 
 
 def _needles(b: _Builder, keys: list[str], values: list[str]) -> list[str]:
