@@ -51,41 +51,51 @@ def check_same_tokenizer(prefix: str, tokenizer_dir: str) -> None:
 
 
 def load_documents(data: str, tok, length: int, count: int, vocab_size: int, split: Optional[str] = None,
-                   text_key: str = "text") -> list[Tensor]:
-    """The first ``count`` documents of at least ``length`` tokens, cut to ``length`` (int64 ``[length]``)."""
+                   text_key: str = "text", join: bool = False, log=print) -> list[Tensor]:
+    """The first ``count`` documents of at least ``length`` tokens, cut to ``length`` (int64 ``[length]``).
+
+    ``join``: when fewer are that long, fill up with runs of consecutive shorter documents joined
+    with their end-of-document token (a note says so)."""
+    docs = _token_documents(data, tok, split, text_key)
+    longest = max((len(d) for d in docs), default=0)
+    picked = [d[:length] for d in docs if len(d) >= length][:count]
+    if join and len(picked) < count:
+        run: list[Tensor] = []
+        for d in (d for d in docs if len(d) < length):
+            run.append(torch.cat([d, torch.tensor([tok.eod])]))
+            if sum(len(x) for x in run) >= length:
+                picked.append(torch.cat(run)[:length])
+                run = []
+                if len(picked) == count:
+                    break
+        log(f"(only {sum(len(d) >= length for d in docs)} document(s) of {length} tokens in {data}: "
+            f"the others join consecutive shorter documents)")
+    if not picked:
+        where = f" (validation part of split {split})" if split else ""
+        raise EvalError(f"--data {data}{where}: no document has {length} tokens (longest {longest}); "
+                        f"lower --length or give longer documents")
+    top = max(int(d.max()) for d in picked)
+    if top >= vocab_size:
+        raise EvalError(f"tokenizer mismatch: --data {data} holds token id {top} but the model's vocabulary is "
+                        f"{vocab_size}; tokenize the data with the model's tokenizer")
+    return picked
+
+
+def _token_documents(data: str, tok, split: Optional[str], text_key: str) -> list[Tensor]:
+    """Every document of ``data`` (its validation part with ``split``) as token ids, without EOD."""
     if Path(data + ".bin").is_file() and Path(data + ".idx").is_file():
         check_same_tokenizer(data, tok.path)
         from data.indexed import read_indexed
 
         ds = read_indexed(data)
         n = len(ds.sequence_lengths)
-        index = heldout_range(split, n) if split else range(n)
-        lengths = ds.sequence_lengths
-        picked = [i for i in index if int(lengths[i]) - 1 >= length][:count]  # - 1: the trailing EOD
-        docs = [torch.from_numpy(ds[i][:length].astype("int64")) for i in picked]
-        longest = max((int(lengths[i]) - 1 for i in index), default=0)
+        docs = [torch.from_numpy(ds[i][:-1].astype("int64")) for i in (heldout_range(split, n) if split else range(n))]
     elif Path(data).is_file():
         from data.sources import ReadStats, iter_rows
 
-        docs, longest = [], 0
-        texts = (row.get(text_key) for _, row in iter_rows(data, ReadStats()))
-        for text in texts:
-            if not isinstance(text, str) or not text:
-                continue
-            ids = tok.encode_plain([text])[0]
-            longest = max(longest, len(ids))
-            if len(ids) >= length:
-                docs.append(torch.tensor(ids[:length], dtype=torch.int64))
-                if len(docs) == count:
-                    break
+        texts = [row.get(text_key) for _, row in iter_rows(data, ReadStats())]
+        texts = [t for t in texts if isinstance(t, str) and t]
+        docs = [torch.tensor(ids, dtype=torch.int64) for ids in tok.encode_plain(texts)] if texts else []
     else:
         raise EvalError(f"--data {data}: neither an indexed dataset prefix ({data}.bin/.idx) nor a JSONL file")
-    if not docs:
-        where = f" (validation part of split {split})" if split else ""
-        raise EvalError(f"--data {data}{where}: no document has {length} tokens (longest {longest}); "
-                        f"lower --length or give longer documents")
-    top = max(int(d.max()) for d in docs)
-    if top >= vocab_size:
-        raise EvalError(f"tokenizer mismatch: --data {data} holds token id {top} but the model's vocabulary is "
-                        f"{vocab_size}; tokenize the data with the model's tokenizer")
     return docs

@@ -86,7 +86,8 @@ PRESETS: Dict[str, AblationPreset] = {
         name="proof_h200",
         description="32M-parameter Llama (8 x 512, GQA 8/2, head_dim 64), 4K dense pretraining on the demo "
                     "corpus + synthetic retrieval documents, 16K NOSA CPT per variant (released geometry)",
-        pretrain=Stage("proof_pretrain", 500, []), cpt=Stage("proof_cpt", 80, []),
+        pretrain=Stage("proof_pretrain", 500, ["train.global_batch_size=16", "train.micro_batch_size=4"]),
+        cpt=Stage("proof_cpt", 80, []),
         variants=list(VARIANTS)),
 }
 

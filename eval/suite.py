@@ -51,7 +51,7 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
     ts.check_tokenizer(tok.path)
     lengths = [n for n in ts.lengths if n <= src.model.max_position_embeddings]
     need = max(cfg.docs, cfg.ppl_docs)
-    docs = load_documents(data, tok, cfg.length, need, src.model.vocab_size, cfg.split)
+    docs = load_documents(data, tok, cfg.length, need, src.model.vocab_size, cfg.split, join=True, log=log)
     model = load_model(src, dtype=dtype)
     log(f"[{src.label}] locality on {min(cfg.docs, len(docs))} document(s) of {cfg.length} tokens")
     loc = locality.analyze(model, docs[:cfg.docs], locality.LocalityConfig(
