@@ -72,8 +72,9 @@ def load_megatron_model(ckpt: Path, model_cfg, attn_cfg, backend: str = "referen
         ps.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1)
     attn = replace(attn_cfg, backend=backend)
+    # built and loaded on the CPU (the same path on every machine), then moved to ``device``
     model = build_model(replace(model_cfg, params_dtype=dtype), attn, ParallelConfig(), use_te=False,
-                        perform_initialization=False)
+                        perform_initialization=False, use_cpu_initialization=True)
     # _extra_state entries (TE/fp8 metadata; empty with the local spec) are absent from from_hf
     # checkpoints: load everything else strictly, as the trainer's init_from does.
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
