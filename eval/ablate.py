@@ -90,6 +90,8 @@ class Ablation:
             env["CUDA_VISIBLE_DEVICES"] = device
             if nproc > 1:
                 env.update({k: os.environ.get(k, v) for k, v in NCCL_ENV.items()})
+            else:  # a port per GPU: concurrent single-process trainers must not race for one free port
+                env.setdefault("MASTER_PORT", str(29400 + 10 * int(device)))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as fh:
             fh.write(f"\n$ {' '.join(cmd)}\n")
