@@ -205,13 +205,14 @@ class Ablation:
         self.train(v, args, cpt_dir, stage.steps, [device])
         job.status = "evaluating"
         cfg = self.suite_config()
-        log = eval_dir.parent / f"{v}.log"
-        job.log = str(log)
-        if device is None:  # CPU: in this process (one megatron import for every variant)
+        if device is None:  # CPU: in this process (one megatron import for every variant), output on the console
             from eval.suite import evaluate
 
+            job.log = None
             evaluate(str(cpt_dir), data.tasks, data.corpus_prefix, str(eval_dir), cfg, log=lambda m: self.say(f"{v}: {m}"))
         else:
+            log = eval_dir.parent / f"{v}.log"
+            job.log = str(log)
             cmd = [sys.executable, "-m", "eval.suite", "--ckpt", str(cpt_dir), "--tasks", data.tasks,
                    "--data", data.corpus_prefix, "--split", self.preset.split, "--length", str(cfg.length),
                    "--docs", str(cfg.docs), "--ppl-docs", str(cfg.ppl_docs), "--out", str(eval_dir)]
@@ -396,7 +397,7 @@ def ablation_markdown(table: dict) -> str:
     rows = []
     for v, row in variants.items():
         n = _row_numbers(row)
-        status = row["status"] if row["status"] != "failed" else f"failed (log: {row['log']})"
+        status = row["status"] if row["status"] != "failed" else f"failed ({row['log'] or row['error']})"
         rows.append([_variant_label(v), status, n["train_loss"], n["val_loss"], *[n.get(b) for b in buckets],
                      n["ruler"], n["gamma_mean"], n["gamma_min"], n["fetched"], n["mb_per_token"], n["tok_s"],
                      n["vs_dense"]])

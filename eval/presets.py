@@ -88,7 +88,7 @@ PRESETS: Dict[str, AblationPreset] = {
                     "corpus + synthetic retrieval documents, 16K NOSA CPT per variant (released geometry)",
         pretrain=Stage("proof_pretrain", 500, ["train.global_batch_size=16", "train.micro_batch_size=4"]),
         cpt=Stage("proof_cpt", 80, []),
-        variants=list(VARIANTS)),
+        variants=["ed_dma", "none", "dense", "dma", "s_dma", "locret"]),  # the key comparison runs first
 }
 
 
