@@ -6,10 +6,9 @@ import math
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the tiny ablation fixture: about 1-2 minutes on 2 cores
-
 from tests.eval.conftest import run_ablate
 
+pytestmark = pytest.mark.slow  # the tiny ablation fixture: about 1-2 minutes on 2 cores
 VARIANTS = ("ed_dma", "none", "dense")
 
 
