@@ -57,8 +57,10 @@ def save_dist_checkpoint(tensors: Dict[str, Tensor], out: Path, model_cfg, attn_
     return ckpt
 
 
-def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: str = "reference") -> Tensor:
-    """Logits ``[B, T, vocab_size]`` (fp32) of the Megatron model (TP=PP=1) loaded from ``ckpt``."""
+def load_megatron_model(ckpt: Path, model_cfg, attn_cfg, backend: str = "reference", dtype: str = "float32",
+                        device: Optional[torch.device] = None):
+    """The Megatron model (TP=PP=1, local spec, eval mode) with the weights of ``ckpt``, on ``device``
+    (default: CUDA when available, else CPU), parameters in ``dtype``, NOSA ``backend``."""
     from dataclasses import replace
 
     init_single_process()
@@ -72,8 +74,9 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
         ps.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1)
     attn = replace(attn_cfg, backend=backend)
-    model = build_model(replace(model_cfg, params_dtype="float32"), attn, ParallelConfig(), use_te=False,
-                        perform_initialization=False)
+    # built and loaded on the CPU (the same path on every machine), then moved to ``device``
+    model = build_model(replace(model_cfg, params_dtype=dtype), attn, ParallelConfig(), use_te=False,
+                        perform_initialization=False, use_cpu_initialization=True)
     # _extra_state entries (TE/fp8 metadata; empty with the local spec) are absent from from_hf
     # checkpoints: load everything else strictly, as the trainer's init_from does.
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
@@ -92,8 +95,15 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
     if missing or result.unexpected_keys:
         raise RuntimeError(f"{ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
     model.eval()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model.to(device)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return model.to(device)
+
+
+def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: str = "reference") -> Tensor:
+    """Logits ``[B, T, vocab_size]`` (fp32) of the Megatron model (TP=PP=1) loaded from ``ckpt``."""
+    model = load_megatron_model(ckpt, model_cfg, attn_cfg, backend)
+    device = next(model.parameters()).device
     outs = []
     with torch.no_grad():
         for row in tokens:

@@ -1,0 +1,10 @@
+"""One-line errors of the eval commands. A bad input raises :class:`EvalError` whose message names
+the fix; the CLIs run through ``checkpoints_convert.common.run_cli``, which prints
+``<prog>: error: <message>`` and exits with status 2 (no traceback)."""
+
+from __future__ import annotations
+
+
+class EvalError(ValueError):
+    """Missing checkpoint, wrong data path, tokenizer mismatch, length above the model's context,
+    unknown variant or task: the message says what to change."""

@@ -1,0 +1,59 @@
+"""Bad inputs of the eval commands: one line naming the fix, exit status 2, nothing written."""
+
+import pytest
+
+
+import re
+
+NOISE = re.compile(r"^[WI]\d{4} |Warning|warnings.warn")  # third-party import warnings, not our output
+
+
+def _one_line(capsys, prog: str) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not NOISE.search(ln)]
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    from data.tokenizer import train_bpe
+
+    texts = ["a small corpus of words for another tokenizer", "with other merges and fewer tokens"] * 20
+    return train_bpe(texts, 300, str(tmp_path_factory.mktemp("tok") / "tokenizer"), min_frequency=1)
+
+
+def test_locality_errors(tiny_ablation, small_demo, other_tokenizer, tmp_path, capsys):
+    from eval.locality import main
+
+    ckpt, out = str(tiny_ablation / "cpt" / "ed_dma"), tmp_path / "out"
+    data = small_demo["indexed_prefix"]
+    cases = [
+        (["--ckpt", str(tmp_path / "missing"), "--data", data, "--length", "256"], "no such file or directory"),
+        (["--ckpt", ckpt, "--data", str(tmp_path / "nodata"), "--length", "256"], "neither an indexed dataset prefix"),
+        (["--ckpt", ckpt, "--data", data, "--length", "100000"], "exceeds the model's max_position_embeddings=512"),
+        (["--ckpt", ckpt, "--data", data, "--length", "256", "--tokenizer", other_tokenizer], "tokenizer mismatch"),
+        (["--ckpt", ckpt, "--data", data, "--length", "512", "--split", "90,0,10"], "validation part"),
+    ]
+    for argv, msg in cases:
+        assert main([*argv, "--out", str(out)]) == 2
+        assert msg in _one_line(capsys, "eval.locality"), argv
+        assert not out.exists()
+
+
+def test_ruler_and_ppl_errors(tiny_ablation, small_demo, other_tokenizer, tmp_path, capsys):
+    from eval import ppl, ruler
+
+    ckpt, out = str(tiny_ablation / "cpt" / "ed_dma"), tmp_path / "out"
+    tasks = str(tiny_ablation / "tasks")
+    cases = [
+        (["--tasks", str(tmp_path)], "no task set there"),
+        (["--tasks", tasks, "--lengths", "1024"], "has no length(s) [1024]"),
+        (["--tasks", tasks, "--tokenizer", other_tokenizer], "tokenizer mismatch"),
+        (["--tasks", tasks, "--harness", "lm-eval"], "scores Hugging Face exports"),
+    ]
+    for argv, msg in cases:
+        assert ruler.main(["--ckpt", ckpt, *argv, "--out", str(out)]) == 2
+        assert msg in _one_line(capsys, "eval.ruler"), argv
+    assert ppl.main(["--ckpt", ckpt, "--data", small_demo["corpus"], "--length", "5000", "--out", str(out)]) == 2
+    assert "exceeds the model's max_position_embeddings" in _one_line(capsys, "eval.ppl")
+    assert not out.exists()
