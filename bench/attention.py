@@ -9,14 +9,16 @@ One process, one GPU, identical inputs. For every shape (T, HQ) with Hkv=2, D=12
   with gradient; ours runs the very same key sets as 64-token blocks (64 blocks per row), with the
   bias gradient (db) and without it. Identical math and density for Flex and ours.
 * "NOSA": a real NOSA selection (``select_blocks_triton``, default config, k=64 blocks of 64) of
-  synthetic inputs: per-token lists, run by ours as union lists + token bitmask; reports the
-  selection time, the index build time and the union inflation.
+  synthetic inputs: per-token lists, run by ours as union lists + token bitmask over query tiles of
+  one KV group's heads (``_tiles64``: the same with 64-token tiles of one head, the earlier layout);
+  reports the selection time, the index build time and the union inflation.
+* ``--packed``: selection + index + forward + backward per token with 1, 8 and 64 documents per sample.
 
 Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s (fwd = 4 x D x HQ
 x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
-Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--no-flex]
+Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed] [--no-flex]
 """
 
 from __future__ import annotations
@@ -34,15 +36,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from triton.testing import do_bench  # noqa: E402
 
-from nosa_layers import NOSAConfig  # noqa: E402
-from nosa_layers.ops import CONFIG, build_sparse_index, select_blocks_triton, sparse_attention_from_selection  # noqa: E402
-from nosa_layers.ops._index import union_inflation  # noqa: E402
-from nosa_layers.ops.selection import SEL_CONFIG  # noqa: E402
+from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
+from nosa_layers.ops import SEL_CONFIG, build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
+from nosa_layers.ops.attention_op import launch_config  # noqa: E402
+from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
+from nosa_layers.ops.layout import block_layout  # noqa: E402
+from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
+from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
 
 D, HKV = 128, 2
 DT = torch.bfloat16
 DEV = "cuda"
 ROWS: list[dict] = []
+
+
+def config() -> dict:
+    """The launch configuration of this GPU's architecture (mutated in place by the sweep)."""
+    return launch_config(torch.device(DEV))
+
+
+def index_for(sel, cfg, T, HQ, qt=None, cu=None):
+    return build_sparse_index(sel, cfg, T, cu, num_q_heads=HQ, row_budget=cfg.topk, qt=qt)
 
 
 def bench(fn):
@@ -136,15 +150,15 @@ def make_inputs(T, HQ, seed=0):
     return q, k, v, bias
 
 
-def ours(T, HQ, sel, keys, dense_ms, kind, cfg, inputs, extra=None):
+def ours(T, HQ, sel, keys, dense_ms, kind, cfg, inputs, extra=None, qt=None):
     q, k, v, bias = inputs
     t0 = time.time()
-    idx = build_sparse_index(sel, cfg, T)
+    idx = index_for(sel, cfg, T, HQ, qt)
     torch.cuda.synchronize()
-    t_index = bench(lambda: build_sparse_index(sel, cfg, T))[0]
+    t_index = bench(lambda: index_for(sel, cfg, T, HQ, qt))[0]
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
     bg = bias.clone().requires_grad_(True)
-    f = lambda: sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)  # noqa: E731
+    f = lambda: sparse_attention(qg, kg, vg, idx, bias=bg)  # noqa: E731
     o = f()
     do = torch.randn_like(o)
     torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True)
@@ -152,11 +166,11 @@ def ours(T, HQ, sel, keys, dense_ms, kind, cfg, inputs, extra=None):
     ct = time.time() - t0
     tf = bench(f)
     tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
-    o2 = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bias, index=idx)
+    o2 = sparse_attention(qg, kg, vg, idx, bias=bias)
     tb_nodb = bench(lambda: torch.autograd.grad(o2, (qg, kg, vg), do, retain_graph=True))
     infl = union_inflation(idx, sel)
     _row(kind, T, HQ, keys, tf[0], tb[0], dense_ms, bwd_nodb_ms=tb_nodb[0], fwd_p20_p80=tf[1:], bwd_p20_p80=tb[1:],
-         index_ms=t_index, first_call_s=round(ct, 2), inflation=round(infl["inflation"], 3),
+         index_ms=t_index, first_call_s=round(ct, 2), qt=idx.qt, inflation=round(infl["inflation"], 3),
          bitmask_fill=round(infl["bitmask_fill"], 3), **(extra or {}))
     return o.detach()
 
@@ -218,78 +232,79 @@ def p1_case(T, HQ):
     cfg = NOSAConfig()
     q, k, v, bias = make_inputs(T, HQ)
     leaves = tuple(x.clone().requires_grad_(True) for x in (q, k, v, bias))
-    return sel, keys, cfg, build_sparse_index(sel, cfg, T), leaves, torch.randn_like(q)
+    return sel, keys, cfg, index_for(sel, cfg, T, HQ), leaves, torch.randn_like(q)
+
+
+def _try_configs(kernel, cands, run):
+    """Time ``run()`` under each launch config of ``kernel``; keep the fastest in the live config."""
+    live = config()
+    best = None
+    for c in cands:
+        old = live[kernel]
+        live[kernel] = dict(old, **c)
+        try:
+            t = run()
+            emit(kind="sweep", kernel=kernel, cfg=c, ms=t)
+            if best is None or t < best[0]:
+                best = (t, live[kernel])
+        except Exception as e:  # noqa: BLE001
+            emit(kind="sweep", kernel=kernel, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
+        live[kernel] = old
+    if best:
+        live[kernel] = best[1]
 
 
 def sweep(T, HQ, dense_ms):
-    """Pick the fastest launch config of each kernel at one shape (others fixed)."""
-    sel, keys, cfg, idx, (qg, kg, vg, bg), do = p1_case(T, HQ)
-    # (HP, num_warps, num_stages, TMA tile loads[, PAIR]); TMA lost everywhere in earlier sweeps: one probe each
-    space = {
-        "fwd": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma, PAIR=pr) for hp, nw, ns, tma, pr in
-                ((2, 8, 2, False, True), (2, 8, 2, True, True), (4, 8, 2, False, False), (2, 8, 2, False, False),
-                 (1, 4, 2, False, True), (1, 4, 3, False, True), (1, 4, 2, False, False), (2, 8, 1, False, True))],
-        "dq": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma) for hp, nw, ns, tma in
-               ((1, 4, 2, False), (1, 4, 2, True), (1, 4, 3, False), (2, 8, 2, False))],
-        "dkdv": [dict(HP=hp, num_warps=nw, num_stages=ns, TMA=tma, CHUNK=CONFIG["dkdv"].get("CHUNK", 0))
-                 for hp, nw, ns, tma in ((1, 4, 2, False), (1, 4, 2, True), (1, 4, 3, False), (1, 8, 2, False),
-                                         (2, 8, 1, False))],
-    }
-    for kern, cands in space.items():
-        best = None
-        for c in cands:
-            old = CONFIG[kern]
-            CONFIG[kern] = c
-            try:
-                o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
-                if kern == "fwd":
-                    t = bench(lambda: sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx))[0]
-                else:
-                    t = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
-                emit(kind="sweep", kernel=kern, cfg=c, T=T, HQ=HQ, ms=t)
-                if best is None or t < best[0]:
-                    best = (t, c)
-            except Exception as e:  # noqa: BLE001
-                emit(kind="sweep", kernel=kern, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
-            CONFIG[kern] = old
-        if best:
-            CONFIG[kern] = best[1]
-    best = None
-    for chunk in (0, 32, 64, 128):  # dK/dV inverse-list pieces (needs a fresh index)
-        CONFIG["dkdv"] = dict(CONFIG["dkdv"], CHUNK=chunk)
-        idx_c = build_sparse_index(sel, cfg, T)
-        o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx_c)
-        t = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
-        emit(kind="sweep", kernel="dkdv_chunk", cfg=dict(CHUNK=chunk), T=T, HQ=HQ, ms=t, n_slots=idx_c.n_slots)
-        if best is None or t < best[0]:
-            best = (t, chunk)
-    CONFIG["dkdv"] = dict(CONFIG["dkdv"], CHUNK=best[1])
+    """Pick the fastest launch config of each kernel at one shape (others fixed): real NOSA lists
+    (iid inputs, the union-inflation worst case) at the default query tile."""
+    cfg = NOSAConfig()
+    q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
+    sel = select_blocks_triton(q, k, bias, cfg)
+    qg, kg, vg, bg = (x.clone().requires_grad_(True) for x in (q, k, v, bias))
+    do = torch.randn_like(q)
+
+    def fwd():
+        idx = index_for(sel, cfg, T, HQ)
+        return bench(lambda: sparse_attention(qg, kg, vg, idx, bias=bg))[0]
+
+    def bwd():
+        idx = index_for(sel, cfg, T, HQ)
+        o = sparse_attention(qg, kg, vg, idx, bias=bg)
+        return bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
+
+    _try_configs("fwd", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
+                         ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))], fwd)
+    _try_configs("dq", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
+                        ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))], bwd)
+    _try_configs("dkdv", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
+                          ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))], bwd)
+    _try_configs("dkdv", [dict(CHUNK=c) for c in (256, 1024, 4096)], bwd)
+    _try_configs("tile", [dict(rows=r) for r in (64, 128, 256)], lambda: fwd() + bwd())
     sweep_selection(T, HQ)
-    emit(kind="config", config={k: dict(v) for k, v in CONFIG.items()}, selection={k: dict(v) for k, v in SEL_CONFIG.items()})
+    emit(kind="config", config={k: dict(v) for k, v in config().items()},
+         selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
 def sweep_selection(T, HQ):
     """Pick the fastest launch config of each selection scoring kernel (block_scores_triton time)."""
-    from nosa_layers.ops.selection import block_scores_triton
-
     q, k, _, _ = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
     cfg = NOSAConfig()
+    layout = block_layout(1, T, None, cfg.block_size, q.device)
+    kc, _ = compress(k, None, layout, cfg, q.dtype)
     space = {
-        "lse": [dict(BM=bm, BW=bw, num_warps=nw, num_stages=ns) for bm, bw, nw, ns in
-                ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2))],
-        "block": [dict(BM=bm, NW=w, num_warps=nw, num_stages=ns) for bm, w, nw, ns in
-                  ((64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 2), (64, 256, 8, 2))],
+        "lse": [dict(BW=bw, num_warps=nw, num_stages=ns) for bw, nw, ns in
+                ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2))],
+        "block": [dict(NW=w, num_warps=nw, num_stages=ns) for w, nw, ns in
+                  ((256, 8, 2), (128, 8, 2), (128, 4, 2), (64, 4, 2), (256, 8, 1))],
     }
-    ref = block_scores_triton(q, k, cfg)
     for kern, cands in space.items():
         best = None
         for c in cands:
             old = SEL_CONFIG[kern]
             SEL_CONFIG[kern] = c
             try:
-                same = bool(torch.equal(block_scores_triton(q, k, cfg), ref))
-                t = bench(lambda: block_scores_triton(q, k, cfg))[0]
-                emit(kind="sweep", kernel="sel_" + kern, cfg=c, T=T, HQ=HQ, ms=t, same_scores=same)
+                t = bench(lambda: block_scores_triton(q, kc, layout, cfg))[0]
+                emit(kind="sweep", kernel="sel_" + kern, cfg=c, T=T, HQ=HQ, ms=t)
                 if best is None or t < best[0]:
                     best = (t, c)
             except Exception as e:  # noqa: BLE001
@@ -300,23 +315,56 @@ def sweep_selection(T, HQ):
 
 
 def selection_breakdown(q, k, bias, cfg, total_ms):
-    """Selection stages: scoring kernels, pooled eviction scores, the fused Triton top-k (and the torch
-    top-k it replaced, as a check of exactness and speed), and the index build of the kernels."""
-    from nosa_layers.ops.selection import agnostic_parts, block_scores_triton
-    from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch
-
+    """Selection stages (compression, scoring kernels, the fused top-k and the torch top-k it is
+    checked against), the index build of the kernels, and whether preparing a selection (selection +
+    index) runs without a host synchronisation (torch's sync debug mode raises on one)."""
     T, HQ = q.shape[1], q.shape[2]
-    bq = block_scores_triton(q, k, cfg)
-    st, pp = agnostic_parts(bias, cfg, T)
-    fused = select_from_block_scores(bq, st, pp, cfg)
-    exact = bool(torch.equal(fused, select_from_block_scores_torch(bq, st, pp, cfg)))
+    layout = block_layout(1, T, None, cfg.block_size, q.device)
+    kc, ws = compress(k, bias, layout, cfg, q.dtype)
+    bq = block_scores_triton(q, kc, layout, cfg)
+    fused = select_from_block_scores(bq, ws, layout, cfg)
+    exact = bool(torch.equal(fused, select_from_block_scores_torch(bq, ws, layout, cfg)))
     sel = select_blocks_triton(q, k, bias, cfg)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prepare_selection(q, k, bias, cfg, backend="triton")
+        sync_free = True
+    except RuntimeError:
+        sync_free = False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=total_ms,
-         scoring_kernels_ms=bench(lambda: block_scores_triton(q, k, cfg))[0],
-         agnostic_parts_ms=bench(lambda: agnostic_parts(bias, cfg, T))[0],
-         fused_topk_ms=bench(lambda: select_from_block_scores(bq, st, pp, cfg))[0],
-         torch_topk_ms=bench(lambda: select_from_block_scores_torch(bq, st, pp, cfg))[0],
-         index_build_ms=bench(lambda: build_sparse_index(sel, cfg, T))[0], fused_equals_torch=exact)
+         compress_ms=bench(lambda: compress(k, bias, layout, cfg, q.dtype))[0],
+         scoring_kernels_ms=bench(lambda: block_scores_triton(q, kc, layout, cfg))[0],
+         fused_topk_ms=bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0],
+         index_build_ms=bench(lambda: index_for(sel, cfg, T, HQ))[0],
+         prepare_ms=bench(lambda: prepare_selection(q, k, bias, cfg, backend="triton"))[0],
+         prepare_sync_free=sync_free, fused_equals_torch=exact)
+
+
+def packed_documents(T, HQ):
+    """Cost per token of selection + index + forward + backward for 1, 8 and 64 documents per sample."""
+    cfg = NOSAConfig()
+    q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=4, smooth=1)
+    do = torch.randn_like(q)
+    g = torch.Generator().manual_seed(5)
+    for n_docs in (1, 8, 64):
+        cut = torch.sort(torch.randperm(T - 1, generator=g)[:n_docs - 1] + 1).values.tolist()
+        cu = torch.tensor([0] + cut + [T], dtype=torch.int32, device=DEV)
+        qg, kg, vg, bg = (x.clone().requires_grad_(True) for x in (q, k, v, bias))
+
+        def step():
+            prep = prepare_selection(qg, kg, bg, cfg, cu, backend="triton")
+            o = sparse_attention(qg, kg, vg, prep.index, bias=bg)
+            torch.autograd.grad(o, (qg, kg, vg, bg), do)
+
+        step()
+        t = bench(step)[0]
+        sel = prepare_selection(q, k, bias, cfg, cu, backend="triton").selected
+        keys = sum(useful_keys(sel[:, :, a:e], cfg.block_size) for a, e in zip(cu.tolist(), cu.tolist()[1:]))
+        emit(kind="packed_documents", T=T, HQ=HQ, n_docs=n_docs, step_ms=t, us_per_ktoken=1e3 * t / (T / 1024),
+             useful_tflops=3.5 * 4.0 * HQ * keys * D / t / 1e9)
 
 
 def profile_kernels(T, HQ):
@@ -327,12 +375,12 @@ def profile_kernels(T, HQ):
     sel, keys, cfg, idx, (qg, kg, vg, bg), do = p1_case(T, HQ)
     n = 5
     for _ in range(2):
-        o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
+        o = sparse_attention(qg, kg, vg, idx, bias=bg)
         torch.autograd.grad(o, (qg, kg, vg, bg), do)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            o = sparse_attention_from_selection(qg, kg, vg, sel, cfg, bias=bg, index=idx)
+            o = sparse_attention(qg, kg, vg, idx, bias=bg)
             torch.autograd.grad(o, (qg, kg, vg, bg), do)
         torch.cuda.synchronize()
     fwd_flops = 4.0 * HQ * keys * D
@@ -348,7 +396,7 @@ def profile_kernels(T, HQ):
             if name in ev.key:
                 row["tflops"] = round(m * fwd_flops / ms / 1e9, 1)
         kernels[ev.key[:60]] = row
-    emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in CONFIG.items()}, kernels=kernels)
+    emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in config().items()}, kernels=kernels)
 
 
 def profile_index(T, HQ):
@@ -358,17 +406,17 @@ def profile_index(T, HQ):
     _, sel, _ = p1_lists(T, seed=1)
     cfg = NOSAConfig()
     for _ in range(3):
-        build_sparse_index(sel, cfg, T)
+        index_for(sel, cfg, T, HQ)
     torch.cuda.synchronize()
     n = 10
     t0 = time.perf_counter()
     for _ in range(n):
-        build_sparse_index(sel, cfg, T)
+        index_for(sel, cfg, T, HQ)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / n * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            build_sparse_index(sel, cfg, T)
+            index_for(sel, cfg, T, HQ)
         torch.cuda.synchronize()
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
     emit(kind="index_profile", T=T, HQ=HQ, wall_ms=round(wall, 3),
@@ -385,7 +433,7 @@ def table():
             continue
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         notes = []
-        for key in ("bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s", "max_abs_diff_vs_ours"):
+        for key in ("qt", "bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s", "max_abs_diff_vs_ours"):
             if r.get(key) is not None:
                 notes.append(f"{key}={r[key]:.3g}" if isinstance(r[key], float) else f"{key}={r[key]}")
         lines.append(f"| {r['kind']} | {r['T']} | {r['HQ']} | {r['density']:.3f} | {f(r['fwd_ms'])} | {f(r['bwd_ms'])} | "
@@ -401,6 +449,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at the first shape")
+    ap.add_argument("--packed", action="store_true", help="1 / 8 / 64 documents per sample at every shape")
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -435,9 +484,12 @@ def main():
             if smooth == 0:
                 selection_breakdown(q, k, bias, cfg, t_sel)
             keys_n = useful_keys(sel, cfg.block_size)
-            ours(T, HQ, sel, keys_n, dense_ms, f"ours_nosa_{'smooth' if smooth else 'iid'}_db", cfg, (q, k, v, bias),
-                 extra=dict(select_ms=t_sel))
+            name = f"ours_nosa_{'smooth' if smooth else 'iid'}_db"
+            ours(T, HQ, sel, keys_n, dense_ms, name, cfg, (q, k, v, bias), extra=dict(select_ms=t_sel))
+            ours(T, HQ, sel, keys_n, dense_ms, name + "_tiles64", cfg, (q, k, v, bias), qt=cfg.block_size)
             del sel
+        if args.packed:
+            packed_documents(T, HQ)
         torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
     with open(os.path.join(args.out, "attention_bench.json"), "w") as fh:

@@ -6,13 +6,18 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
   LongRoPE, selective recompute, Triton kernels), one GPU;
 * ``dense_1gpu``: the same model with dense attention (PyTorch SDPA, flash / cuDNN, EOD packing);
 * ``nosa_tp2``:   the NOSA run at tensor parallel 2 on two GPUs (skipped with fewer GPUs), whose
-  loss curve is compared with ``nosa_1gpu`` step by step (same data, same CPU-initialised weights).
+  loss curve is compared with ``nosa_1gpu`` step by step (same data, same CPU-initialised weights);
+* a ``_nr`` suffix (``nosa_1gpu_nr``, ``dense_1gpu_nr``): the same run without activation recompute.
 
-Per run: steady-state tokens/s (steps after ``--warmup``), MFU (dense bf16 peak of the GPU),
-peak memory, losses. Usage::
+Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users
+pay) and as the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak
+of the GPU), peak memory, losses; with ``--profile-step N`` also the GPU time per step by part
+(attention forward / backward, NOSA selection and index, eviction head, the rest) from
+``profile.*`` of the trainer. Usage::
 
-    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--layers 28]
-        [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--extra key=value ...]
+    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--layers 28] [--seq 16384]
+        [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
+        [--extra key=value ...]
 """
 
 from __future__ import annotations
@@ -32,9 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
     common = ["recipe=nosa_1b_cpt", f"data.paths=[{a.data}]", f"data.tokenizer={a.tokenizer}",
               f"train.max_steps={a.steps}", "train.global_batch_size=2", "train.micro_batch_size=1",
-              "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1", "train.locality_interval=5",
+              f"train.seq_length={a.seq}", "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1",
               "optim.warmup_steps=2", "checkpoint.save=false", "checkpoint.resume=none", "logging.plot=false",
-              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}", *a.extra]
+              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}"]
+    if a.profile_step:
+        common += [f"profile.start_step={a.profile_step}", "profile.num_steps=2"]
+    if name.endswith("_nr"):
+        common.append("train.recompute=none")
+        name = name[:-3]
+    common += a.extra
     if name == "nosa_1gpu":
         return common, 1
     if name == "dense_1gpu":
@@ -66,11 +77,18 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("loss") is not None]
     steady = [r for r in rows if r["step"] > a.warmup]
+    times = sorted(r["step_time_s"] for r in steady)
+    tokens = 2 * a.seq * len(steady)
+    profile = Path(a.out) / name / "profile" / "summary.json"
     out.update({
         "steps": len(rows), "losses": [round(r["loss"], 5) for r in rows],
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s"] for r in steady) / nproc,
-        "step_s": statistics.median(r["step_time_s"] for r in steady),
+        "tokens_per_s": tokens / sum(times),
+        "tokens_per_s_per_gpu": tokens / sum(times) / nproc,
+        "tokens_per_s_median_step": statistics.median(r["tokens_per_s"] for r in steady),
+        "step_s": statistics.median(times),
+        "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
+        "slowest_step_s": times[-1],
+        "gpu_ms_per_step": json.loads(profile.read_text())["gpu_ms_per_step"] if profile.exists() else None,
         "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),
         "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
@@ -84,6 +102,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--seq", type=int, default=16384, help="tokens per sequence (global batch: 2 sequences)")
+    p.add_argument("--profile-step", type=int, default=0, help="profile this step and the next (0: off)")
     p.add_argument("--data", default=".cache/demo_data/corpus_text_document")
     p.add_argument("--tokenizer", default=".cache/demo_data/tokenizer")
     p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
@@ -115,20 +135,30 @@ def main() -> None:
         n = min(len(a1), len(a2))
         env["tp2_vs_1gpu_max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(a1[:n], a2[:n]))
         env["tp2_vs_1gpu_steps_compared"] = n
-    if "tokens_per_s" in by.get("nosa_1gpu", {}) and "tokens_per_s" in by.get("dense_1gpu", {}):
-        env["nosa_over_dense_tokens_per_s"] = by["nosa_1gpu"]["tokens_per_s"] / by["dense_1gpu"]["tokens_per_s"]
+    for suffix in ("", "_nr"):
+        n, d = by.get(f"nosa_1gpu{suffix}", {}), by.get(f"dense_1gpu{suffix}", {})
+        if "tokens_per_s" in n and "tokens_per_s" in d:
+            env[f"nosa_over_dense{suffix}"] = n["tokens_per_s"] / d["tokens_per_s"]
     (Path(a.out) / "train_throughput.json").write_text(json.dumps({"env": env, "results": results}, indent=2))
-    print("\n| run | GPUs | tokens/s | tokens/s/GPU | step s | MFU | peak GiB | gamma | losses (first, last) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | GPUs | tokens/s (total/time) | median-step tokens/s | p90/median | slowest s | MFU | "
+          "peak GiB | gamma | losses (first, last) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "tokens_per_s" not in r:
-            print(f"| {r['run']} | - | {r.get('skipped') or 'failed rc=' + str(r.get('returncode'))} | | | | | | |")
+            print(f"| {r['run']} | - | {r.get('skipped') or 'failed rc=' + str(r.get('returncode'))} | | | | | | | |")
             continue
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         gamma = "-" if r["nosa_gamma_mean"] is None else f"{r['nosa_gamma_mean']:.3f}"
-        print(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} | "
-              f"{r['step_s']:.3f} | {mfu} | {r['peak_mem_gib']:.1f} | {gamma} | "
+        print(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_median_step']:.0f} | "
+              f"{r['p90_over_median']:.2f} | {r['slowest_step_s']:.2f} | {mfu} | {r['peak_mem_gib']:.1f} | {gamma} | "
               f"{r['losses'][0]:.4f}, {r['losses'][-1]:.4f} |")
+    parts = [r for r in results if r.get("gpu_ms_per_step")]
+    if parts:
+        keys = list(parts[0]["gpu_ms_per_step"])
+        print("\nGPU ms per step (profiled steps):\n| run | " + " | ".join(keys) + " |")
+        print("|---|" + "---|" * len(keys))
+        for r in parts:
+            print(f"| {r['run']} | " + " | ".join(f"{r['gpu_ms_per_step'].get(k, 0):.1f}" for k in keys) + " |")
     print(json.dumps(env, indent=1))
     for r in results:
         if "error_tail" in r:

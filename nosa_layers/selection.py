@@ -131,6 +131,10 @@ def check_inputs(q: Tensor, k: Tensor, score: Tensor | None, cu_seqlens: Tensor 
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"packed sequences (cu_seqlens) need batch size 1, got {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with at least 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device.type != "cpu":
+            return  # no host sync per call: the values are checked where they are read on the host
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
@@ -141,6 +145,8 @@ def document_spans(cu_seqlens: Tensor | None, seq_len: int) -> list[tuple[int, i
     if cu_seqlens is None:
         return [(0, seq_len)]
     cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != seq_len or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={seq_len}, got {cu}")
     return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
 
 

@@ -128,6 +128,17 @@ class LoggingSection:
 
 
 @dataclass
+class ProfileSection:
+    """torch.profiler record of chosen steps on the first rank: steps ``start_step`` (1-based; 0: off)
+    to ``start_step + num_steps - 1``; writes ``<run.dir>/profile/trace.json`` (Chrome trace) and
+    ``summary.json`` (GPU time per step by part: attention forward / backward, NOSA selection, index,
+    eviction head, everything else)."""
+
+    start_step: int = 0
+    num_steps: int = 2
+
+
+@dataclass
 class RunConfig:
     recipe: str = "default"
     run: RunSection = field(default_factory=RunSection)
@@ -141,6 +152,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
     init_from: Optional[str] = None  # weights-only start (previous stage); dense -> NOSA allowed
     print_config: bool = False
     dry_run: bool = False
@@ -189,7 +201,7 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
-               "checkpoint.", "logging.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
+               "checkpoint.", "logging.", "profile.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
                "data.num_builder_threads", "data.cache_dir", "run.dir", "recipe")
 
 
@@ -292,6 +304,9 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
           f"{t.micro_batch_size}*{dp}; pick a multiple of {t.micro_batch_size * dp}")
     _need(t.nan_skip_limit > 0, f"train.nan_skip_limit={t.nan_skip_limit} must be > 0")
     _need(t.log_interval > 0, f"train.log_interval={t.log_interval} must be > 0")
+    _need(cfg.profile.start_step >= 0 and cfg.profile.num_steps >= 1,
+          f"profile.start_step={cfg.profile.start_step} must be >= 0 (0: off) and profile.num_steps="
+          f"{cfg.profile.num_steps} >= 1")
     _need(t.eval_interval >= 0 and t.eval_iters >= 0, "train.eval_interval and train.eval_iters must be >= 0")
     _need(o.lr > 0 and 0 <= o.min_lr <= o.lr, f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
     _need(0 <= o.warmup_steps < t.max_steps,

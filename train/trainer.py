@@ -25,6 +25,7 @@ from train.distributed import DistEnv
 from train.finite import grads_nonfinite, weights_nonfinite
 from train.metrics import MetricsLogger, peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
+from train.profiling import StepProfiler
 
 
 SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
@@ -341,15 +342,18 @@ class Trainer:
                       f"(raise train.max_steps to continue)")
         log0(env, f"training {cfg.recipe}: steps {self.step} -> {t.max_steps}, {self.micro_batches} "
                   f"micro-batches/step, {tokens_per_step} tokens/step, run dir {self.run_dir}")
+        profiler = StepProfiler(cfg.profile.start_step, cfg.profile.num_steps, str(self.run_dir), env.owns_loss)
         try:
             while self.step < t.max_steps:
                 if t.exit_after_steps is not None and self.step - start_step >= t.exit_after_steps:
                     log0(env, f"exit_after_steps={t.exit_after_steps} reached at step {self.step}")
                     break
+                profiler.before(self.step + 1)
                 t0 = time.perf_counter()
                 out = self.train_step()
                 dt = time.perf_counter() - t0
                 self.step += 1
+                profiler.after(self.step, partial(log0, env))
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
                        "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_step / dt,
                        "step_time_s": dt, "skipped": out["skipped"]}

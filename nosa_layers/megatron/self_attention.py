@@ -95,7 +95,8 @@ class NOSAMegatronSelfAttention(SelfAttention):
         needs_qk = getattr(self.eviction_head, "reads_qk", True)
         q_all = gather_heads(query, lay, grp, kv=False) if needs_qk else query
         k_all = gather_heads(key, lay, grp, kv=True) if needs_qk else key
-        ev = self.eviction_head(q_all.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1))
+        with torch.profiler.record_function("nosa.eviction_head"):
+            ev = self.eviction_head(q_all.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1))
         lo, hi = lay.kv_start, lay.kv_start + lay.kv_per_rank
 
         def local(x: Optional[Tensor]) -> Optional[Tensor]:

@@ -120,7 +120,6 @@ def test_verify_runs_only_the_shipped_modeling_code(exports, tmp_path, capsys):
 def test_checkpoint_objects_are_loaded_without_running_code(tmp_path):
     """Non-tensor checkpoint items (megatron's common state, RNG states) are torch.save bytes that
     torch loads with weights_only=False; after install_safe_checkpoint_loading they load only plain data."""
-    import io
     import warnings
 
     import numpy as np

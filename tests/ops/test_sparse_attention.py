@@ -136,8 +136,9 @@ def test_strided_views_of_a_fused_qkv_buffer(dev):
 
 def test_poisoned_outputs_determinism_and_causality(dev, monkeypatch):
     """Every output element is written (buffers pre-filled with NaN), two runs are bitwise equal, and
-    perturbing tokens from t0 on leaves out and dQ of every earlier query tile bitwise unchanged (and
-    every gradient of earlier tiles when dO is zero from the perturbed tile on)."""
+    perturbing tokens from t0 on (dO zero from their tile on) leaves out and dQ of every earlier query
+    tile bitwise unchanged and the key-side gradients of earlier tokens unchanged up to rounding (the
+    perturbed tiles' entries move the dK/dV piece boundaries and the partial-slot budget)."""
     import nosa_layers.ops.attention_op as sa
 
     monkeypatch.setattr(sa, "POISON_OUTPUTS", True)
@@ -167,7 +168,10 @@ def test_poisoned_outputs_determinism_and_causality(dev, monkeypatch):
     assert torch.equal(sel2[:, :, :t0], sel[:, :, :t0])  # the selection itself is causal
     c = run(q2, k2, v2, s2, sel2)
     for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), a, c):
-        assert torch.equal(x[:, :t_tile], y[:, :t_tile]), f"{name}: rows before {t_tile} changed"
+        if name in ("out", "dq"):
+            assert torch.equal(x[:, :t_tile], y[:, :t_tile]), f"{name}: rows before {t_tile} changed"
+        else:  # later tiles change the list lengths, hence the dK/dV pieces: rounding may move
+            _close(y[:, :t_tile], x[:, :t_tile], fp32_tol(dev), name)
 
 
 def test_cpu_without_interpreter_raises_one_line_error():

@@ -6,7 +6,7 @@ import torch
 
 from nosa_layers import NOSAConfig
 from nosa_layers.ops.layout import block_layout
-from tests.nosa.common import random_qkvs, tiny_cfg
+from tests.nosa.common import tiny_cfg
 
 SPECIAL = torch.tensor([float("inf"), float("-inf"), -0.0, 0.0])
 

@@ -123,7 +123,12 @@ def test_interleaved_pipeline_full_recompute_and_wandb_offline(tmp_path, data_ar
     """PP=2 with 2 virtual stages (interleaved 1F1B), full activation recompute, W&B offline files."""
     run = tmp_path / "ipp"
     p = run_main([*CPT, *data_args, f"run.dir={run}", "train.max_steps=2", "parallel.pipeline_model_parallel_size=2",
-                  "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full", "logging.wandb=offline"],
+                  "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full", "logging.wandb=offline",
+                  "profile.start_step=2", "profile.num_steps=1"],
                  nproc=2, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert len(losses(run)) == 2 and all(math.isfinite(v) for v in losses(run).values()), p.stdout[-2000:]
     assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    summary = json.loads((run / "profile" / "summary.json").read_text())
+    assert summary["steps"] == [2, 2] and (run / "profile" / "trace.json").stat().st_size > 0
+    assert {"attention_forward", "attention_backward", "nosa_selection", "nosa_index", "everything_else"} <= \
+        summary["gpu_ms_per_step"].keys()

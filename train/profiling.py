@@ -1,0 +1,82 @@
+"""``profile.*``: a torch.profiler record of chosen training steps and a GPU-time breakdown.
+
+The breakdown sorts every GPU kernel of the recorded steps by name into the parts of a NOSA (or
+dense) attention layer and the rest: attention forward / backward (the NOSA Triton kernels, or
+flash / cuDNN attention), NOSA selection and index kernels, and the eviction head's forward
+(the ``nosa.eviction_head`` range), so NOSA and dense runs compare part by part (ms per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+PARTS = {  # kernel-name fragments, checked in this order
+    "nosa_selection": ("_compress_kernel", "_sel_lse_kernel", "_sel_block_kernel", "_select_kernel"),
+    "nosa_index": ("_pack_lists_kernel", "_inv_count_kernel", "_scan_kernel", "_inv_fill_kernel"),
+    "attention_backward": ("_bwd_dq_kernel", "_bwd_dkdv_kernel", "_dkdv_reduce_kernel", "_bwd_delta_kernel",
+                           "flash_bwd", "bprop", "fmha_bwd", "attention_backward", "dot_do_o"),
+    "attention_forward": ("_fwd_kernel", "flash_fwd", "fprop", "fmha_fwd", "attention_forward"),
+}
+EVICTION_RANGE = "nosa.eviction_head"
+
+
+def breakdown(events, steps: int) -> dict:
+    """GPU ms per step by part from ``profiler.key_averages()`` (kernels and the eviction range)."""
+    parts = {name: 0.0 for name in PARTS}
+    total = eviction = 0.0
+    for ev in events:
+        if ev.key == EVICTION_RANGE:
+            eviction = (getattr(ev, "device_time_total", 0) or 0) / 1e3
+            continue
+        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue  # CPU ops: their kernels are counted as kernel events
+        ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
+        total += ms
+        for name, frags in PARTS.items():
+            if any(f in ev.key for f in frags):
+                parts[name] += ms
+                break
+    parts["eviction_head_forward"] = eviction
+    parts["everything_else"] = total - sum(parts.values())
+    out = {k: round(v / steps, 3) for k, v in parts.items()}
+    out["total_gpu"] = round(total / steps, 3)
+    return out
+
+
+class StepProfiler:
+    """Records steps ``[start, start + n)`` (1-based) on the rank that owns the output."""
+
+    def __init__(self, start: int, n: int, run_dir: str, enabled: bool) -> None:
+        self.start, self.n, self.enabled = start, n, enabled and start > 0
+        self.out = Path(run_dir) / "profile"
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.start:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def after(self, step: int, log) -> None:
+        if self.prof is None or step != self.start + self.n - 1:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / f".trace.json.tmp-{os.getpid()}"
+        self.prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, self.out / "trace.json")
+        summary = {"steps": [self.start, step], "gpu_ms_per_step": breakdown(self.prof.key_averages(), self.n)}
+        tmp = self.out / f".summary.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.out / "summary.json")
+        log(f"profile of steps {self.start}-{step}: {self.out / 'summary.json'} "
+            f"(GPU ms/step: {summary['gpu_ms_per_step']})")
+        self.prof = None
