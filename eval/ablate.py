@@ -24,6 +24,7 @@ never re-run):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -41,6 +42,7 @@ from eval.presets import VARIANTS, AblationPreset, get_preset
 from eval.report import fmt, markdown_table, save_plot, write_atomic, write_json
 from eval.suite import RESULT, SuiteConfig
 
+_PORTS = itertools.count(29400, 11)  # rendezvous ports of the single-process trainers, one per job
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -90,8 +92,8 @@ class Ablation:
             env["CUDA_VISIBLE_DEVICES"] = device
             if nproc > 1:
                 env.update({k: os.environ.get(k, v) for k, v in NCCL_ENV.items()})
-            else:  # a port per GPU: concurrent single-process trainers must not race for one free port
-                env.setdefault("MASTER_PORT", str(29400 + 10 * int(device)))
+            else:  # a port per job: concurrent single-process trainers (one GPU or several) must not share one
+                env.setdefault("MASTER_PORT", str(next(_PORTS)))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a") as fh:
             fh.write(f"\n$ {' '.join(cmd)}\n")

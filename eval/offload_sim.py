@@ -148,6 +148,7 @@ def offload_summary(sparse_fetched: np.ndarray, dense_fetched: np.ndarray, geo: 
     return {
         "bytes_per_token": nosa, "dense_bytes_per_token": dense,
         "decode_tokens_per_s": tput, "dense_decode_tokens_per_s": tput_dense,
-        "throughput_ratio_vs_dense": (dense / nosa) if nosa > 0 else None,
+        # nothing to copy for either: the same cost; nothing for the model only: not bus-bound (None)
+        "throughput_ratio_vs_dense": (dense / nosa) if nosa > 0 else (1.0 if dense == 0 else None),
         "bandwidth_gb_s": bandwidth_gb_s, "block_bytes": geo.block_bytes,
     }

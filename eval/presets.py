@@ -7,10 +7,11 @@ runs from the same pretrained checkpoint, and the evaluation (task lengths, docu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List
 
 from eval.errors import EvalError
+from nosa_layers.config import tiny_geometry
 
 # variant name -> the recipes/attention group its CPT runs with (recipe=<cpt> attention=<group>)
 VARIANTS: Dict[str, str] = {
@@ -69,6 +70,10 @@ class AblationPreset:
 
 
 _QUIET = ["train.eval_interval=0", "checkpoint.interval=0", "logging.plot=true"]
+# The tiny CPT recipe takes its geometry from its attention group (nosa_tiny); a variant swaps the
+# group (attention=<variant>), so the tiny geometry is restated for every variant.
+_TINY_GEOMETRY = [f"attention.nosa.{k}={v}" for k, v in asdict(tiny_geometry()).items()
+                  if k not in ("eviction_head", "detach_value")]
 
 PRESETS: Dict[str, AblationPreset] = {
     # Seconds per stage on 2 CPU cores: the CPU test and a smoke run of the whole pipeline.
@@ -77,7 +82,7 @@ PRESETS: Dict[str, AblationPreset] = {
         pretrain=Stage("tiny_pretrain", 6, ["train.global_batch_size=4", "train.micro_batch_size=2", *_QUIET,
                                             "optim.warmup_steps=1"]),
         cpt=Stage("tiny_cpt", 4, ["train.global_batch_size=2", "train.locality_interval=0", *_QUIET,
-                                  "optim.warmup_steps=1"]),
+                                  "optim.warmup_steps=1", *_TINY_GEOMETRY]),
         variants=["ed_dma", "none", "dense"], demo="small", split="90,10,0", task_lengths=[512], task_samples=2,
         pretrain_doc_lengths=[512], cpt_doc_lengths=[512], train_docs=1, eval_length=512, locality_docs=2,
         ppl_docs=2),

@@ -71,7 +71,7 @@ def test_kernel_matches_torch_with_raw_forced_values_and_small_tiles(dev, monkey
     """Forced blocks not +inf (ranked by value in stage 1), several row tiles per block."""
     import nosa_layers.ops.topk as topk
 
-    monkeypatch.setattr(topk, "TILE", 64)  # 1 row per step at 64 padded blocks
+    monkeypatch.setattr(topk, "TILE", 256)  # 4 rows per step at 64 padded blocks
     cfg = tiny_cfg()
     for evict in (True, False):
         _check(*_inputs(2, 2, 109, cfg, evict, seed=3, device=dev, forced_inf=False), cfg)
