@@ -49,6 +49,16 @@ def _row_mask(word, r, ktok, tok, kvalid):
 
 
 @triton.jit
+def _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh, BS: tl.constexpr, D: tl.constexpr):
+    """Bases of KV head ``h`` of batch row ``b`` in K, V and the bias, and the ``[BS, D]`` tile
+    offsets of K and V (a key block is then one scalar offset away)."""
+    offs_n = tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    return (K + b * s_kb + h * s_kh, V + b * s_vb + h * s_vh, offs_n[:, None] * s_kt + offs_d[None, :],
+            offs_n[:, None] * s_vt + offs_d[None, :], Bias + b * s_bb + h * s_bh)
+
+
+@triton.jit
 def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt, kdiag, de, tok, r,
                qk_scale, FULL: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """List entry ``e`` of a query-side program: masked scores (log2 domain) ``[M, BS]``, the
@@ -82,14 +92,9 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
     w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BS)
     q = tl.load(Q + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=rvalid[:, None], other=0.0)
-    kbase = K + b * s_kb + h * s_kh
-    vbase = V + b * s_vb + h * s_vh
-    koff = offs_n[:, None] * s_kt + offs_d[None, :]
-    voff = offs_n[:, None] * s_vt + offs_d[None, :]
-    bbase = Bias + b * s_bb + h * s_bh
+    kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh, BS, D)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
@@ -124,17 +129,12 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
     w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BS)
     row_off = tok[:, None].to(tl.int64)
     q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
     do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
     lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
-    kbase = K + b * s_kb + h * s_kh
-    vbase = V + b * s_vb + h * s_vh
-    koff = offs_n[:, None] * s_kt + offs_d[None, :]
-    voff = offs_n[:, None] * s_vt + offs_d[None, :]
-    bbase = Bias + b * s_bb + h * s_bh
+    kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh, BS, D)
     dq = tl.zeros([M, D], tl.float32)
     n = tl.minimum(tl.load(Count + w), cap)
     for e in range(0, n):
