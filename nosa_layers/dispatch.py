@@ -80,13 +80,13 @@ def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOS
     ``attn_heads`` is then the attention's query-head count (it shapes the kernels' query tiles)."""
     backend = resolve_backend(backend, q.device)
     score = None if evict_score is None else evict_score.detach()
-    own = selected is not None  # a caller's selection may exceed the topk budget per row
+    given = selected is not None  # a caller's selection may exceed the topk budget per row
     if selected is None:
         selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale, backend=backend)
     if backend != "triton":
         return PreparedSelection(selected)
     index = ops.build_sparse_index(selected, cfg, q.shape[1], cu_seqlens, num_q_heads=attn_heads or q.shape[2],
-                                   row_budget=None if own else cfg.topk)
+                                   row_budget=None if given else cfg.topk)
     return PreparedSelection(selected, index)
 
 

@@ -8,12 +8,13 @@ from torch import Tensor
 
 from ._common import LOG2E, check_device, interpreting
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
-from .sparse_index import SparseIndex
+from .sparse_index import SparseIndex, largest_divisor
 
 # Launch parameters per GPU architecture (compute capability major version; the interpreter uses
 # sm90's). ``tile.rows``: rows of a query tile (``qt`` tokens x the heads of a KV group, see
 # ``sparse_index.query_tile``); per kernel: ``rows`` (M of its programs: heads packed per program =
-# rows // qt, at most G), warps, pipeline stages; dK/dV: ``CHUNK`` entries per list piece and
+# rows // qt, at most G), warps, pipeline stages; dK/dV: ``CHUNK`` units of work per list piece (a
+# unit = 64 query rows x one KV block; an entry is qt x G rows) and
 # ``SLOTS`` fp32 partials (64 KiB each at D = 128) for the pieces of split lists. sm80 (A100 /
 # A800, 164 KB shared memory per SM) keeps every kernel under 100 KB of shared memory; ``test_arch``
 # compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
@@ -61,9 +62,7 @@ def _empty(*shape, **kw) -> Tensor:
 def heads_per_program(G: int, qt: int, rows: int) -> int:
     """Query heads packed into one program: the largest divisor of G with ``heads * qt <= rows``
     (at least 1, and ``heads * qt >= 16`` for ``tl.dot`` where G allows)."""
-    hp = max(1, min(G, rows // qt))
-    while G % hp:
-        hp -= 1
+    hp = largest_divisor(G, rows // qt)
     while hp * qt < 16 and hp < G:
         hp = next(d for d in range(hp + 1, G + 1) if G % d == 0)
     return hp

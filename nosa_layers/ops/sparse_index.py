@@ -62,11 +62,6 @@ class SparseIndex:
     def n_lists(self) -> int:
         return self.layout.n_blocks * self.hkv
 
-    @property
-    def nnz(self) -> int:
-        """Listed (tile, head, block) entries (a host sync: statistics and tests only)."""
-        return int(self.inv_ptr[-1])
-
 
 @triton.jit
 def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap,
@@ -105,9 +100,9 @@ def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_
 
 
 @triton.jit
-def _inverse_scan(Words, Blocks, c, h, NBW: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, BS: tl.constexpr):
-    """Column of KV block ``c`` in the dense words: tiles ``[i0, i1)`` of its document from its own
-    block on, the column ``j`` (block index in the document) and the batch row."""
+def _inverse_scan(Blocks, c, S: tl.constexpr, BS: tl.constexpr):
+    """Column of KV block ``c`` in the dense words: the tiles ``[i0, i1)`` of its document from its
+    own block on and the column ``j`` (the block's index in its document)."""
     ks = tl.load(Blocks + c * 4 + 1)
     ds = tl.load(Blocks + c * 4 + 2)
     de = tl.load(Blocks + c * 4 + 3)
@@ -121,7 +116,7 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW: tl.constexpr, HKV: tl.conste
                       BS: tl.constexpr, CB: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    i0, i1, j = _inverse_scan(Words, Blocks, c, h, NBW, HKV, S, BS)
+    i0, i1, j = _inverse_scan(Blocks, c, S, BS)
     cnt = 0
     for t0 in range(i0, i1, CB):
         i = t0 + tl.arange(0, CB)
@@ -163,7 +158,7 @@ def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
     c = tl.program_id(0)
     h = tl.program_id(1)
     lst = c * HKV + h
-    i0, i1, j = _inverse_scan(Words, Blocks, c, h, NBW, HKV, S, BS)
+    i0, i1, j = _inverse_scan(Blocks, c, S, BS)
     base = tl.load(InvPtr + lst)
     n = 0
     for t0 in range(i0, i1, CB):
@@ -183,29 +178,36 @@ def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
         tl.store(PieceList + p, lst, mask=p < p1)
 
 
+def largest_divisor(G: int, n: int) -> int:
+    """The largest divisor of ``G`` that is at most ``max(1, n)``."""
+    d = max(1, min(G, n))
+    while G % d:
+        d -= 1
+    return d
+
+
 def query_tile(G: int, block: int, rows: int = 64) -> tuple[int, int]:
     """``(qt, heads)`` of a query tile: all ``G`` query heads of a KV group (at most ``rows``) and
     ``qt = rows // heads`` tokens (a power of two dividing ``block``; at least 1, M >= 16)."""
-    heads = min(G, rows)
-    while G % heads:
-        heads -= 1
-    qt = max(1, min(block, rows // heads))
-    qt = 1 << (qt.bit_length() - 1)
+    heads = largest_divisor(G, rows)
+    qt = 1 << (max(1, min(block, rows // heads)).bit_length() - 1)
     while qt * heads < 16 and qt < block:
         qt *= 2
     return qt, heads
 
 
-def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None,
-                       num_q_heads: int | None = None, row_budget: int | None = None,
-                       qt: int | None = None, chunk: int | None = None, max_slots: int | None = None) -> SparseIndex:
+def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
+                       num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
+                       chunk: int | None = None, max_slots: int | None = None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
-    ``seq_len = T`` tokens, documents at ``cu_seqlens``).
+    ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
+    heads.
 
-    ``num_q_heads`` sets the query tile (``query_tile``; default: 64-token tiles, one head per
-    program); ``row_budget``: most blocks any one row selects (``cfg.topk`` for NOSA selections),
-    which bounds the forward lists at ``qt * row_budget`` entries instead of ``nb``; ``qt``,
-    ``chunk`` (dK/dV piece length, entries) and ``max_slots`` override the launch configuration."""
+    The query tile follows ``query_tile`` (``qt`` overrides it); ``row_budget``: most blocks any one
+    row selects (``cfg.topk`` for NOSA selections), which bounds the forward lists at
+    ``qt * row_budget`` entries instead of ``nb``; ``chunk`` (dK/dV piece length in list entries;
+    default: the launch configuration's ``CHUNK`` 64-row units of work) and ``max_slots`` override
+    the launch configuration."""
     from .attention_op import launch_config
 
     check_device(selected)
@@ -215,15 +217,16 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     bs = cfg.block_size
     layout = block_layout(B, T, cu_seqlens, bs, selected.device)
     launch = launch_config(selected.device)
+    G = num_q_heads // Hkv
     if qt is None:
-        qt = query_tile(num_q_heads // Hkv, bs, launch["tile"]["rows"])[0] if num_q_heads else bs
+        qt = query_tile(G, bs, launch["tile"]["rows"])[0]
     if bs % qt or qt & (qt - 1):
         raise ValueError(f"query tile of {qt} tokens must be a power of two dividing block_size {bs}")
     S = bs // qt
     n_tiles = layout.n_blocks * S
     n_lists = layout.n_blocks * Hkv
     cap = max(1, min(nbw, qt * row_budget) if row_budget else nbw)
-    chunk = max(1, chunk or launch["dkdv"]["CHUNK"])
+    chunk = max(1, chunk or launch["dkdv"]["CHUNK"] * 64 // (qt * G))  # an entry is qt x G rows of work
     max_slots = launch["dkdv"]["SLOTS"] if max_slots is None else max_slots
     dev = selected.device
     wdt = torch.int64 if qt > 32 else torch.int32

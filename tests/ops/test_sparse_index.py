@@ -48,7 +48,7 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots):
     spans = [(0, T)] if cu is None else [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
     sel = _random_selection(B, Hkv, T, spans, bs, torch.Generator().manual_seed(T + qt))
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
-    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, qt=qt, chunk=chunk, max_slots=slots)
+    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots)
     fwd, inv = _brute_force(sel, spans, bs, qt)
     blocks = idx.layout.blocks.cpu().tolist()
     count, ks, word = idx.fwd_count.cpu(), idx.fwd_ks.cpu(), idx.fwd_word.cpu()
@@ -92,13 +92,26 @@ def test_union_inflation_counts_union_blocks_and_bitmask_fill(dev):
     sel = torch.zeros(1, 1, T, 4, dtype=torch.bool)
     for t in range(T):
         sel[0, 0, t, t // bs] = True
-    st = union_inflation(build_sparse_index(sel.to(dev), cfg, T), sel.to(dev))
+    st = union_inflation(build_sparse_index(sel.to(dev), cfg, T, num_q_heads=1), sel.to(dev))
     assert st["inflation"] == pytest.approx(1.0) and st["bitmask_fill"] == pytest.approx(1.0) and st["nnz"] == 4
     sel[0, 0, 48:56, 0] = True  # last tile: first half adds block 0, second half block 1
     sel[0, 0, 56:64, 1] = True
-    st = union_inflation(build_sparse_index(sel.to(dev), cfg, T), sel.to(dev))
+    st = union_inflation(build_sparse_index(sel.to(dev), cfg, T, num_q_heads=1), sel.to(dev))
     assert st["mean_union_blocks_per_tile"] == pytest.approx((1 + 1 + 1 + 3) / 4)
     assert st["mean_blocks_per_token"] == pytest.approx((48 + 16 * 2) / 64)
     assert st["bitmask_fill"] == pytest.approx((4 * 16 + 8 + 8) / (6 * 16))
-    st8 = union_inflation(build_sparse_index(sel.to(dev), cfg, T, qt=8), sel.to(dev))
+    st8 = union_inflation(build_sparse_index(sel.to(dev), cfg, T, num_q_heads=1, qt=8), sel.to(dev))
     assert st8["inflation"] == pytest.approx(1.0)  # 8-token tiles separate the two halves
+
+
+def test_dkdv_pieces_hold_the_same_work_for_every_query_tile(dev):
+    """The default dK/dV piece is CHUNK units of 64 query rows: an entry of a qt-token tile of a
+    G-head group is qt x G rows, so 64-token tiles get pieces G times shorter than 8-token ones."""
+    from nosa_layers.ops.attention_op import launch_config
+
+    cfg = tiny_cfg()
+    sel = _random_selection(1, 2, 40, [(0, 40)], cfg.block_size, torch.Generator().manual_seed(3)).to(dev)
+    units = launch_config(dev)["dkdv"]["CHUNK"]
+    for qt in (16, 4):
+        idx = build_sparse_index(sel, cfg, 40, num_q_heads=16, qt=qt)  # G = 8
+        assert idx.chunk == units * 64 // (qt * 8)
