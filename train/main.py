@@ -20,10 +20,6 @@ import sys
 
 if __package__ in (None, ""):  # `python train/main.py` / `torchrun train/main.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Activations and the sparse-attention index change size from micro-batch to micro-batch (packed
-# documents); expandable segments keep the CUDA caching allocator from fragmenting and stalling on
-# cudaMalloc / cudaFree near the memory limit. Set before CUDA starts; a user's setting wins.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def main(argv: list[str] | None = None) -> int:
