@@ -68,7 +68,8 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     t0 = time.time()
     log = Path(a.out) / f"{name}.log"
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
+                            check=False).returncode
     out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
     metrics = Path(a.out) / name / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
@@ -88,12 +89,20 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "step_s": statistics.median(times),
         "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
         "slowest_step_s": times[-1],
-        "gpu_ms_per_step": json.loads(profile.read_text())["gpu_ms_per_step"] if profile.exists() else None,
+        **_profile_fields(profile),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),
         "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
     })
     return out
+
+
+def _profile_fields(summary: Path) -> dict:
+    """GPU ms per part, GPU idle analysis and allocator counters of the profiled steps."""
+    if not summary.exists():
+        return {"gpu_ms_per_step": None}
+    s = json.loads(summary.read_text())
+    return {"gpu_ms_per_step": s["gpu_ms_per_step"], "gpu_idle": s.get("gpu_idle"), "allocator": s.get("allocator")}
 
 
 def main() -> None:
@@ -159,6 +168,14 @@ def main() -> None:
         print("|---|" + "---|" * len(keys))
         for r in parts:
             print(f"| {r['run']} | " + " | ".join(f"{r['gpu_ms_per_step'].get(k, 0):.1f}" for k in keys) + " |")
+    for r in parts:
+        idle = r.get("gpu_idle") or {}
+        print(f"\n{r['run']}: GPU idle {idle.get('gpu_idle_ms_per_step')} ms/step of {idle.get('window_ms_per_step')}; "
+              f"allocator {r.get('allocator')}; host syncs {idle.get('host_sync_ms_per_step')}")
+        for g in idle.get("idle_by_host_op", [])[:6]:
+            print(f"  idle {g['ms_per_step']:8.2f} ms/step in {g['gaps_per_step']:6.1f} gaps at {g['host_op']}")
+        for g in idle.get("longest_gaps", [])[:4]:
+            print(f"  gap {g['ms']:.2f} ms at {' < '.join(g['host_stack'])} runtime {g['runtime_ms']}")
     print(json.dumps(env, indent=1))
     for r in results:
         if "error_tail" in r:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from train.gpu_idle import summarize_file
+
 PARTS = {  # kernel-name fragments, checked in this order
     "nosa_selection": ("_compress_kernel", "_sel_lse_kernel", "_sel_block_kernel", "_select_kernel"),
     "nosa_index": ("_pack_lists_kernel", "_inv_count_kernel", "_scan_kernel", "_inv_fill_kernel"),
@@ -47,6 +49,18 @@ def breakdown(events, steps: int) -> dict:
     return out
 
 
+def _allocator_counts() -> dict:
+    """CUDA caching-allocator counters: device mallocs / frees and retries (a retry frees the cache
+    and synchronises: GPU idle), plus the reserved-memory peak in GiB."""
+    if not torch.cuda.is_available():
+        return {}
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+    out = {k: int(st.get(k, 0)) for k in keys}
+    out["reserved_peak_gib"] = round(st.get("reserved_bytes.all.peak", 0) / 2**30, 2)
+    return out
+
+
 class StepProfiler:
     """Records steps ``[start, start + n)`` (1-based) on the rank that owns the output."""
 
@@ -60,6 +74,7 @@ class StepProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.mem0 = _allocator_counts()
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
 
@@ -74,9 +89,15 @@ class StepProfiler:
         self.prof.export_chrome_trace(str(tmp))
         os.replace(tmp, self.out / "trace.json")
         summary = {"steps": [self.start, step], "gpu_ms_per_step": breakdown(self.prof.key_averages(), self.n)}
+        if torch.cuda.is_available():
+            mem1 = _allocator_counts()
+            summary["allocator"] = {k: mem1[k] - self.mem0.get(k, 0) for k in mem1 if k.startswith("num_")}
+            summary["allocator"]["reserved_peak_gib"] = mem1["reserved_peak_gib"]
+            summary["gpu_idle"] = summarize_file(self.out / "trace.json", self.n)
         tmp = self.out / f".summary.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, self.out / "summary.json")
         log(f"profile of steps {self.start}-{step}: {self.out / 'summary.json'} "
-            f"(GPU ms/step: {summary['gpu_ms_per_step']})")
+            f"(GPU ms/step: {summary['gpu_ms_per_step']}; idle ms/step: "
+            f"{summary.get('gpu_idle', {}).get('gpu_idle_ms_per_step', '-')}; allocator: {summary.get('allocator')})")
         self.prof = None

@@ -33,3 +33,35 @@ def test_kernels_are_sorted_into_parts_per_step():
     assert got["eviction_head_forward"] == pytest.approx(0.4)
     assert got["total_gpu"] == pytest.approx(17.0)
     assert got["everything_else"] == pytest.approx(17.0 - 2.3 - 4.0 - 0.6 - 0.1 - 0.4)
+
+
+def _x(cat, name, ts, dur, **kw):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **kw}
+
+
+def test_gpu_idle_gaps_name_the_host_work_that_caused_them():
+    from train.gpu_idle import idle_gaps, summarize
+
+    events = [
+        _x("kernel", "gemm", 0, 1000), _x("kernel", "gemm", 500, 1500),  # overlapping: one busy interval
+        _x("kernel", "attn", 5000, 1000),  # 3 ms gap after 2000 us
+        _x("gpu_memcpy", "Memcpy DtoH", 6000, 100), _x("kernel", "mlp", 6200, 800),  # 0.1 ms gap: below 0.2
+        _x("kernel", "mlp", 9000, 1000),  # 2 ms gap
+        _x("cpu_op", "aten::item", 1900, 3200), _x("cpu_op", "aten::_local_scalar_dense", 1950, 3100),
+        _x("cuda_runtime", "cudaStreamSynchronize", 2000, 2900),
+        _x("user_annotation", "step", 0, 10000),
+        _x("cuda_runtime", "cudaMalloc", 7100, 1500), _x("cuda_runtime", "cudaMalloc", 7000, 50),
+    ]
+    gaps = idle_gaps(events, min_ms=0.2)
+    assert [round(g["ms"], 3) for g in gaps] == [3.0, 2.0]
+    assert gaps[0]["host_op"] == "aten::_local_scalar_dense"
+    assert gaps[0]["host_stack"][:3] == ["aten::_local_scalar_dense", "aten::item", "step"]
+    assert gaps[0]["runtime_ms"] == {"cudaStreamSynchronize": 2.9}
+    assert gaps[1]["host_op"] == "step" and gaps[1]["runtime_ms"]["cudaMalloc"] == pytest.approx(1.55)
+    s = summarize(events, steps=2)
+    assert s["window_ms_per_step"] == 5.0 and s["gpu_busy_ms_per_step"] == 2.45
+    assert s["gpu_idle_ms_per_step"] == 2.55
+    assert s["idle_by_host_op"][0] == {"host_op": "aten::_local_scalar_dense", "ms_per_step": 1.5, "gaps_per_step": 0.5}
+    assert s["host_sync_ms_per_step"] == {"cudaStreamSynchronize": 1.45}
+    assert s["allocator_calls_per_step"]["cudaMalloc"]["count"] == 1.0
+    assert s["allocator_calls_per_step"]["cudaMalloc"]["ms"] == pytest.approx(0.775, abs=0.006)

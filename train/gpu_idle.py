@@ -1,0 +1,118 @@
+"""Where the GPU waits: idle gaps of a torch.profiler Chrome trace and what the host did meanwhile.
+
+A step whose wall time exceeds its GPU time leaves the GPU idle between kernels. This module finds
+those gaps in an exported trace (``prof.export_chrome_trace``) and, for each, the host work that
+overlapped it: CUDA runtime calls (a ``cudaStreamSynchronize`` or a blocking ``cudaMemcpy`` is a
+host sync; ``cudaMalloc`` / ``cudaFree`` are allocator retries) and the innermost CPU op / range
+running when the gap began. ``summarize`` groups the gaps by that op so the cause reads off one
+table. Times are milliseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from pathlib import Path
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "user_annotation")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
+              "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def _events(trace: dict) -> list[dict]:
+    evs = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    return [e for e in evs if e.get("ph") == "X" and "dur" in e]
+
+
+def gpu_busy(events: list[dict]) -> list[tuple[float, float]]:
+    """Merged ``[start, end)`` intervals (µs) in which any GPU stream ran a kernel, copy or memset."""
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATS)
+    merged: list[list[float]] = []
+    for s, t in iv:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t)
+        else:
+            merged.append([s, t])
+    return [(s, t) for s, t in merged]
+
+
+def idle_gaps(events: list[dict], min_ms: float = 0.2) -> list[dict]:
+    """Every GPU idle gap of at least ``min_ms`` with the host work that overlapped it."""
+    busy = gpu_busy(events)
+    host = sorted((e for e in events if e.get("cat") in HOST_CATS), key=lambda e: e["ts"])
+    runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
+    gaps = []
+    for (_, s), (t, _) in itertools.pairwise(busy):
+        if (t - s) / 1e3 < min_ms:
+            continue
+        calls = defaultdict(float)
+        for e in runtime:
+            if e["ts"] > t:
+                break
+            ov = min(t, e["ts"] + e["dur"]) - max(s, e["ts"])
+            if ov > 0:
+                calls[e["name"]] += ov / 1e3
+        # innermost host range containing the gap start (shortest one that covers it)
+        covering = [e for e in host if e["ts"] <= s <= e["ts"] + e["dur"]]
+        covering.sort(key=lambda e: e["dur"])
+        gaps.append({
+            "start_us": s, "ms": (t - s) / 1e3,
+            "host_op": covering[0]["name"] if covering else "(no host op: Python between ops)",
+            "host_stack": [e["name"] for e in covering[:4]],
+            "runtime_ms": {k: round(v, 3) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])[:4]},
+        })
+    return gaps
+
+
+def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12) -> dict:
+    """GPU busy / idle ms per step, idle grouped by the host op at the gap start, host-sync time."""
+    busy = gpu_busy(events)
+    if not busy:
+        return {"gpu_events": 0}
+    span = (busy[-1][1] - busy[0][0]) / 1e3
+    busy_ms = sum(t - s for s, t in busy) / 1e3
+    gaps = idle_gaps(events, min_ms)
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for g in gaps:
+        by_op[g["host_op"]][0] += g["ms"]
+        by_op[g["host_op"]][1] += 1
+    sync = defaultdict(float)
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(e["name"].startswith(c) for c in SYNC_CALLS):
+            sync[e["name"]] += e["dur"] / 1e3
+    allocs = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e["name"] in ("cudaMalloc", "cudaFree", "cudaMallocAsync"):
+            allocs[e["name"]][0] += 1
+            allocs[e["name"]][1] += e["dur"] / 1e3
+    per = 1.0 / max(steps, 1)
+    return {
+        "window_ms_per_step": round(span * per, 2),
+        "gpu_busy_ms_per_step": round(busy_ms * per, 2),
+        "gpu_idle_ms_per_step": round((span - busy_ms) * per, 2),
+        f"idle_in_gaps_over_{min_ms}ms_per_step": round(sum(g["ms"] for g in gaps) * per, 2),
+        "idle_by_host_op": [
+            {"host_op": k, "ms_per_step": round(v[0] * per, 2), "gaps_per_step": round(v[1] * per, 1)}
+            for k, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
+        "longest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
+        "host_sync_ms_per_step": {k: round(v * per, 2) for k, v in sorted(sync.items(), key=lambda kv: -kv[1])},
+        "allocator_calls_per_step": {k: {"count": round(n * per, 1), "ms": round(ms * per, 2)}
+                                     for k, (n, ms) in allocs.items()},
+    }
+
+
+def summarize_file(path: str | Path, steps: int, min_ms: float = 0.2) -> dict:
+    return summarize(_events(json.loads(Path(path).read_text())), steps, min_ms)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="GPU idle gaps of a torch.profiler Chrome trace")
+    ap.add_argument("trace")
+    ap.add_argument("--steps", type=int, default=1, help="steps the trace covers (figures are per step)")
+    ap.add_argument("--min-ms", type=float, default=0.2)
+    a = ap.parse_args()
+    print(json.dumps(summarize_file(a.trace, a.steps, a.min_ms), indent=1))
