@@ -89,6 +89,10 @@ class TrainSection:
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
     nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps
     locality_interval: int = 0  # log NOSA locality stats every N steps (0: off)
+    # Python garbage collection: 0 = Python's automatic GC; N > 0 = manual (as Megatron-LM's
+    # --manual-gc): automatic GC off while training, one full collection every N steps at the same
+    # step on every rank (an automatic gen-2 pass can stall one rank's kernel launches for ~1 s)
+    gc_interval: int = 0
 
 
 @dataclass
@@ -136,6 +140,7 @@ class ProfileSection:
 
     start_step: int = 0
     num_steps: int = 2
+    with_stack: bool = False  # record Python stacks too (names the Python code behind GPU idle gaps)
 
 
 @dataclass
@@ -201,6 +206,7 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
+               "train.gc_interval",
                "checkpoint.", "logging.", "profile.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
                "data.num_builder_threads", "data.cache_dir", "run.dir", "recipe")
 
@@ -307,6 +313,7 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _need(cfg.profile.start_step >= 0 and cfg.profile.num_steps >= 1,
           f"profile.start_step={cfg.profile.start_step} must be >= 0 (0: off) and profile.num_steps="
           f"{cfg.profile.num_steps} >= 1")
+    _need(t.gc_interval >= 0, f"train.gc_interval={t.gc_interval} must be >= 0 (0: Python's automatic GC)")
     _need(t.eval_interval >= 0 and t.eval_iters >= 0, "train.eval_interval and train.eval_iters must be >= 0")
     _need(o.lr > 0 and 0 <= o.min_lr <= o.lr, f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
     _need(0 <= o.warmup_steps < t.max_steps,

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-HOST_CATS = ("cpu_op", "user_annotation")
+HOST_CATS = ("cpu_op", "user_annotation", "python_function")  # the last with profile.with_stack
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
               "cudaMemcpy", "cudaStreamWaitEvent")
 

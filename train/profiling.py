@@ -64,8 +64,9 @@ def _allocator_counts() -> dict:
 class StepProfiler:
     """Records steps ``[start, start + n)`` (1-based) on the rank that owns the output."""
 
-    def __init__(self, start: int, n: int, run_dir: str, enabled: bool) -> None:
+    def __init__(self, start: int, n: int, run_dir: str, enabled: bool, with_stack: bool = False) -> None:
         self.start, self.n, self.enabled = start, n, enabled and start > 0
+        self.with_stack = with_stack
         self.out = Path(run_dir) / "profile"
         self.prof = None
 
@@ -75,7 +76,7 @@ class StepProfiler:
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.mem0 = _allocator_counts()
-            self.prof = torch.profiler.profile(activities=acts)
+            self.prof = torch.profiler.profile(activities=acts, with_stack=self.with_stack)
             self.prof.__enter__()
 
     def after(self, step: int, log) -> None:

@@ -23,6 +23,7 @@ from train import checkpointing as ckpt
 from train.config import RunConfig
 from train.distributed import DistEnv
 from train.finite import grads_nonfinite, weights_nonfinite
+from train.gc_control import GarbageCollection
 from train.metrics import MetricsLogger, peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
 from train.profiling import StepProfiler
@@ -342,7 +343,10 @@ class Trainer:
                       f"(raise train.max_steps to continue)")
         log0(env, f"training {cfg.recipe}: steps {self.step} -> {t.max_steps}, {self.micro_batches} "
                   f"micro-batches/step, {tokens_per_step} tokens/step, run dir {self.run_dir}")
-        profiler = StepProfiler(cfg.profile.start_step, cfg.profile.num_steps, str(self.run_dir), env.owns_loss)
+        profiler = StepProfiler(cfg.profile.start_step, cfg.profile.num_steps, str(self.run_dir), env.owns_loss,
+                                with_stack=cfg.profile.with_stack)
+        collector = GarbageCollection(t.gc_interval)
+        collector.__enter__()
         try:
             while self.step < t.max_steps:
                 if t.exit_after_steps is not None and self.step - start_step >= t.exit_after_steps:
@@ -351,6 +355,7 @@ class Trainer:
                 profiler.before(self.step + 1)
                 t0 = time.perf_counter()
                 out = self.train_step()
+                collector.after_step(self.step + 1)  # inside the timed step: users pay for it
                 dt = time.perf_counter() - t0
                 self.step += 1
                 profiler.after(self.step, partial(log0, env))
@@ -379,6 +384,7 @@ class Trainer:
             if self.step != saved_at:
                 self.save()
         finally:
+            collector.__exit__(None, None, None)
             if env.owns_loss and cfg.logging.plot:
                 png = logger.plot()
                 if png:

@@ -1,0 +1,36 @@
+"""``train.gc_interval``: manual garbage collection of the training loop (``train/gc_control.py``)."""
+
+import gc
+
+import pytest
+
+from train.gc_control import GarbageCollection
+
+
+def test_manual_mode_disables_automatic_gc_and_collects_every_n_steps(monkeypatch):
+    calls = []
+    real_collect = gc.collect
+    assert gc.isenabled()
+    with GarbageCollection(3) as col:
+        monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        for step in range(1, 8):
+            col.after_step(step)
+        monkeypatch.setattr(gc, "collect", real_collect)
+    assert len(calls) == 2  # steps 3 and 6
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_interval_zero_leaves_python_gc_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+    with GarbageCollection(0) as col:
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        for step in range(1, 5):
+            col.after_step(step)
+    assert calls == [] and gc.isenabled()
+
+
+def test_negative_interval_is_refused():
+    with pytest.raises(ValueError, match="gc interval"):
+        GarbageCollection(-1)
