@@ -173,7 +173,8 @@ def main() -> None:
         print(f"\n{r['run']}: GPU idle {idle.get('gpu_idle_ms_per_step')} ms/step of {idle.get('window_ms_per_step')}; "
               f"allocator {r.get('allocator')}; host syncs {idle.get('host_sync_ms_per_step')}")
         for g in idle.get("idle_by_host_op", [])[:6]:
-            print(f"  idle {g['ms_per_step']:8.2f} ms/step in {g['gaps_per_step']:6.1f} gaps at {g['host_op']}")
+            print(f"  idle {g['ms_per_step']:8.2f} ms/step in {g['gaps_per_step']:6.1f} gaps at {g['host_op']}; "
+                  f"longest at {' < '.join(g.get('longest_gap_stack', [])[:8])}")
         for g in idle.get("longest_gaps", [])[:4]:
             print(f"  gap {g['ms']:.2f} ms at {' < '.join(g['host_stack'])} runtime {g['runtime_ms']}")
     print(json.dumps(env, indent=1))

@@ -60,7 +60,7 @@ def idle_gaps(events: list[dict], min_ms: float = 0.2) -> list[dict]:
         gaps.append({
             "start_us": s, "ms": (t - s) / 1e3,
             "host_op": covering[0]["name"] if covering else "(no host op: Python between ops)",
-            "host_stack": [e["name"] for e in covering[:4]],
+            "host_stack": [e["name"] for e in covering[:10]],
             "runtime_ms": {k: round(v, 3) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])[:4]},
         })
     return gaps
@@ -74,10 +74,13 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
     span = (busy[-1][1] - busy[0][0]) / 1e3
     busy_ms = sum(t - s for s, t in busy) / 1e3
     gaps = idle_gaps(events, min_ms)
-    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_op: dict[str, list] = defaultdict(lambda: [0.0, 0, None])
     for g in gaps:
-        by_op[g["host_op"]][0] += g["ms"]
-        by_op[g["host_op"]][1] += 1
+        entry = by_op[g["host_op"]]
+        entry[0] += g["ms"]
+        entry[1] += 1
+        if entry[2] is None or g["ms"] > entry[2]["ms"]:
+            entry[2] = g
     sync = defaultdict(float)
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(e["name"].startswith(c) for c in SYNC_CALLS):
@@ -94,7 +97,8 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
         "gpu_idle_ms_per_step": round((span - busy_ms) * per, 2),
         f"idle_in_gaps_over_{min_ms}ms_per_step": round(sum(g["ms"] for g in gaps) * per, 2),
         "idle_by_host_op": [
-            {"host_op": k, "ms_per_step": round(v[0] * per, 2), "gaps_per_step": round(v[1] * per, 1)}
+            {"host_op": k, "ms_per_step": round(v[0] * per, 2), "gaps_per_step": round(v[1] * per, 1),
+             "longest_gap_stack": v[2]["host_stack"]}
             for k, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
         "longest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
         "host_sync_ms_per_step": {k: round(v * per, 2) for k, v in sorted(sync.items(), key=lambda kv: -kv[1])},
