@@ -63,9 +63,9 @@ class SparseIndex:
         return self.layout.n_blocks * self.hkv
 
 
-@triton.jit
-def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap,
-                       NBW: tl.constexpr, HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
+@triton.jit(do_not_specialize=["cap", "NBW"])
+def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap, NBW,
+                       HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
                        BS: tl.constexpr, NBC: tl.constexpr):
     """Per (query tile, KV head): the tile rows' selections ORed into one word per block (dense
     ``Words`` row, columns up to the tile's own block) and the forward list of non-zero words."""
@@ -111,8 +111,8 @@ def _inverse_scan(Blocks, c, S: tl.constexpr, BS: tl.constexpr):
     return c * S, (c - j + nb_doc) * S, j
 
 
-@triton.jit
-def _inv_count_kernel(Words, Blocks, InvCount, NBW: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr,
+@triton.jit(do_not_specialize=["NBW"])
+def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.constexpr,
                       BS: tl.constexpr, CB: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -125,7 +125,7 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW: tl.constexpr, HKV: tl.conste
     tl.store(InvCount + c * HKV + h, cnt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_lists", "chunk", "max_slots"])
 def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, CH: tl.constexpr):
     """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
     the split lists (lists are split in order while the slot budget lasts)."""
@@ -151,9 +151,9 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
     tl.store(PiecePtr + n_lists, carry_p)
 
 
-@triton.jit
-def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
-                     NBW: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr, QT: tl.constexpr,
+@triton.jit(do_not_specialize=["NBW"])
+def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord, NBW,
+                     HKV: tl.constexpr, S: tl.constexpr, QT: tl.constexpr,
                      BS: tl.constexpr, CB: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -247,11 +247,11 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
         inv_count = torch.empty(n_lists, **i32)
         _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, *sel.stride()[:3],
-                                           cap, NBW=nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
-        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, NBW=nbw, HKV=Hkv, S=S, BS=bs, CB=128)
+                                           cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
+        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, CB=128)
         _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, CH=1024)
         _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
-                                                 inv_word, NBW=nbw, HKV=Hkv, S=S, QT=qt, BS=bs, CB=128)
+                                                 inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, CB=128)
     else:
         inv_ptr.zero_()
         piece_ptr.zero_()

@@ -66,9 +66,9 @@ def _topk_rows(key, valid, k):
     return gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=1) <= need[:, None]))
 
 
-@triton.jit
-def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot,
-                   NBW: tl.constexpr, BR: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr,
+@triton.jit(do_not_specialize=["NBW"])
+def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
+                   BR: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr,
                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                    INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
     """One program per (KV block of query rows, KV head): every row is in block ``qb = j``."""
@@ -135,8 +135,8 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
     bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
     _select_kernel[(layout.n_blocks, Hkv)](
         b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,
-        *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3],
-        NBW=nb, BR=BR, NBP=NBP, BS=bs, KS=ks, ST=st, R=bs // st, E=-(-ks // st) - 1,
+        *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3], nb,
+        BR=BR, NBP=NBP, BS=bs, KS=ks, ST=st, R=bs // st, E=-(-ks // st) - 1,
         INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
         num_warps=max(2, min(16, BR * NBP // 512)))
     return out

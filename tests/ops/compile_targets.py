@@ -19,7 +19,7 @@ from nosa_layers.ops.sparse_index import query_tile
 FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
 FLOATS = {"qk_scale", "sm_scale"}
-INT_ARGS = {"T", "H", "K1", "K2"}  # upper-case scalars
+INT_ARGS = {"T", "H", "K1", "K2", "NBW"}  # upper-case scalars
 
 
 def signature(fn, const: dict, ptr: dict) -> dict:
@@ -49,11 +49,11 @@ def cases(arch: str, G: int):
         yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
     yield "dkdv_reduce", ak._dkdv_reduce_kernel, dict(HKV=2, BS=BS, D=D, NEED_DB=True), {}, 4, 3
     yield "delta", ak._bwd_delta_kernel, dict(BM=64, D=D), {}, 4, 3
-    yield "pack_lists", si._pack_lists_kernel, dict(NBW=256, HKV=2, QT=qt, S=BS // qt, BS=BS, NBC=64), \
+    yield "pack_lists", si._pack_lists_kernel, dict(HKV=2, QT=qt, S=BS // qt, BS=BS, NBC=64), \
         {"Sel": "*u8", "Words": word, "FwdKs": "*i32", "FwdWord": word}, 4, 3
-    yield "inv_count", si._inv_count_kernel, dict(NBW=256, HKV=2, S=BS // qt, BS=BS, CB=128), {"Words": word}, 4, 3
+    yield "inv_count", si._inv_count_kernel, dict(HKV=2, S=BS // qt, BS=BS, CB=128), {"Words": word}, 4, 3
     yield "scan", si._scan_kernel, dict(CH=1024), {}, 4, 3
-    yield "inv_fill", si._inv_fill_kernel, dict(NBW=256, HKV=2, S=BS // qt, QT=qt, BS=BS, CB=128), \
+    yield "inv_fill", si._inv_fill_kernel, dict(HKV=2, S=BS // qt, QT=qt, BS=BS, CB=128), \
         {"Words": word, "InvQs": "*i32", "InvWord": word}, 4, 3
     yield "compress", bsel._compress_kernel, dict(HAS_SCORE=True, D=D, BS=BS, KS=KS, ST=ST, R=R), \
         {"S": "*fp32", "KC": "*bf16", "WS": "*fp32"}, 4, 3
@@ -66,7 +66,7 @@ def cases(arch: str, G: int):
         c["num_warps"], c["num_stages"]
     for nbp in (64, 512):
         br = min(BS, max(1, topk.TILE // nbp))
-        yield f"topk_nb{nbp}", topk._select_kernel, dict(NBW=nbp, BR=br, NBP=nbp, BS=BS, KS=KS, ST=ST, R=R, E=E,
+        yield f"topk_nb{nbp}", topk._select_kernel, dict(BR=br, NBP=nbp, BS=BS, KS=KS, ST=ST, R=R, E=E,
                                                           INIT=1, LOCAL=16, EVICT=True), \
             {"Out": "*u8"}, max(2, min(16, br * nbp // 512)), 3
 
