@@ -2,7 +2,7 @@
 
     python -m checkpoints_convert.from_hf --hf <dir> --out <ckpt dir> [--dtype fp32|bf16]
         [--mup keep|unfold] [--make-vocab-size-divisible-by 8] [--family llama3|minicpm4]
-        [--geometry block_size=64,topk=64,...] [--longrope short|switch]
+        [--geometry block_size=64,topk=64,...] [--longrope short|switch] [--mup-constants ...]
 
 Writes ``<out>/iter_0000000/`` (megatron-core ``torch_dist``; the model's tensors under key
 ``model``, global shapes, so any TP/PP layout can load them), its ``nosa_config.json`` and a
@@ -18,10 +18,12 @@ short-factor model at every length (what the reference code runs) and ``--longro
 transformers' switch to ``long_factor`` past ``original_max_position_embeddings``; a reference
 checkpoint needs the choice, other checkpoints default to ``switch``.
 
-muP: MiniCPM4 exports carry their muP multipliers folded into the weights. ``--mup keep`` (the
-default) imports them as they are (a plain Llama parametrisation; bitwise round trip);
-``--mup unfold`` divides the folds back out and records ``use_mup`` (needed to continue with a
-muP recipe such as ``nosa_8b_*``; the round trip is then exact to about one ulp).
+muP: MiniCPM4 exports (and the released NOSA-8B) carry their muP multipliers folded into the
+weights. ``--mup keep`` (the default) imports them as they are (a plain Llama parametrisation;
+bitwise round trip); ``--mup unfold`` divides the folds back out and records ``use_mup`` (needed to
+continue with a muP recipe such as ``nosa_8b_*``; the round trip is then exact to about one ulp).
+Our exports record the constants; for a checkpoint without the record give them with
+``--mup-constants`` (NOSA-8B / MiniCPM4: ``scale_emb=12,scale_depth=1.4,dim_model_base=256``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from checkpoints_convert.reference_format import checkpoint_format, longrope_fac
 
 
 def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: int | None = None,
-                    family: str | None = None, geometry_override: dict | None = None, longrope_choice: str | None = None):
+                    family: str | None = None, geometry_override: dict | None = None, longrope_choice: str | None = None,
+                    mup_constants: dict | None = None):
     """HF ``config.json`` dict -> (ModelConfig, AttentionConfig). ``geometry_override`` overrides fields of
     the reference geometry (reference-format checkpoints only); ``longrope_choice``: see the module doc."""
     from nosa_layers.config import NOSAConfig
@@ -87,8 +90,13 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
     folded = export.get("mup_folded")
     if mup not in ("keep", "unfold"):
         raise ConversionError(f"--mup {mup!r}; use keep or unfold")
+    if mup_constants:
+        if folded or mup != "unfold":
+            raise ConversionError("--mup-constants goes with --mup unfold, for a checkpoint that records no folded muP")
+        folded = mup_constants
     if mup == "unfold" and not folded:
-        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded)")
+        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded); give "
+                              "the constants it was folded with: --mup-constants scale_emb=S,scale_depth=S,dim_model_base=N")
     use_mup = mup == "unfold"
     fam = family or export.get("family") or "llama3"
     model = ModelConfig(
@@ -130,21 +138,42 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
     return model, attn
 
 
+def parse_mup_constants(text: str | None) -> dict:
+    """``"scale_emb=12,scale_depth=1.4,dim_model_base=256"`` -> the dict of all three (MiniCPM4: these values)."""
+    if not text:
+        return {}
+    keys = ("scale_emb", "scale_depth", "dim_model_base")
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        try:
+            out[key] = float(value) if key != "dim_model_base" else int(value)
+        except ValueError:
+            key = None
+        if key not in keys:
+            break
+    if set(out) != set(keys) or len(text.split(",")) != 3:
+        raise ConversionError(f"--mup-constants {text!r}: expected scale_emb=FLOAT,scale_depth=FLOAT,dim_model_base=INT")
+    return out
+
+
 def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
-              family=None, log=print, geometry_override: str | None = None, longrope: str | None = None) -> Path:
+              family=None, log=print, geometry_override: str | None = None, longrope: str | None = None,
+              mup_constants: str | None = None) -> Path:
     t0 = time.time()
     src = Path(hf)
     if not (src / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json there")
     cfg = json.loads((src / "config.json").read_text())
     fmt = checkpoint_format(cfg, safetensors_names(src))
-    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override), longrope)
+    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override), longrope,
+                                  parse_mup_constants(mup_constants))
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use fp32, bf16 or fp16")
     torch_dtype = DTYPES[dtype]
     model.params_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
     geo = geometry(model, attn, fold_mup=True)
-    if not model.use_mup and (cfg.get("nosa_export") or {}).get("mup_folded"):
+    if not model.use_mup:
         geo.mup = None
     hf_sd = load_safetensors_dir(src)
     if model.tie_embeddings and "lm_head.weight" in hf_sd and not model.use_mup:
@@ -178,9 +207,12 @@ def main(argv=None) -> int:
     ap.add_argument("--longrope", default=None, choices=["short", "switch"],
                     help="when short_factor != long_factor: short everywhere (the reference code) or switch to "
                          "long_factor past original_max_position_embeddings (transformers)")
+    ap.add_argument("--mup-constants", default=None, metavar="scale_emb=S,scale_depth=S,dim_model_base=N",
+                    help="with --mup unfold: the muP constants a checkpoint without a record was folded with "
+                         "(released NOSA-8B / MiniCPM4: scale_emb=12,scale_depth=1.4,dim_model_base=256)")
     args = ap.parse_args(argv)
     return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
-                   args.family, print, args.geometry, args.longrope)
+                   args.family, print, args.geometry, args.longrope, args.mup_constants)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ import torch
 from checkpoints_convert.common import read_model_config
 from checkpoints_convert.from_hf import main as from_hf
 from checkpoints_convert.megatron_io import megatron_logits
+from checkpoints_convert.verify import main as verify
+
+MUP = "scale_emb=12,scale_depth=1.4,dim_model_base=16"
 
 
 def main() -> None:
@@ -25,16 +28,23 @@ def main() -> None:
     out = Path(args.out)
     tokens = torch.load(out / "tokens.pt")
     results = {}
-    for name, extra in (("reference", []), ("tiny", ["--geometry", args.tiny_geometry])):
+    runs = (("reference", []), ("tiny", ["--geometry", args.tiny_geometry]),
+            ("mup", ["--mup", "unfold", "--mup-constants", MUP]))
+    for name, extra in runs:
         t0 = time.time()
         rc = from_hf(["--hf", args.ref, "--out", str(out / name), *extra])
         if rc:
             sys.exit(rc)
+        if name not in tokens:
+            continue
         ckpt = out / name / "iter_0000000"
         model, attn, _ = read_model_config(ckpt)
         results[name] = megatron_logits(ckpt, model, attn, tokens[name])
         print(f"{name}: import + Megatron forward {time.time() - t0:.1f}s", flush=True)
     torch.save(results, out / "megatron_logits.pt")
+    # verify on the source itself: tensors bitwise through Megatron, Megatron vs shipped-code logits, decode
+    sys.exit(verify(["--hf", args.ref, "--ckpt", str(out / "reference"), "--seq-len", "300", "--random", "1",
+                     "--decode-steps", "4", "--json", str(out / "verify.json")]))
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checkpoints_convert.common import load_safetensors_dir, rel_err
+from checkpoints_convert.common import load_safetensors_dir, max_abs, read_model_config, rel_err
 from checkpoints_convert.from_hf import configs_from_hf
 from checkpoints_convert.from_hf import main as from_hf_main
-from checkpoints_convert.hf_modeling import write_modeling_files
 from checkpoints_convert.hf_modeling.configuration_nosa import REFERENCE_GEOMETRY, reference_settings
 from checkpoints_convert.mapping import ConversionError
 from checkpoints_convert.reference_format import to_reference_config
 from checkpoints_convert.to_hf import export
+from checkpoints_convert.verify import shipped_model_class
 from nosa_layers.config import NOSAConfig
 from tests.convert._reference_ckpt import (
     KV_HEADS,
@@ -33,7 +33,7 @@ from tests.convert._reference_ckpt import (
     reference_weights,
     write_reference_checkpoint,
 )
-from tests.convert.conftest import HERE, run, tail
+from tests.convert.conftest import HERE, RESULTS, run, tail
 
 LONG_T = 4608  # 72 blocks of 64 > the 64-block budget: the reference geometry is really sparse
 SHORT_T = 200
@@ -57,14 +57,15 @@ def pipeline(tmp_path_factory):
     rc = run([sys.executable, str(HERE / "_reference_worker.py"), "--ref", str(ref), "--out", str(work),
               "--tiny-geometry", TINY_ARG], log, 300)
     assert rc == 0, tail(log)
-    code = root / "code"
-    code.mkdir()
-    write_modeling_files(code)
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-    cls = get_class_from_dynamic_module("modeling_nosa.NOSALlamaForCausalLM", str(code))
-    return SimpleNamespace(root=root, ref=ref, work=work, tokens=tokens, cls=cls,
+    return SimpleNamespace(root=root, ref=ref, work=work, tokens=tokens, cls=shipped_model_class(),
                            megatron=torch.load(work / "megatron_logits.pt"))
+
+
+def _record(name: str, got, want) -> float:
+    """Relative L2 error, also reported with the parity figures at the end of the session."""
+    rel = rel_err(got, want)
+    RESULTS[name] = {"rel": rel, "max_abs": max_abs(got, want), "T": int(want.shape[1])}
+    return rel
 
 
 def _logits(model, tokens):
@@ -95,7 +96,9 @@ def test_reference_checkpoint_round_trip(pipeline):
     imported = json.loads((p.work / "reference" / "iter_0000000" / "nosa_config.json").read_text())
     assert imported["source_format"] == "reference"
     assert imported["attention"]["nosa"] == NOSAConfig(**REFERENCE_GEOMETRY, eviction_head="ed_dma").__dict__
-    assert rel_err(p.megatron["reference"], want) <= FP32_REL
+    assert _record("reference: Megatron import", p.megatron["reference"], want) <= FP32_REL
+    report = json.loads((p.work / "verify.json").read_text())  # verify --hf <reference checkpoint> --ckpt <import>
+    assert report["ok"] and report["tensor_roundtrip"] == "ok" and report["logits_vs_megatron"]["rel"] <= FP32_REL
 
     out = export(str(p.work / "reference"), str(p.root / "hf_nosa"), **QUIET)
     cfg = json.loads((out / "config.json").read_text())
@@ -103,7 +106,7 @@ def test_reference_checkpoint_round_trip(pipeline):
     assert cfg["auto_map"]["AutoConfig"] == "configuration_nosa.NOSALlamaConfig"
     model = _load_remote(out)
     assert type(model.config).__name__ == "NOSALlamaConfig"
-    assert rel_err(_logits(model, tokens), want) <= FP32_REL
+    assert _record("reference: to_hf nosa", _logits(model, tokens), want) <= FP32_REL
 
     back = export(str(p.work / "reference"), str(p.root / "hf_ref"), fmt="reference", **QUIET)
     src_cfg, back_cfg = json.loads((p.ref / "config.json").read_text()), json.loads((back / "config.json").read_text())
@@ -117,7 +120,7 @@ def test_reference_checkpoint_round_trip(pipeline):
     a, b = load_safetensors_dir(p.ref), load_safetensors_dir(back)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     again = p.cls.from_pretrained(str(back), dtype=torch.float32).eval()
-    assert rel_err(_logits(again, tokens), want) <= FP32_REL
+    assert _record("reference: to_hf --format reference", _logits(again, tokens), want) <= FP32_REL
 
 
 def test_sparse_exports_need_remote_code_dense_stay_llama(pipeline):
@@ -152,12 +155,26 @@ def test_geometry_override(pipeline):
 
     out = export(str(p.work / "tiny"), str(p.root / "hf_tiny"), **QUIET)
     got = _logits(_load_remote(out), tokens)
-    assert rel_err(got, want) <= FP32_REL and rel_err(p.megatron["tiny"], want) <= FP32_REL
+    assert _record("--geometry tiny: to_hf nosa", got, want) <= FP32_REL
+    assert _record("--geometry tiny: Megatron import", p.megatron["tiny"], want) <= FP32_REL
     with pytest.raises(ConversionError) as e:
         export(str(p.work / "tiny"), str(p.root / "hf_tiny_ref"), fmt="reference", **QUIET)
     msg = str(e.value)
     assert "\n" not in msg and "block_size=16" in msg and "topk=6" in msg
     assert not (p.root / "hf_tiny_ref").exists()
+
+
+def test_unfold_mup_of_a_checkpoint_without_record(pipeline):
+    """--mup unfold --mup-constants: the import runs muP with those constants; the export folds them back
+    (weights equal to the source within about one ulp)."""
+    p = pipeline
+    m, _, _ = read_model_config(p.work / "mup" / "iter_0000000")
+    assert m.use_mup and (m.scale_emb, m.scale_depth, m.dim_model_base) == (12.0, 1.4, 16)
+    back = load_safetensors_dir(export(str(p.work / "mup"), str(p.root / "hf_mup"), fmt="reference", **QUIET))
+    src = load_safetensors_dir(p.ref)
+    assert set(back) == set(src)
+    for k in src:
+        torch.testing.assert_close(back[k], src[k], rtol=3e-7, atol=0)
 
 
 def _refused(tmp_path, capsys, cfg=None, weights=None, extra=()):
@@ -186,6 +203,10 @@ def test_bad_reference_checkpoints_are_one_line_errors(tmp_path, capsys):
     assert "--geometry" in err and "block_size" in err
     err = _refused(tmp_path / "f", capsys, extra=["--geometry", "topk=8"])
     assert "topk" in err
+    err = _refused(tmp_path / "h", capsys, extra=["--mup", "unfold"])
+    assert "--mup-constants" in err
+    err = _refused(tmp_path / "i", capsys, extra=["--mup", "unfold", "--mup-constants", "scale_emb=12"])
+    assert "--mup-constants" in err
     differ = reference_config(long=[2.0 + i for i in range(8)])
     err = _refused(tmp_path / "g", capsys, cfg=differ)
     assert "--longrope short" in err and "--longrope switch" in err
