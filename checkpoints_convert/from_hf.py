@@ -44,8 +44,8 @@ from checkpoints_convert.reference_format import checkpoint_format, longrope_fac
 
 
 def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: int | None = None,
-                    family: str | None = None, geometry_override: dict | None = None, longrope_choice: str | None = None,
-                    mup_constants: dict | None = None):
+                    family: str | None = None, geometry_override: dict | None = None,
+                    longrope_choice: str | None = None, mup_constants: dict | None = None):
     """HF ``config.json`` dict -> (ModelConfig, AttentionConfig). ``geometry_override`` overrides fields of
     the reference geometry (reference-format checkpoints only); ``longrope_choice``: see the module doc."""
     from nosa_layers.config import NOSAConfig
@@ -95,8 +95,9 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
             raise ConversionError("--mup-constants goes with --mup unfold, for a checkpoint that records no folded muP")
         folded = mup_constants
     if mup == "unfold" and not folded:
-        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded); give "
-                              "the constants it was folded with: --mup-constants scale_emb=S,scale_depth=S,dim_model_base=N")
+        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded); "
+                              "give the constants it was folded with: "
+                              "--mup-constants scale_emb=S,scale_depth=S,dim_model_base=N")
     use_mup = mup == "unfold"
     fam = family or export.get("family") or "llama3"
     model = ModelConfig(
@@ -153,7 +154,8 @@ def parse_mup_constants(text: str | None) -> dict:
         if key not in keys:
             break
     if set(out) != set(keys) or len(text.split(",")) != 3:
-        raise ConversionError(f"--mup-constants {text!r}: expected scale_emb=FLOAT,scale_depth=FLOAT,dim_model_base=INT")
+        raise ConversionError(f"--mup-constants {text!r}: expected "
+                              f"scale_emb=FLOAT,scale_depth=FLOAT,dim_model_base=INT")
     return out
 
 
@@ -166,8 +168,8 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
         raise ConversionError(f"--hf {hf}: no config.json there")
     cfg = json.loads((src / "config.json").read_text())
     fmt = checkpoint_format(cfg, safetensors_names(src))
-    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override), longrope,
-                                  parse_mup_constants(mup_constants))
+    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override),
+                                  longrope, parse_mup_constants(mup_constants))
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use fp32, bf16 or fp16")
     torch_dtype = DTYPES[dtype]
@@ -188,8 +190,8 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
         save_dist_checkpoint(tensors, tmp, model, attn, extra={"source": str(src.resolve()), "source_format": fmt,
                                                               "longrope": longrope})
     n_params = sum(t.numel() for t in tensors.values())
-    log(f"imported {src} ({fmt} format; {model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. vocab padding, "
-        f"{dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} in {time.time() - t0:.1f}s")
+    log(f"imported {src} ({fmt} format; {model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. "
+        f"vocab padding, {dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} in {time.time() - t0:.1f}s")
     return Path(out).resolve()
 
 
