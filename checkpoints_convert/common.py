@@ -209,9 +209,8 @@ def save_safetensors_sharded(sd: Dict[str, Tensor], out: Path, max_shard_bytes: 
     return files
 
 
-def load_safetensors_dir(path: Path) -> Dict[str, Tensor]:
-    from safetensors.torch import load_file
-
+def safetensors_files(path: Path) -> List[str]:
+    """The weight files of an HF directory (index, single file, or every ``*.safetensors``)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -222,6 +221,25 @@ def load_safetensors_dir(path: Path) -> Dict[str, Tensor]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ConversionError(f"{path}: no *.safetensors weights (pytorch_model.bin is not supported)")
+    return files
+
+
+def safetensors_names(path: Path) -> List[str]:
+    """Tensor names of an HF directory, read from the file headers (no tensor data is loaded)."""
+    from safetensors import safe_open
+
+    names: List[str] = []
+    for f in safetensors_files(path):
+        with safe_open(str(Path(path) / f), framework="pt") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+def load_safetensors_dir(path: Path) -> Dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = safetensors_files(path)
     sd: Dict[str, Tensor] = {}
     for f in files:
         sd.update(load_file(str(path / f)))

@@ -2,6 +2,7 @@
 
     python -m checkpoints_convert.from_hf --hf <dir> --out <ckpt dir> [--dtype fp32|bf16]
         [--mup keep|unfold] [--make-vocab-size-divisible-by 8] [--family llama3|minicpm4]
+        [--geometry block_size=64,topk=64,...] [--longrope short|switch] [--mup-constants ...]
 
 Writes ``<out>/iter_0000000/`` (megatron-core ``torch_dist``; the model's tensors under key
 ``model``, global shapes, so any TP/PP layout can load them), its ``nosa_config.json`` and a
@@ -9,12 +10,20 @@ Writes ``<out>/iter_0000000/`` (megatron-core ``torch_dist``; the model's tensor
 Llama checkpoint becomes a NOSA model there: the new eviction-head parameters keep their init).
 
 Accepted: dense ``LlamaForCausalLM`` checkpoints (``model_type: llama``, SiLU, no biases,
-default or ``longrope`` RoPE) and this framework's NOSA / InfLLM-V2 exports (``nosa_config``).
+default or ``longrope`` RoPE), this framework's NOSA / InfLLM-V2 exports (``model_type: nosa_llama``,
+``nosa_config``) and the released NOSA checkpoints as they are (``SparseLlamaForCausalLM``, no
+``nosa_config``: imported with the reference geometry, ``--geometry`` overrides fields of it).
+When LongRoPE's ``short_factor`` and ``long_factor`` differ, ``--longrope short`` imports the
+short-factor model at every length (what the reference code runs) and ``--longrope switch`` keeps
+transformers' switch to ``long_factor`` past ``original_max_position_embeddings``; a reference
+checkpoint needs the choice, other checkpoints default to ``switch``.
 
-muP: MiniCPM4 exports carry their muP multipliers folded into the weights. ``--mup keep`` (the
-default) imports them as they are (a plain Llama parametrisation; bitwise round trip);
-``--mup unfold`` divides the folds back out and records ``use_mup`` (needed to continue with a
-muP recipe such as ``nosa_8b_*``; the round trip is then exact to about one ulp).
+muP: MiniCPM4 exports (and the released NOSA-8B) carry their muP multipliers folded into the
+weights. ``--mup keep`` (the default) imports them as they are (a plain Llama parametrisation;
+bitwise round trip); ``--mup unfold`` divides the folds back out and records ``use_mup`` (needed to
+continue with a muP recipe such as ``nosa_8b_*``; the round trip is then exact to about one ulp).
+Our exports record the constants; for a checkpoint without the record give them with
+``--mup-constants`` (NOSA-8B / MiniCPM4: ``scale_emb=12,scale_depth=1.4,dim_model_base=256``).
 """
 
 from __future__ import annotations
@@ -28,20 +37,24 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir, run_cli
+from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir, run_cli, safetensors_names
+from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
+from checkpoints_convert.reference_format import checkpoint_format, longrope_factors, parse_geometry
 
 
 def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: int | None = None,
-                    family: str | None = None):
-    """HF ``config.json`` dict -> (ModelConfig, AttentionConfig)."""
+                    family: str | None = None, geometry_override: dict | None = None,
+                    longrope_choice: str | None = None, mup_constants: dict | None = None):
+    """HF ``config.json`` dict -> (ModelConfig, AttentionConfig). ``geometry_override`` overrides fields of
+    the reference geometry (reference-format checkpoints only); ``longrope_choice``: see the module doc."""
     from nosa_layers.config import NOSAConfig
     from nosa_layers.megatron.config import AttentionConfig, ModelConfig
     from nosa_layers.rope.longrope import LongRoPEConfig
 
     problems = []
-    if cfg.get("model_type") != "llama":
-        problems.append(f"model_type={cfg.get('model_type')!r} (only 'llama' layouts are supported)")
+    if cfg.get("model_type") not in ("llama", MODEL_TYPE):
+        problems.append(f"model_type={cfg.get('model_type')!r} (only 'llama' and {MODEL_TYPE!r} layouts are supported)")
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={cfg.get('hidden_act')!r} (SwiGLU with silu only)")
     for key in ("attention_bias", "mlp_bias"):
@@ -49,6 +62,10 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
             problems.append(f"{key}=true (biases are not supported)")
     if problems:
         raise ConversionError("unsupported Hugging Face config: " + "; ".join(problems))
+    fmt = checkpoint_format(cfg)
+    if geometry_override and fmt != "reference":
+        raise ConversionError("--geometry applies to reference-format NOSA checkpoints (no nosa_config); this "
+                              "checkpoint " + ("records its geometry in nosa_config" if fmt == "nosa" else "is dense"))
     export = cfg.get("nosa_export") or {}
     hq = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // hq
@@ -62,8 +79,10 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
         factor = rope.get("factor")
         if factor is not None and math.isclose(float(factor), max_pos / orig):
             factor = None
-        longrope = LongRoPEConfig(short_factor=[float(x) for x in rope["short_factor"]],
-                                  long_factor=[float(x) for x in rope["long_factor"]],
+        short, long = longrope_factors([float(x) for x in rope["short_factor"]],
+                                       [float(x) for x in rope["long_factor"]], longrope_choice,
+                                       fmt == "reference", "reference-format checkpoint")
+        longrope = LongRoPEConfig(short_factor=short, long_factor=long,
                                   original_max_position_embeddings=orig,
                                   attention_factor=rope.get("attention_factor"), factor=factor)
     elif rope_type not in ("default", None):
@@ -71,8 +90,14 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
     folded = export.get("mup_folded")
     if mup not in ("keep", "unfold"):
         raise ConversionError(f"--mup {mup!r}; use keep or unfold")
+    if mup_constants:
+        if folded or mup != "unfold":
+            raise ConversionError("--mup-constants goes with --mup unfold, for a checkpoint that records no folded muP")
+        folded = mup_constants
     if mup == "unfold" and not folded:
-        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded)")
+        raise ConversionError("--mup unfold: this checkpoint records no folded muP (nosa_export.mup_folded); "
+                              "give the constants it was folded with: "
+                              "--mup-constants scale_emb=S,scale_depth=S,dim_model_base=N")
     use_mup = mup == "unfold"
     fam = family or export.get("family") or "llama3"
     model = ModelConfig(
@@ -88,7 +113,12 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
         scale_emb=float(folded["scale_emb"]) if use_mup else 1.0,
         scale_depth=float(folded["scale_depth"]) if use_mup else 1.0,
         dim_model_base=int(folded["dim_model_base"]) if use_mup else None)
-    n = cfg.get("nosa_config")
+    n = cfg.get("nosa_config") if fmt == "nosa" else None
+    if fmt == "reference":
+        try:
+            n = reference_settings(model.num_layers, **(geometry_override or {}))
+        except ValueError as e:
+            raise ConversionError(f"--geometry: {e}") from None
     if n is None:
         attn = AttentionConfig(variant="dense")
     else:
@@ -109,20 +139,43 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
     return model, attn
 
 
+def parse_mup_constants(text: str | None) -> dict:
+    """``"scale_emb=12,scale_depth=1.4,dim_model_base=256"`` -> the dict of all three (MiniCPM4: these values)."""
+    if not text:
+        return {}
+    keys = ("scale_emb", "scale_depth", "dim_model_base")
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        try:
+            out[key] = float(value) if key != "dim_model_base" else int(value)
+        except ValueError:
+            key = None
+        if key not in keys:
+            break
+    if set(out) != set(keys) or len(text.split(",")) != 3:
+        raise ConversionError(f"--mup-constants {text!r}: expected "
+                              f"scale_emb=FLOAT,scale_depth=FLOAT,dim_model_base=INT")
+    return out
+
+
 def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
-              family=None, log=print) -> Path:
+              family=None, log=print, geometry_override: str | None = None, longrope: str | None = None,
+              mup_constants: str | None = None) -> Path:
     t0 = time.time()
     src = Path(hf)
     if not (src / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json there")
     cfg = json.loads((src / "config.json").read_text())
-    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family)
+    fmt = checkpoint_format(cfg, safetensors_names(src))
+    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override),
+                                  longrope, parse_mup_constants(mup_constants))
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use fp32, bf16 or fp16")
     torch_dtype = DTYPES[dtype]
     model.params_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
     geo = geometry(model, attn, fold_mup=True)
-    if not model.use_mup and (cfg.get("nosa_export") or {}).get("mup_folded"):
+    if not model.use_mup:
         geo.mup = None
     hf_sd = load_safetensors_dir(src)
     if model.tie_embeddings and "lm_head.weight" in hf_sd and not model.use_mup:
@@ -134,10 +187,11 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     from checkpoints_convert.megatron_io import save_dist_checkpoint
 
     with atomic_dir(out) as tmp:
-        save_dist_checkpoint(tensors, tmp, model, attn, extra={"source": str(src.resolve())})
+        save_dist_checkpoint(tensors, tmp, model, attn, extra={"source": str(src.resolve()), "source_format": fmt,
+                                                              "longrope": longrope})
     n_params = sum(t.numel() for t in tensors.values())
-    log(f"imported {src} ({model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. vocab padding, "
-        f"{dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} in {time.time() - t0:.1f}s")
+    log(f"imported {src} ({fmt} format; {model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. "
+        f"vocab padding, {dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} in {time.time() - t0:.1f}s")
     return Path(out).resolve()
 
 
@@ -149,9 +203,18 @@ def main(argv=None) -> int:
     ap.add_argument("--mup", default="keep", choices=["keep", "unfold"])
     ap.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
     ap.add_argument("--family", default=None, choices=["llama3", "minicpm4"])
+    ap.add_argument("--geometry", default=None, metavar="FIELD=INT,...",
+                    help="reference-format checkpoints: override fields of the reference geometry (block_size, "
+                         "kernel_size, kernel_stride, init_blocks, local_blocks, select_blocks, topk)")
+    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
+                    help="when short_factor != long_factor: short everywhere (the reference code) or switch to "
+                         "long_factor past original_max_position_embeddings (transformers)")
+    ap.add_argument("--mup-constants", default=None, metavar="scale_emb=S,scale_depth=S,dim_model_base=N",
+                    help="with --mup unfold: the muP constants a checkpoint without a record was folded with "
+                         "(released NOSA-8B / MiniCPM4: scale_emb=12,scale_depth=1.4,dim_model_base=256)")
     args = ap.parse_args(argv)
     return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
-                   args.family)
+                   args.family, print, args.geometry, args.longrope, args.mup_constants)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
 """Megatron distributed checkpoint (any TP/PP/DP layout) -> Hugging Face directory.
 
     python -m checkpoints_convert.to_hf --ckpt runs/demo/sft --out runs/demo/hf \
-        [--dtype fp32|bf16|fp16] [--tokenizer DIR] [--max-shard-size 4GB]
+        [--dtype fp32|bf16|fp16] [--tokenizer DIR] [--max-shard-size 4GB] [--format nosa|reference]
+        [--longrope short|switch]
 
 ``--ckpt`` is a run dir, its ``checkpoints/`` dir (``latest`` pointer) or one ``iter_*`` dir. The
 model is described by the ``nosa_config.json`` the trainer writes next to the tensors. Output:
 
-* ``config.json`` (``model_type: llama``; LongRoPE ``rope_scaling`` with explicit factors and
+* ``config.json`` (``model_type: nosa_llama`` for sparse models, so stock transformers refuses them
+  without remote code, ``llama`` for dense ones; LongRoPE ``rope_scaling`` with explicit factors and
   ``attention_factor``; NOSA settings in ``nosa_config``; provenance in ``nosa_export``);
 * ``model.safetensors`` or shards + ``model.safetensors.index.json``;
-* sparse models (NOSA / InfLLM-V2 layers): ``modeling_nosa.py`` + the reference modules it
-  imports, and ``auto_map`` so ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)``
-  runs them; dense models are stock ``LlamaForCausalLM`` (no remote code);
+* sparse models (NOSA / InfLLM-V2 layers): ``modeling_nosa.py``, ``configuration_nosa.py`` + the
+  reference modules it imports, and ``auto_map`` (``AutoConfig``, ``AutoModelForCausalLM``) so
+  ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` runs them; dense models are
+  stock ``LlamaForCausalLM`` (no remote code);
+* ``--format reference``: the layout of the released NOSA checkpoints instead (``SparseLlamaForCausalLM``,
+  ``auto_map`` to ``modeling_llama_nosa``, no ``nosa_config``, no modeling code: add the reference's
+  ``modeling_llama_nosa.py`` and ``cis_pooling.py``); refused when the geometry is not the reference's;
 * tokenizer files when ``--tokenizer`` is given; ``generation_config.json``.
 
 Any mismatch (missing / extra tensors, shapes, unknown variant) raises one error listing the names;
@@ -47,7 +53,9 @@ from checkpoints_convert.common import (
     save_safetensors_sharded,
 )
 from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
+from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE
 from checkpoints_convert.mapping import ConversionError, megatron_to_hf
+from checkpoints_convert.reference_format import FORMATS, longrope_factors, to_reference_config
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -56,8 +64,10 @@ def is_sparse(attn, num_layers: int) -> bool:
     return any(v != "dense" for v in attn.layer_variants(num_layers))
 
 
-def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tokens: Optional[dict] = None) -> dict:
-    """The ``config.json`` of an export (plain dict; transformers 4.4x-5.x read it as ``LlamaConfig``)."""
+def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tokens: Optional[dict] = None,
+              longrope: Optional[str] = None) -> dict:
+    """The ``config.json`` of an export (plain dict; transformers 4.4x-5.x read it as ``LlamaConfig``, or as
+    the shipped ``NOSALlamaConfig`` for sparse models). ``longrope="short"``: ``long_factor := short_factor``."""
     variants = attn.layer_variants(model.num_layers)
     bad = sorted({v for v in variants if v not in ("dense", "infllm_v2", "nosa")})
     if bad:
@@ -65,7 +75,7 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
     sparse = is_sparse(attn, model.num_layers)
     cfg = {
         "architectures": [MODEL_CLASS if sparse else "LlamaForCausalLM"],
-        "model_type": "llama",
+        "model_type": MODEL_TYPE if sparse else "llama",
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size,
@@ -88,9 +98,10 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
     }
     if model.rope_type == "longrope":
         lr = model.longrope
+        short, long = longrope_factors([float(x) for x in lr.short_factor], [float(x) for x in lr.long_factor],
+                                       longrope, False, "--longrope")
         cfg["rope_scaling"] = {
-            "rope_type": "longrope", "type": "longrope",
-            "short_factor": [float(x) for x in lr.short_factor], "long_factor": [float(x) for x in lr.long_factor],
+            "rope_type": "longrope", "type": "longrope", "short_factor": short, "long_factor": long,
             "original_max_position_embeddings": int(lr.original_max_position_embeddings),
             "attention_factor": float(lr.resolved_attention_factor(model.max_position_embeddings)),
             "factor": float(lr.factor if lr.factor is not None
@@ -137,10 +148,13 @@ def tokenizer_ids(tokenizer_dir: Path) -> dict:
 
 
 def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = None,
-           max_shard_bytes: int = 4 << 30, log=print, overwrite: bool = False, allow_non_finite: bool = False) -> Path:
+           max_shard_bytes: int = 4 << 30, log=print, overwrite: bool = False, allow_non_finite: bool = False,
+           fmt: str = "nosa", longrope: Optional[str] = None) -> Path:
     t0 = time.time()
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use one of fp32, bf16, fp16")
+    if fmt not in FORMATS:
+        raise ConversionError(f"--format {fmt!r}; use one of {', '.join(FORMATS)}")
     torch_dtype = DTYPES[dtype]
     check_out_dir(out, overwrite)
     ck = resolve_checkpoint(ckpt)
@@ -159,13 +173,17 @@ def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = 
     if tok_dir is not None and not tok_dir.is_dir():
         raise ConversionError(f"--tokenizer {tokenizer}: not a directory")
     tokens = tokenizer_ids(tok_dir) if tok_dir is not None else {}
-    cfg = hf_config(model, attn, torch_dtype, extra, tokens)
+    if fmt == "reference":  # refuse before the (long) weight conversion
+        to_reference_config(hf_config(model, attn, torch_dtype), longrope)
+    cfg = hf_config(model, attn, torch_dtype, extra, tokens, None if fmt == "reference" else longrope)
+    if fmt == "reference":
+        cfg = to_reference_config(cfg, longrope)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps({**gen, "do_sample": False}, indent=2) + "\n")
-        shipped = write_modeling_files(tmp) if "auto_map" in cfg else []
+        shipped = write_modeling_files(tmp) if "auto_map" in cfg and fmt == "nosa" else []
         if tok_dir is not None:
             for f in sorted(tok_dir.iterdir()):
                 if f.is_file():
@@ -173,7 +191,9 @@ def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = 
     n_params = sum(t.numel() for t in hf.values())
     log(f"exported {ck} ({model.family}, {'/'.join(sorted(set(attn.layer_variants(model.num_layers))))}, "
         f"{n_params / 1e6:.2f}M params, {dtype}) -> {Path(out).resolve()}: {len(files)} weight file(s)"
-        f"{', modeling code ' + ', '.join(shipped) if shipped else ' (stock LlamaForCausalLM)'}"
+        f"{', modeling code ' + ', '.join(shipped) if shipped else ''}"
+        f"{' (reference format: add modeling_llama_nosa.py and cis_pooling.py)' if fmt == 'reference' else ''}"
+        f"{' (stock LlamaForCausalLM)' if not shipped and fmt != 'reference' else ''}"
         f"{', tokenizer' if tok_dir else ''} in {time.time() - t0:.1f}s")
     return Path(out).resolve()
 
@@ -195,9 +215,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory to copy into the export")
     ap.add_argument("--max-shard-size", default="4GB")
+    ap.add_argument("--format", default="nosa", choices=list(FORMATS),
+                    help="nosa: this project's layout + modeling code; reference: the released NOSA checkpoints' "
+                         "layout (thunlp/NOSA remote code; reference geometry only)")
+    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
+                    help="when short_factor != long_factor: write long_factor := short_factor (short everywhere, "
+                         "what the reference code runs) or keep both (switch past the original length; "
+                         "the default for --format nosa)")
     args = ap.parse_args(argv)
     return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size),
-                   print, args.overwrite, args.allow_non_finite)
+                   print, args.overwrite, args.allow_non_finite, args.format, args.longrope)
 
 
 if __name__ == "__main__":

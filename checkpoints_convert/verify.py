@@ -43,7 +43,7 @@ def tensor_roundtrip(hf_dir: Path, ckpt: Optional[Path]) -> list[str]:
     from checkpoints_convert.from_hf import configs_from_hf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    model, attn = configs_from_hf(cfg)
+    model, attn = configs_from_hf(cfg, longrope_choice="switch")  # tensors only: the RoPE choice does not matter
     geo = geometry(model, attn)
     hf = load_safetensors_dir(hf_dir)
     back = megatron_to_hf(hf_to_megatron(hf, geo), geo)
@@ -94,11 +94,31 @@ def trust_remote_code(hf_dir: Path, allowed: bool = False) -> bool:
 
 
 def load_hf_model(hf_dir: Path, allow_remote_code: bool = False):
+    """The export in fp32, eval mode. A reference-format directory (released NOSA layout, whose own
+    modeling code needs CUDA kernels) runs with the modeling code this project ships."""
     from transformers import AutoModelForCausalLM
 
+    from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
+
+    if is_reference_config(json.loads((Path(hf_dir) / "config.json").read_text())):
+        return shipped_model_class().from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=trust_remote_code(hf_dir, allow_remote_code),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+def shipped_model_class():
+    """``NOSALlamaForCausalLM`` of the modeling code this project ships (written to a temp dir and
+    imported the way transformers imports remote code)."""
+    import tempfile
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from checkpoints_convert.hf_modeling import MODEL_CLASS, write_modeling_files
+
+    with tempfile.TemporaryDirectory(prefix="nosa_modeling_") as tmp:
+        write_modeling_files(tmp)
+        return get_class_from_dynamic_module(f"modeling_nosa.{MODEL_CLASS}", tmp)
 
 
 def make_tokens(args, vocab: int) -> torch.Tensor:

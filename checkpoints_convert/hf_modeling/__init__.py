@@ -1,6 +1,7 @@
 """The modeling code shipped into NOSA / InfLLM-V2 exports.
 
-``write_modeling_files(out_dir)`` writes ``modeling_nosa.py`` (this folder) and COPIES of the
+``write_modeling_files(out_dir)`` writes ``modeling_nosa.py`` and ``configuration_nosa.py`` (this
+folder; the config class gives sparse exports their own ``model_type``) and COPIES of the
 reference modules of ``nosa_layers`` it uses, renamed ``nosa_<module>.py`` with their package
 imports made relative, so the export runs with only torch + transformers installed. Imports of
 optional framework parts (the Triton kernels in ``nosa_layers.ops``) become lazy
@@ -22,8 +23,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODELING_FILE = "modeling_nosa.py"
+CONFIG_FILE = "configuration_nosa.py"
 MODEL_CLASS = "NOSALlamaForCausalLM"
-AUTO_MAP = {"AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
+CONFIG_CLASS = "NOSALlamaConfig"
+AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
 # reference modules shipped next to the modeling file (the single source of NOSA math)
 SHIPPED = ("config", "eviction", "selection", "reference", "dispatch", "decode")
 
@@ -98,7 +101,7 @@ def reference_sources() -> dict:
     pkg = Path(nosa_layers.__file__).resolve().parent
     header = ("# Copied from nosa_layers/{name}.py by checkpoints_convert.to_hf (imports made relative).\n"
               "# Do not edit: the framework's reference is the single source of the NOSA math.\n")
-    files = {MODELING_FILE: (HERE / MODELING_FILE).read_text()}
+    files = {MODELING_FILE: (HERE / MODELING_FILE).read_text(), CONFIG_FILE: (HERE / CONFIG_FILE).read_text()}
     for name in SHIPPED:
         src = (pkg / f"{name}.py").read_text() + (extra_eviction_heads() if name == "eviction" else "")
         files[f"nosa_{name}.py"] = header.format(name=name) + rewrite_reference_source(src)

@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from .configuration_nosa import NOSALlamaConfig, nosa_settings
 from .nosa_dispatch import nosa_attention, resolve_backend
 from .nosa_config import NOSAConfig
 from .nosa_decode import nosa_decode_step
@@ -59,14 +60,6 @@ def _cache_field(cls) -> str:
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
-
-
-def nosa_settings(config) -> dict:
-    raw = getattr(config, "nosa_config", None)
-    if not isinstance(raw, dict):
-        raise ValueError("config.json has no 'nosa_config' block: this modeling file runs NOSA / InfLLM-V2 "
-                         "exports of checkpoints_convert.to_hf")
-    return raw
 
 
 class NOSAAttention(nn.Module):
@@ -257,6 +250,7 @@ class NOSADecoderLayer(nn.Module):
 
 
 class NOSALlamaPreTrainedModel(LlamaPreTrainedModel):
+    config_class = NOSALlamaConfig
     _no_split_modules = ["NOSADecoderLayer"]
     _supports_flash_attn = False
     _supports_flex_attn = False

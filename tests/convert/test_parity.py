@@ -26,10 +26,13 @@ def test_export_matches_megatron(name, megatron_ckpts, exports):
     cfg = json.loads((exports[name] / "config.json").read_text())
     model = load_hf(exports[name])
     if case.variant == "dense":  # stock transformers class, no remote code
+        assert cfg["model_type"] == "llama"
         assert "auto_map" not in cfg and not (exports[name] / "modeling_nosa.py").exists()
         assert type(model).__name__ == "LlamaForCausalLM"
     else:
-        assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_nosa.NOSALlamaForCausalLM"
+        assert cfg["model_type"] == "nosa_llama"  # stock transformers refuses it without remote code
+        assert cfg["auto_map"] == {"AutoConfig": "configuration_nosa.NOSALlamaConfig",
+                                   "AutoModelForCausalLM": "modeling_nosa.NOSALlamaForCausalLM"}
         assert type(model).__name__ == "NOSALlamaForCausalLM"
         model.record(True)
     if case.model.use_mup:

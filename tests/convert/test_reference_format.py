@@ -1,0 +1,241 @@
+"""Interoperation with the released NOSA checkpoints (``thunlp/NOSA`` layout), on tiny checkpoints
+built here: ``from_hf`` imports them as they are (reference geometry, or ``--geometry``), the
+Megatron forward of the import, the ``to_hf`` export (``--format nosa`` and ``--format reference``)
+and the source loaded with the shipped modeling file all give the same logits on a sequence long
+enough to be sparse; bad checkpoints and geometries are one-line errors; sparse exports have their
+own ``model_type`` so stock transformers refuses them without remote code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from checkpoints_convert.common import load_safetensors_dir, max_abs, read_model_config, rel_err
+from checkpoints_convert.from_hf import configs_from_hf
+from checkpoints_convert.from_hf import main as from_hf_main
+from checkpoints_convert.hf_modeling.configuration_nosa import REFERENCE_GEOMETRY, reference_settings
+from checkpoints_convert.mapping import ConversionError
+from checkpoints_convert.reference_format import to_reference_config
+from checkpoints_convert.to_hf import export
+from checkpoints_convert.verify import shipped_model_class
+from nosa_layers.config import NOSAConfig
+from tests.convert._reference_ckpt import (
+    KV_HEADS,
+    LAYERS,
+    ORIGINAL_MAX_POS,
+    VOCAB,
+    reference_config,
+    reference_weights,
+    write_reference_checkpoint,
+)
+from tests.convert.conftest import HERE, RESULTS, run, tail
+
+LONG_T = 4608  # 72 blocks of 64 > the 64-block budget: the reference geometry is really sparse
+SHORT_T = 200
+TINY = dict(block_size=16, kernel_size=8, kernel_stride=4, init_blocks=1, local_blocks=2, select_blocks=2, topk=6)
+TINY_ARG = ",".join(f"{k}={v}" for k, v in TINY.items())
+QUIET = dict(log=lambda *_: None)
+FP32_REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference_format")
+    ref = write_reference_checkpoint(root / "ref")
+    work = root / "work"
+    work.mkdir()
+    gen = torch.Generator().manual_seed(7)
+    tokens = {"reference": torch.randint(0, VOCAB, (1, LONG_T), generator=gen),
+              "tiny": torch.randint(0, VOCAB, (1, SHORT_T), generator=gen)}
+    torch.save(tokens, work / "tokens.pt")
+    log = root / "worker.log"
+    rc = run([sys.executable, str(HERE / "_reference_worker.py"), "--ref", str(ref), "--out", str(work),
+              "--tiny-geometry", TINY_ARG], log, 300)
+    assert rc == 0, tail(log)
+    return SimpleNamespace(root=root, ref=ref, work=work, tokens=tokens, cls=shipped_model_class(),
+                           megatron=torch.load(work / "megatron_logits.pt"))
+
+
+def _record(name: str, got, want) -> float:
+    """Relative L2 error, also reported with the parity figures at the end of the session."""
+    rel = rel_err(got, want)
+    RESULTS[name] = {"rel": rel, "max_abs": max_abs(got, want), "T": int(want.shape[1])}
+    return rel
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def _load_remote(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def test_reference_checkpoint_round_trip(pipeline):
+    """reference checkpoint -> from_hf -> Megatron -> to_hf: logits equal to the source (the source run by
+    the shipped modeling file, which reads the reference config with the reference geometry) at 4608
+    tokens, where the selection is sparse; --format reference gives back the source's weights and keys."""
+    p = pipeline
+    tokens = p.tokens["reference"]
+    src = p.cls.from_pretrained(str(p.ref), dtype=torch.float32).eval()
+    src.record(True)
+    want = _logits(src, tokens)
+    sel = src.selections()[1][0]  # layer 1, sequence 0: [Hkv, T, blocks]
+    causal = torch.arange(LONG_T) // REFERENCE_GEOMETRY["block_size"] + 1
+    chosen = sel.sum(-1)
+    assert (chosen < causal).any() and int(chosen.max()) <= REFERENCE_GEOMETRY["topk"]
+
+    imported = json.loads((p.work / "reference" / "iter_0000000" / "nosa_config.json").read_text())
+    assert imported["source_format"] == "reference"
+    assert imported["attention"]["nosa"] == NOSAConfig(**REFERENCE_GEOMETRY, eviction_head="ed_dma").__dict__
+    assert _record("reference: Megatron import", p.megatron["reference"], want) <= FP32_REL
+    report = json.loads((p.work / "verify.json").read_text())  # verify --hf <reference checkpoint> --ckpt <import>
+    assert report["ok"] and report["tensor_roundtrip"] == "ok" and report["logits_vs_megatron"]["rel"] <= FP32_REL
+
+    out = export(str(p.work / "reference"), str(p.root / "hf_nosa"), **QUIET)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "nosa_llama" and cfg["architectures"] == ["NOSALlamaForCausalLM"]
+    assert cfg["auto_map"]["AutoConfig"] == "configuration_nosa.NOSALlamaConfig"
+    model = _load_remote(out)
+    assert type(model.config).__name__ == "NOSALlamaConfig"
+    assert _record("reference: to_hf nosa", _logits(model, tokens), want) <= FP32_REL
+
+    back = export(str(p.work / "reference"), str(p.root / "hf_ref"), fmt="reference", **QUIET)
+    src_cfg, back_cfg = json.loads((p.ref / "config.json").read_text()), json.loads((back / "config.json").read_text())
+    for key in ("architectures", "auto_map", "model_type", "num_hidden_layers", "num_key_value_heads", "head_dim",
+                "rope_theta", "max_position_embeddings", "tie_word_embeddings"):
+        assert back_cfg[key] == src_cfg[key], key
+    for key, value in src_cfg["rope_scaling"].items():
+        assert back_cfg["rope_scaling"][key] == pytest.approx(value), key
+    assert back_cfg["original_max_position_embeddings"] == ORIGINAL_MAX_POS and "nosa_config" not in back_cfg
+    assert not list(back.glob("*.py"))  # the reference's own modeling code is added by the user
+    a, b = load_safetensors_dir(p.ref), load_safetensors_dir(back)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    again = p.cls.from_pretrained(str(back), dtype=torch.float32).eval()
+    assert _record("reference: to_hf --format reference", _logits(again, tokens), want) <= FP32_REL
+
+
+def test_sparse_exports_need_remote_code_dense_stay_llama(pipeline):
+    """Without trust_remote_code stock transformers refuses a NOSA export (its own model_type) with its
+    remote-code message, instead of building a dense Llama that ignores the eviction heads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = pipeline.root / "hf_nosa"
+    if not out.exists():
+        export(str(pipeline.work / "reference"), str(out), **QUIET)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(str(out))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(str(out))
+
+
+def test_geometry_override(pipeline):
+    """--geometry replaces fields of the reference geometry: the import records them, the export runs them
+    (sparse at 200 tokens), its logits equal the Megatron forward and the source run with that geometry;
+    --format reference refuses the export in one line naming the differing fields."""
+    p = pipeline
+    tokens = p.tokens["tiny"]
+    imported = json.loads((p.work / "tiny" / "iter_0000000" / "nosa_config.json").read_text())
+    assert {k: imported["attention"]["nosa"][k] for k in TINY} == TINY
+    src = p.cls.from_pretrained(str(p.ref), dtype=torch.float32, nosa_config=reference_settings(LAYERS, **TINY)).eval()
+    src.record(True)
+    want = _logits(src, tokens)
+    chosen = src.selections()[0][0].sum(-1)
+    assert (chosen < torch.arange(SHORT_T) // TINY["block_size"] + 1).any()
+    dense = _logits(p.cls.from_pretrained(str(p.ref), dtype=torch.float32).eval(), tokens)  # 200 < 4096: dense
+    assert rel_err(dense, want) > 1e-3  # the override changes the model
+
+    out = export(str(p.work / "tiny"), str(p.root / "hf_tiny"), **QUIET)
+    got = _logits(_load_remote(out), tokens)
+    assert _record("--geometry tiny: to_hf nosa", got, want) <= FP32_REL
+    assert _record("--geometry tiny: Megatron import", p.megatron["tiny"], want) <= FP32_REL
+    with pytest.raises(ConversionError) as e:
+        export(str(p.work / "tiny"), str(p.root / "hf_tiny_ref"), fmt="reference", **QUIET)
+    msg = str(e.value)
+    assert "\n" not in msg and "block_size=16" in msg and "topk=6" in msg
+    assert not (p.root / "hf_tiny_ref").exists()
+
+
+def test_unfold_mup_of_a_checkpoint_without_record(pipeline):
+    """--mup unfold --mup-constants: the import runs muP with those constants; the export folds them back
+    (weights equal to the source within about one ulp)."""
+    p = pipeline
+    m, _, _ = read_model_config(p.work / "mup" / "iter_0000000")
+    assert m.use_mup and (m.scale_emb, m.scale_depth, m.dim_model_base) == (12.0, 1.4, 16)
+    back = load_safetensors_dir(export(str(p.work / "mup"), str(p.root / "hf_mup"), fmt="reference", **QUIET))
+    src = load_safetensors_dir(p.ref)
+    assert set(back) == set(src)
+    for k in src:
+        torch.testing.assert_close(back[k], src[k], rtol=3e-7, atol=0)
+
+
+def _refused(tmp_path, capsys, cfg=None, weights=None, extra=()):
+    ref = write_reference_checkpoint(tmp_path / "bad", cfg, weights)
+    rc = from_hf_main(["--hf", str(ref), "--out", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("from_hf: error: "), err
+    assert not (tmp_path / "out").exists()
+    return err
+
+
+def test_bad_reference_checkpoints_are_one_line_errors(tmp_path, capsys):
+    w = reference_weights()
+    wrong = dict(w, **{"model.layers.1.self_attn.A": torch.zeros(KV_HEADS + 1)})
+    assert "model.layers.1.self_attn.A: shape (3,), expected (2,)" in _refused(tmp_path / "a", capsys, weights=wrong)
+    delta = dict(w, **{"model.layers.0.self_attn.delta.weight": torch.zeros(KV_HEADS, 7)})
+    assert "model.layers.0.self_attn.delta.weight: shape (2, 7)" in _refused(tmp_path / "b", capsys, weights=delta)
+    partial = {k: v for k, v in w.items() if not k.startswith("model.layers.1.self_attn.") or "_proj" in k}
+    err = _refused(tmp_path / "c", capsys, weights=partial)
+    assert "model.layers.1.self_attn.A" in err and "model.layers.1.self_attn.delta.weight" in err
+    unknown = {k: v for k, v in reference_config().items() if k != "auto_map"}
+    unknown["architectures"] = ["MysteryForCausalLM"]
+    err = _refused(tmp_path / "d", capsys, cfg=unknown)
+    assert "model.layers.0.self_attn.A" in err and "MysteryForCausalLM" in err
+    err = _refused(tmp_path / "e", capsys, extra=["--geometry", "block_size=16,window=3"])
+    assert "--geometry" in err and "block_size" in err
+    err = _refused(tmp_path / "f", capsys, extra=["--geometry", "topk=8"])
+    assert "topk" in err
+    err = _refused(tmp_path / "h", capsys, extra=["--mup", "unfold"])
+    assert "--mup-constants" in err
+    err = _refused(tmp_path / "i", capsys, extra=["--mup", "unfold", "--mup-constants", "scale_emb=12"])
+    assert "--mup-constants" in err
+    differ = reference_config(long=[2.0 + i for i in range(8)])
+    err = _refused(tmp_path / "g", capsys, cfg=differ)
+    assert "--longrope short" in err and "--longrope switch" in err
+
+
+def test_longrope_choice_on_import_and_export():
+    """Different short/long factor lists: --longrope short imports the short-factor model at every length
+    (the reference's behaviour), switch keeps both (transformers'); the reference export needs the choice."""
+    long = [2.0 + i for i in range(8)]
+    cfg = reference_config(long=long)
+    m_short, _ = configs_from_hf(cfg, longrope_choice="short")
+    m_switch, _ = configs_from_hf(cfg, longrope_choice="switch")
+    assert m_short.longrope.long_factor == m_short.longrope.short_factor == cfg["rope_scaling"]["short_factor"]
+    assert m_switch.longrope.long_factor == long
+    m_same, attn = configs_from_hf(reference_config())  # equal lists: no choice needed
+    assert attn.layer_variants(LAYERS) == ["nosa"] * LAYERS and attn.nosa.eviction_head == "ed_dma"
+
+    from checkpoints_convert.to_hf import hf_config
+
+    nosa_cfg = hf_config(m_switch, attn, torch.float32)
+    assert nosa_cfg["rope_scaling"]["long_factor"] == long  # nosa format: transformers' switch by default
+    with pytest.raises(ConversionError, match="--longrope short"):
+        to_reference_config(nosa_cfg)
+    ref_cfg = to_reference_config(nosa_cfg, "short")
+    assert ref_cfg["rope_scaling"]["long_factor"] == ref_cfg["rope_scaling"]["short_factor"]
+    assert hf_config(m_switch, attn, torch.float32, longrope="short")["rope_scaling"]["long_factor"] != long
+
+
+def test_reference_geometry_is_the_framework_default():
+    """The geometry the shipped config file gives reference checkpoints is NOSAConfig's released default."""
+    assert NOSAConfig(**REFERENCE_GEOMETRY, eviction_head="ed_dma") == NOSAConfig()
+    assert Path(__file__).with_name("_reference_ckpt.py").is_file()
