@@ -155,11 +155,11 @@ class Trainer:
     def _build_loaders(self) -> None:
         cfg, env = self.cfg, self.env
         if cfg.stage.kind == "sft":
-            from data.loader import build_sft_loader
+            from data.loader import build_sft_loaders
 
-            self.train_loader = build_sft_loader(dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size),
-                                                 env.dp_rank, env.dp_size, log=partial(log0, env))
-            self.valid_loader = None
+            self.train_loader, self.valid_loader = build_sft_loaders(
+                dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size), env.dp_rank, env.dp_size,
+                log=partial(log0, env))
         else:
             from data.loader import build_pretrain_loaders
 
