@@ -206,7 +206,7 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
                "checkpoint.", "logging.", "profile.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
-               "data.num_builder_threads", "data.cache_dir", "run.dir", "recipe")
+               "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
