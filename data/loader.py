@@ -117,7 +117,7 @@ class SFTLoader:
     """
 
     def __init__(self, data, seq_length: int, micro_batch_size: int, pad_id: int, dp_rank: int = 0,
-                 dp_size: int = 1, pack: bool = True, seed: int = 1234, weights: Optional[list[float]] = None,
+                 dp_size: int = 1, pack: bool = True, seed: int = 1234, weights: list[float] | None = None,
                  what: str = "training"):
         _check_rank(dp_rank, dp_size)
         self.data, self.S, self.B = data, seq_length, micro_batch_size
@@ -199,7 +199,7 @@ class SFTLoader:
 
 
 def build_sft_loaders(cfg: SFTConfig, dp_rank: int = 0, dp_size: int = 1, tokenizer=None,
-                      log=None) -> tuple[SFTLoader, Optional[SFTLoader]]:
+                      log=None) -> tuple[SFTLoader, SFTLoader | None]:
     """Validate ``cfg``, tokenize the conversations once (cached; see :mod:`data.sft_cache`) and
     return ``(train_loader, valid_loader_or_None)`` (``sft.val_fraction`` held out by ``seed``).
     Every rank of the process group must call it."""

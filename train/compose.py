@@ -52,6 +52,8 @@ def _explain(e: Exception, recipes_dir: Path) -> str:
     import re
 
     msg = str(e).splitlines()[0]
+    if msg.startswith("Ambiguous value for argument"):
+        return f"{msg}: add -m to sweep over the values, write a list as key=[a,b], or quote a string as key='a,b'"
     m = re.match(r"Error merging override (\S+)", msg)
     if m and e.__cause__ is not None:  # a typed schema refused the value
         return f"bad value {m.group(1)!r}: {str(e.__cause__).splitlines()[0]}"

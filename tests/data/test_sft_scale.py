@@ -75,10 +75,12 @@ def test_validation_split_is_disjoint_deterministic_and_evaluable(tmp_path, tok)
     a = _write(tmp_path / "a.jsonl", 50, "a", 3)
     cfg = SFTConfig(path=a, tokenizer=tok.path, seq_length=128, micro_batch_size=1, val_fraction=0.2, seed=5)
     train, valid = build_sft_loaders(cfg, log=lambda m: None)
-    key = lambda x: tuple(np.asarray(x).tolist())  # noqa: E731
+    def key(x):
+        return tuple(np.asarray(x).tolist())
+
     tr, va = {key(x) for x in train.data.ids}, {key(x) for x in valid.data.ids}
     assert len(va) == 10 and len(tr) == 40 and not tr & va
-    train2, valid2 = build_sft_loaders(cfg, log=lambda m: None)
+    _, valid2 = build_sft_loaders(cfg, log=lambda m: None)
     assert {key(x) for x in valid2.data.ids} == va
     first = next(valid)
     next(valid)

@@ -34,10 +34,11 @@ def test_cfg_job_prints_the_resolved_config_and_exits(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,msg", [
     (["recipe=tiny_cpt", "train.max_stepz=3"], "unknown config key 'train.max_stepz'; did you mean 'train.max_steps'?"),
-    (["recipe=tiny_cpt", "train.max_steps=many"], "bad value 'train.max_steps=many': Value 'many' of type 'str' "
-                                                  "could not be converted to Integer"),
+    (["recipe=tiny_cpt", "train.max_steps=many"],
+     "bad value 'train.max_steps=many': Value 'many' of type 'str' could not be converted to Integer"),
     (["recipe=tiny_cpt", "attention=nosaa"], "unknown attention 'nosaa'; available: ['dense', 'infllm_v2'"),
     (["-m", "recipe=tiny_cpt", "run.dir=a,b"], "run.dir cannot be swept"),
+    (["recipe=tiny_cpt", "train.max_steps=1,2"], "add -m to sweep over the values"),
     (["recipe=tiny_cpt", "--cfg", "hydra"], "--cfg hydra is not supported: use --cfg job"),
     (["recipe=tiny_cpt", "--info"], "unknown argument '--info'"),
 ])

@@ -7,7 +7,9 @@ from tests.train.conftest import metrics, run_main
 
 
 def test_sft_two_inputs_validation_split_and_cached_resume(tmp_path, demo_data):
-    lines = open(demo_data["sft"]).read().splitlines(keepends=True)
+    from pathlib import Path
+
+    lines = Path(demo_data["sft"]).read_text().splitlines(keepends=True)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(lines[::2]))
     b.write_text("".join(lines[1::2]))
