@@ -8,9 +8,10 @@ entry ``<cache_dir>/sft-<key>/`` holds ``tokens.npy`` (int32, all conversations 
 ``meta.json`` (counts). It is written under a temporary name and renamed when complete, so a
 reader sees a whole entry or none.
 
-Who builds: with a process group, rank 0 (under a file lock, so concurrent jobs do not build the
-same entry twice) while the other ranks wait in a broadcast that also carries rank 0's error, if
-any; without one, whichever process takes the file lock first. A rank that cannot see the entry
+Who builds: with a process group, rank 0 (the only rank that reads the inputs to hash them; under
+a file lock, so concurrent jobs do not build the same entry twice) while the other ranks wait in a
+broadcast that carries the entry's path or rank 0's one-line error; without a process group,
+whichever process takes the file lock first. A rank that cannot see the entry
 (cache dir not shared between nodes) or a cache dir that is not writable falls back to tokenizing
 in memory, with one warning line.
 """
@@ -104,8 +105,9 @@ def read_entry(entry: Path) -> SFTData | None:
         if meta.get("version") != CACHE_VERSION:
             return None
         off = np.load(entry / "offsets.npy")
-        tokens = np.load(entry / "tokens.npy", mmap_mode="r")
-        masks = np.load(entry / "masks.npy", mmap_mode="r")
+        mmap = "r" if off[-1] > 0 else None  # an empty array cannot be memory-mapped
+        tokens = np.load(entry / "tokens.npy", mmap_mode=mmap)
+        masks = np.load(entry / "masks.npy", mmap_mode=mmap)
         sources = np.load(entry / "sources.npy").tolist()
     except (OSError, ValueError):
         return None
@@ -156,24 +158,28 @@ def load_sft_cached(cfg, tok, log=None) -> SFTData:
 
     log = log or (lambda m: None)
     tok.check_model_vocab(cfg.model_vocab_size)
-    entry = cache_root(cfg) / f"sft-{cache_key(cfg, tok.path)}"
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed:
+        entry = cache_root(cfg) / f"sft-{cache_key(cfg, tok.path)}"
         return check_losses(_build_or_read(cfg, tok, entry, progress=True, warn=log), cfg, log)
-    status = [None]
+    status = [None, None]  # [error line or None, cache entry]: only rank 0 reads (hashes) the inputs
     data = None
     if dist.get_rank() == 0:
         try:
-            data = _build_or_read(cfg, tok, entry, progress=True, warn=log)
-        except (BadInputError, ValueError, OSError) as e:
-            status[0] = f"{type(e).__name__}: {e}"
+            entry = cache_root(cfg) / f"sft-{cache_key(cfg, tok.path)}"
+            status[1] = str(entry)
+            data = check_losses(_build_or_read(cfg, tok, entry, progress=True, warn=log), cfg, log)
+        except (ValueError, OSError) as e:  # BadInputError is a ValueError
+            status[0] = str(e)
     dist.broadcast_object_list(status, src=0)  # the other ranks wait here while rank 0 tokenizes
     if status[0] is not None:
-        raise BadInputError(status[0].split(": ", 1)[1])
+        raise BadInputError(status[0])
     if data is None:
+        entry = Path(status[1])
         data = read_entry(entry)
         if data is None:
-            print(f"warning: rank {dist.get_rank()} does not see the SFT cache {entry} (not a shared filesystem?); "
-                  f"tokenizing on this rank", flush=True)
+            print(f"warning: rank {dist.get_rank()} finds no SFT cache entry {entry} (sft.cache_dir not shared "
+                  f"between nodes, or not writable); tokenizing on this rank", flush=True)
             data = tokenize_inputs(cfg, tok)
-    return check_losses(data, cfg, log)
+        data = check_losses(data, cfg, lambda m: None)  # rank 0 has reported
+    return data

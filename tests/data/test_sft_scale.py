@@ -103,24 +103,35 @@ def test_bad_sft_settings_are_one_line(tmp_path, tok, change, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
-def _rank(rank, path, tok_dir, cache, init, out):
+def _rank(rank, path, bad, tok_dir, cache, init, out):
     import torch.distributed as dist
 
+    from data.sources import BadInputError
     from data.tokenizer import Tokenizer
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     cfg = SFTConfig(path=path, tokenizer=tok_dir, seq_length=128, cache_dir=cache)
     data = load_sft_cached(cfg, Tokenizer(tok_dir))
+    try:  # unusable data: rank 0's one line reaches every rank
+        load_sft_cached(SFTConfig(path=bad, tokenizer=tok_dir, seq_length=128, cache_dir=cache), Tokenizer(tok_dir))
+        error = None
+    except BadInputError as e:
+        error = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"origin": data.origin, "n": len(data.ids), "tokens": int(sum(len(x) for x in data.ids))}, f)
+        json.dump({"origin": data.origin, "n": len(data.ids), "tokens": int(sum(len(x) for x in data.ids)),
+                   "error": error}, f)
     dist.destroy_process_group()
 
 
 def test_rank0_tokenizes_and_the_other_rank_reads_the_cache(tmp_path, tok):
     a = _write(tmp_path / "a.jsonl", 30, "a", 4)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
     cache = str(tmp_path / "cache")
-    mp.start_processes(_rank, args=(a, tok.path, cache, f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2,
+    mp.start_processes(_rank, args=(a, str(bad), tok.path, cache, f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["origin"].startswith("tokenized, cached in") and r1["origin"].startswith("from cache")
     assert (r0["n"], r0["tokens"]) == (r1["n"], r1["tokens"]) and r0["n"] == 30
+    assert r0["error"] == r1["error"] and r1["error"].startswith("no usable conversations in") and \
+        "no assistant turn" in r1["error"]
