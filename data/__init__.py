@@ -7,7 +7,7 @@ See data/README.md for formats, batch keys and the resume contract.
 from data.config import DataConfig, SFTConfig, validate
 
 _LAZY = {
-    "build_pretrain_loaders": "data.loader", "build_sft_loader": "data.loader",
+    "build_pretrain_loaders": "data.loader", "build_sft_loader": "data.loader", "build_sft_loaders": "data.loader",
     "PretrainLoader": "data.loader", "SFTLoader": "data.loader",
     "Tokenizer": "data.tokenizer", "build_demo": "data.demo_corpus",
     "row_cu_seqlens": "data.packing", "flat_cu_seqlens": "data.packing",

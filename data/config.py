@@ -51,6 +51,13 @@ class SFTConfig:
     """Supervised fine-tuning on chat conversations (rows with ``messages: [{role, content}]``).
 
     path: JSONL / parquet file or HF dataset dir (``save_to_disk``) or HF data dir.
+    paths / weights: several such inputs instead of ``path``; ``weights`` (one per path, None = all 1)
+          is how often each input's conversations appear per epoch: 1 = each once, 2 = twice,
+          0.5 = a random half (drawn anew every epoch).
+    val_fraction: share of the conversations held out (by ``seed``) for validation (``val_loss``).
+    cache_dir: where tokenized conversations are cached, keyed by a content hash of the inputs,
+          the tokenizer and the settings below (null: ``.sft_cache`` next to the first input).
+          Rank 0 tokenizes once; the other ranks wait and read the cache (use a shared filesystem).
     chat_template: "chatml" (built-in renderer) or "tokenizer" (the tokenizer's own Jinja template).
     pack: pack several conversations per row of ``seq_length`` tokens (with ``cu_seqlens``);
           otherwise one conversation per row, right-padded.
@@ -73,6 +80,14 @@ class SFTConfig:
     model_vocab_size: Optional[int] = None
     warn_dropped_fraction: float = 0.1
     max_dropped_fraction: float = 0.5
+    paths: list[str] = field(default_factory=list)
+    weights: Optional[list[float]] = None
+    val_fraction: float = 0.0
+    cache_dir: Optional[str] = None
+
+    def inputs(self) -> list[str]:
+        """The input files / dirs: ``paths``, or ``[path]``."""
+        return list(self.paths) if self.paths else ([self.path] if self.path else [])
 
 
 def _check_tokenizer_dir(path: str, what: str, model_vocab_size: Optional[int] = None) -> None:
@@ -161,9 +176,23 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
         if not 0 <= cfg.warn_dropped_fraction <= cfg.max_dropped_fraction <= 1:
             raise ValueError(f"need 0 <= sft.warn_dropped_fraction ({cfg.warn_dropped_fraction}) <= "
                              f"sft.max_dropped_fraction ({cfg.max_dropped_fraction}) <= 1")
+        if cfg.path and cfg.paths:
+            raise ValueError("sft.path and sft.paths are both set: give one input as sft.path or several as sft.paths")
+        if cfg.weights is not None:
+            if len(cfg.weights) != len(cfg.inputs()):
+                raise ValueError(f"sft.weights has {len(cfg.weights)} entries but there are {len(cfg.inputs())} inputs "
+                                 f"(sft.paths): give one weight per path or null")
+            if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
+                raise ValueError(f"sft.weights={cfg.weights} must be non-negative with a positive sum")
+        if not 0 <= cfg.val_fraction < 1:
+            raise ValueError(f"sft.val_fraction={cfg.val_fraction} must be in [0, 1) (e.g. 0.01)")
         if check_files:
-            if not cfg.path or not os.path.exists(cfg.path):
-                raise ValueError(f"sft.path={cfg.path!r} does not exist: give a JSONL/parquet file or an HF dataset dir")
+            if not cfg.inputs():
+                raise ValueError("sft.path is empty: give a JSONL/parquet file or an HF dataset dir (or several as sft.paths)")
+            for p in cfg.inputs():
+                if not os.path.exists(p):
+                    key = "sft.path" if cfg.path else "sft.paths entry"
+                    raise ValueError(f"{key}={p!r} does not exist: give a JSONL/parquet file or an HF dataset dir")
             _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
     else:
         raise ValueError(f"validate() got {type(cfg).__name__}: expected DataConfig or SFTConfig")

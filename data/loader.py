@@ -112,23 +112,43 @@ class SFTLoader:
 
     Epoch e: conversations in ``random.Random(seed + e)`` order, best-fit packed into rows of S
     tokens; a step takes B*D consecutive rows (the tail that does not fill a step is dropped).
+    ``weights`` (one per input, see ``SFTConfig``): each input's conversations appear ``w`` times per
+    epoch (the fractional part a random subset, drawn anew per epoch).
     """
 
     def __init__(self, data, seq_length: int, micro_batch_size: int, pad_id: int, dp_rank: int = 0,
-                 dp_size: int = 1, pack: bool = True, seed: int = 1234):
+                 dp_size: int = 1, pack: bool = True, seed: int = 1234, weights: list[float] | None = None,
+                 what: str = "training"):
         _check_rank(dp_rank, dp_size)
         self.data, self.S, self.B = data, seq_length, micro_batch_size
         self.pad_id, self.dp_rank, self.dp_size, self.pack, self.seed = pad_id, dp_rank, dp_size, pack, seed
+        self.weights = list(weights) if weights is not None else None
         self.epoch, self.consumed_rows = 0, 0
         self.stats = dict(getattr(data, "stats", {}))  # truncated / dropped / skipped counts
         self._rows_epoch, self._rows = None, None
         if len(self._epoch_rows()) < self.B * self.dp_size:
-            raise ValueError(f"only {len(self._rows)} packed rows but one step needs micro_batch_size*dp_size={self.B * self.dp_size}: add data or lower them")
+            raise ValueError(f"only {len(self._rows)} packed {what} rows but one step needs micro_batch_size*dp_size="
+                             f"{self.B * self.dp_size}: add data or lower them")
+
+    def _epoch_order(self, rng: random.Random) -> list[int]:
+        n = len(self.data.ids)
+        if self.weights is None:
+            order = list(range(n))
+        else:
+            by_src: dict[int, list[int]] = {}
+            for i, s in enumerate(self.data.sources[:n]):
+                by_src.setdefault(int(s), []).append(i)
+            order = []
+            for s, w in enumerate(self.weights):
+                idx = by_src.get(s, [])
+                whole, frac = int(w), w - int(w)
+                order += idx * whole + rng.sample(idx, round(frac * len(idx)))
+        rng.shuffle(order)
+        return order
 
     def _epoch_rows(self) -> list[list[int]]:
         if self._rows_epoch != self.epoch:
-            order = list(range(len(self.data.ids)))
-            random.Random(self.seed + self.epoch).shuffle(order)
+            order = self._epoch_order(random.Random(self.seed + self.epoch))
             if self.pack:
                 bins = best_fit([len(self.data.ids[i]) for i in order], self.S)
                 self._rows = [[order[j] for j in b] for b in bins]
@@ -157,13 +177,18 @@ class SFTLoader:
         self.consumed_rows += step
         return collate(out)
 
+    def reset(self) -> None:
+        """Restart at the first row of epoch 0 (e.g. before each validation pass)."""
+        self.epoch, self.consumed_rows = 0, 0
+
     def state_dict(self) -> dict:
         return {"kind": "sft", "epoch": self.epoch, "consumed_rows": self.consumed_rows,
                 "fingerprint": self._fingerprint()}
 
     def _fingerprint(self) -> dict:
-        return {"n": len(self.data.ids), "tokens": int(sum(len(x) for x in self.data.ids)), "S": self.S,
-                "pack": self.pack, "seed": self.seed}
+        fp = {"n": len(self.data.ids), "tokens": int(sum(len(x) for x in self.data.ids)), "S": self.S,
+              "pack": self.pack, "seed": self.seed}
+        return fp if self.weights is None else {**fp, "weights": self.weights}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("kind") != "sft":
@@ -173,13 +198,25 @@ class SFTLoader:
         self.epoch, self.consumed_rows = int(sd["epoch"]), int(sd["consumed_rows"])
 
 
-def build_sft_loader(cfg: SFTConfig, dp_rank: int = 0, dp_size: int = 1, tokenizer=None, log=None) -> SFTLoader:
-    """Validate ``cfg``, tokenize the conversations (counting rejects) and return the loader."""
-    from data.sft import load_sft
+def build_sft_loaders(cfg: SFTConfig, dp_rank: int = 0, dp_size: int = 1, tokenizer=None,
+                      log=None) -> tuple[SFTLoader, SFTLoader | None]:
+    """Validate ``cfg``, tokenize the conversations once (cached; see :mod:`data.sft_cache`) and
+    return ``(train_loader, valid_loader_or_None)`` (``sft.val_fraction`` held out by ``seed``).
+    Every rank of the process group must call it."""
+    from data.sft import split_validation
+    from data.sft_cache import load_sft_cached
     from data.tokenizer import Tokenizer
 
     validate(cfg, dp_size)
     tok = tokenizer or Tokenizer(cfg.tokenizer)
-    data = load_sft(cfg, tok, log=log)
+    train, valid = split_validation(load_sft_cached(cfg, tok, log=log), cfg.val_fraction, cfg.seed)
     pad = tok.pad if tok.pad >= 0 else tok.eod
-    return SFTLoader(data, cfg.seq_length, cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.pack, cfg.seed)
+    tl = SFTLoader(train, cfg.seq_length, cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.pack, cfg.seed, cfg.weights)
+    vl = SFTLoader(valid, cfg.seq_length, cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.pack, cfg.seed,
+                   what="validation (sft.val_fraction)") if valid is not None else None
+    return tl, vl
+
+
+def build_sft_loader(cfg: SFTConfig, dp_rank: int = 0, dp_size: int = 1, tokenizer=None, log=None) -> SFTLoader:
+    """The training loader of :func:`build_sft_loaders`."""
+    return build_sft_loaders(cfg, dp_rank, dp_size, tokenizer, log)[0]

@@ -1,7 +1,10 @@
 """Hydra composition of ``recipes/`` into a typed :class:`~train.config.RunConfig`.
 
-Uses Hydra's Compose API (no output directories, no cwd change, nothing per rank) and converts the
-resolved YAML into dataclasses strictly: an unknown key is an error that names the closest field.
+Uses Hydra's Compose API (no output directories, no cwd change, nothing per rank) over a typed
+structured-config schema (``RunConfig`` registered in Hydra's ConfigStore as ``run_defaults``), so
+Hydra itself rejects unknown keys and mistyped values while composing; the resolved YAML is then
+converted into dataclasses strictly. Errors are one line naming the closest valid key or option.
+Sweeps (``-m key=a,b``) are expanded with Hydra's own override grammar and basic sweeper.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from runtime.dataclass_io import from_dict
 from train.config import RunConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+GROUPS = ("recipe", "model", "attention", "stage", "parallel")
 
 
 def recipe_name(overrides: list[str]) -> str:
@@ -48,6 +52,11 @@ def _explain(e: Exception, recipes_dir: Path) -> str:
     import re
 
     msg = str(e).splitlines()[0]
+    if msg.startswith("Ambiguous value for argument"):
+        return f"{msg}: add -m to sweep over the values, write a list as key=[a,b], or quote a string as key='a,b'"
+    m = re.match(r"Error merging override (\S+)", msg)
+    if m and e.__cause__ is not None:  # a typed schema refused the value
+        return f"bad value {m.group(1)!r}: {str(e.__cause__).splitlines()[0]}"
     m = re.search(r"Could not override '([^']+)'", msg)
     if m:
         key = m.group(1)
@@ -67,14 +76,44 @@ def _explain(e: Exception, recipes_dir: Path) -> str:
 
 
 def _register_defaults() -> None:
-    """Every RunConfig field with its default, as the base node ``run_defaults`` of config.yaml.
-
-    A plain (untyped) node, so every key can be overridden without ``+`` and misspelled keys are
-    rejected by Hydra; types are checked when converting to dataclasses.
-    """
+    """The typed schema: ``RunConfig`` (every field, its type and default) as the base node
+    ``run_defaults`` of config.yaml, so every key is overridden without ``+``, and misspelled keys
+    and values of the wrong type are refused by Hydra while composing."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="run_defaults", node=dataclasses.asdict(RunConfig()))
+    ConfigStore.instance().store(name="run_defaults", node=RunConfig)
+
+
+def group_options(recipes_dir: Path = RECIPES_DIR) -> dict[str, list[str]]:
+    """The selectable files of each config group (``recipe``, ``model``, ...), without ``.yaml``."""
+    return {g: sorted(p.stem for p in (recipes_dir / g).glob("*.yaml")) for g in GROUPS}
+
+
+def expand_sweep(overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> tuple[list[list[str]], list[str]]:
+    """Hydra multirun expansion: ``(jobs, swept_keys)``; every job is a full override list.
+
+    The grammar is Hydra's (``key=a,b``, ``range(1,4)``, ``choice(a,b)``, ``glob(nosa*)`` over a
+    group); jobs are the cartesian product in the order given, as Hydra's basic sweeper makes them.
+    """
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    _register_defaults()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(recipes_dir), version_base=None):
+            parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+            parsed = parser.parse_overrides(list(overrides))
+            swept = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+            jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    except HydraException as e:
+        raise ValueError(str(e).splitlines()[0]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return jobs, swept
 
 
 def load_config(overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> RunConfig:

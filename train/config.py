@@ -126,9 +126,13 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
+    """Where metrics go besides ``<run.dir>/metrics.jsonl`` and the console. W&B: the run id is
+    unique per run dir, kept in ``<run.dir>/wandb_id`` and reused when the run resumes."""
+
     wandb: str = "disabled"
     wandb_project: str = "nosa-train"
     plot: bool = True
+    tensorboard: bool = False  # scalars of every logged row under <run.dir>/tensorboard (needs the tensorboard package)
 
 
 @dataclass
@@ -208,7 +212,7 @@ RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval"
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
                "train.gc_interval",
                "checkpoint.", "logging.", "profile.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
-               "data.num_builder_threads", "data.cache_dir", "run.dir", "recipe")
+               "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -310,6 +314,10 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
           f"{t.micro_batch_size}*{dp}; pick a multiple of {t.micro_batch_size * dp}")
     _need(t.nan_skip_limit > 0, f"train.nan_skip_limit={t.nan_skip_limit} must be > 0")
     _need(t.log_interval > 0, f"train.log_interval={t.log_interval} must be > 0")
+    if cfg.logging.tensorboard:
+        from train.metrics import tensorboard_missing
+
+        _need(tensorboard_missing() is None, tensorboard_missing() or "")
     _need(cfg.profile.start_step >= 0 and cfg.profile.num_steps >= 1,
           f"profile.start_step={cfg.profile.start_step} must be >= 0 (0: off) and profile.num_steps="
           f"{cfg.profile.num_steps} >= 1")

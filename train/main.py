@@ -5,11 +5,14 @@ Examples::
     torchrun --nproc_per_node=8 train/main.py recipe=nosa_8b_cpt init_from=runs/nosa_8b_pretrain \\
         data.paths=[/data/cpt_text_document] data.tokenizer=/data/tokenizer
     python train/main.py recipe=tiny_cpt train.max_steps=5          # one CPU process
-    python train/main.py recipe=nosa_8b_cpt print_config=true       # resolved config, then exit
+    python train/main.py recipe=nosa_8b_cpt --cfg job               # resolved config, then exit
     python train/main.py recipe=nosa_8b_cpt dry_run=true            # validate layout, memory estimate
+    python train/main.py -m recipe=tiny_cpt attention=nosa_tiny,dense   # sweep: one run per value
+    python train/main.py --help
 
-Only Hydra-style ``key=value`` overrides are accepted (no flags). The run directory
-(``run.dir``, default ``runs/<recipe>``) receives ``config.yaml``, ``checkpoints/``,
+Hydra's command line (``key=value`` overrides, ``--help``, ``--cfg job``, ``-m``; see
+:mod:`train.cli`). The run directory (``run.dir``, default ``runs/<recipe>``; a multirun job's is
+``<run.dir or runs/<recipe>>/<swept key=value,...>``) receives ``config.yaml``, ``checkpoints/``,
 ``metrics.jsonl`` and ``loss.png``.
 """
 
@@ -23,35 +26,77 @@ if __package__ in (None, ""):  # `python train/main.py` / `torchrun train/main.p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.compose import load_config, to_yaml
-    from train.config import validate
-    from train.distributed import world_size_from_env
+    from train.cli import CliError, help_text, parse_cli
+    from train.compose import group_options
 
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    bad = [a for a in overrides if a.startswith("-") or "=" not in a]
-    if bad:
-        print(f"train/main.py takes only key=value overrides (e.g. recipe=tiny_cpt train.max_steps=5); got {bad}",
-              file=sys.stderr)
-        return 2
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
-        cfg = load_config(overrides)
-        if cfg.print_config:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(to_yaml(cfg))
+        cli = parse_cli(list(sys.argv[1:] if argv is None else argv))
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cli.help:
+        if rank0:
+            print(help_text(group_options()))
+        return 0
+    try:
+        jobs = plan_jobs(cli)
+        if cli.cfg == "job" or any(cfg.print_config for _, cfg in jobs):
+            if rank0:
+                from train.compose import to_yaml
+
+                for job, cfg in jobs:
+                    print(f"# {' '.join(job)}\n{to_yaml(cfg)}" if cli.multirun else to_yaml(cfg))
             return 0
-        if cfg.dry_run:
+        if any(cfg.dry_run for _, cfg in jobs):
             from train.dry_run import dry_run
 
-            return dry_run(cfg)
-        validate(cfg, world_size=world_size_from_env())
+            return max(dry_run(cfg) for _, cfg in jobs)
+        from train.config import validate
+        from train.distributed import world_size_from_env
+
+        for _, cfg in jobs:
+            validate(cfg, world_size=world_size_from_env())
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    return train(cfg)
+    for i, (job, cfg) in enumerate(jobs):
+        if cli.multirun and rank0:
+            print(f"[multirun] job {i + 1}/{len(jobs)}: {' '.join(job)} -> run.dir={cfg.run_dir}", flush=True)
+        rc = train(cfg, last=i == len(jobs) - 1)
+        if rc:
+            if cli.multirun and rank0 and i + 1 < len(jobs):
+                print(f"error: multirun job {i + 1}/{len(jobs)} failed (exit {rc}); the {len(jobs) - i - 1} "
+                      f"job(s) after it were not run", file=sys.stderr, flush=True)
+            return rc
+    return 0
 
 
-def train(cfg) -> int:
-    """Train under a lock on ``run.dir``; bad input, a damaged checkpoint or a non-finite step end in one line."""
+def plan_jobs(cli) -> list[tuple[list[str], object]]:
+    """``(overrides, RunConfig)`` of each job: one, or one per combination of a ``-m`` sweep (each
+    with its own run dir); every job is composed (and so checked) before the first one starts."""
+    from train.cli import CliError, job_run_dir
+    from train.compose import expand_sweep, load_config
+
+    if not cli.multirun:
+        return [(cli.overrides, load_config(cli.overrides))]
+    combos, swept = expand_sweep(cli.overrides)
+    jobs = []
+    for job in combos:
+        cfg = load_config(job)
+        cfg.run.dir = job_run_dir(cfg.run.dir, cfg.recipe, job, swept)
+        jobs.append((job, cfg))
+    dirs = [cfg.run_dir for _, cfg in jobs]
+    if len(set(dirs)) != len(dirs):
+        raise CliError(f"multirun jobs share a run dir ({min(d for d in set(dirs) if dirs.count(d) > 1)})")
+    return jobs
+
+
+def train(cfg, last: bool = True) -> int:
+    """Train under a lock on ``run.dir``; bad input, a damaged checkpoint or a non-finite step end in one line.
+
+    ``last=False`` (a multirun job followed by others) keeps the process group for the next job and
+    only tears down megatron's model-parallel state."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -89,7 +134,14 @@ def train(cfg) -> int:
         return 3 if isinstance(e, NonFiniteError) else 2
     finally:
         lock.release()
-        shutdown()
+        if last:
+            shutdown()
+        else:
+            from megatron.core import parallel_state as ps
+
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            dist.barrier()
     return 0
 
 

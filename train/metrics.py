@@ -1,7 +1,12 @@
-"""Run metrics: console progress, ``metrics.jsonl``, Weights & Biases, loss-curve PNG, FLOPs/MFU.
+"""Run metrics: console progress, ``metrics.jsonl``, Weights & Biases, TensorBoard, loss-curve PNG,
+FLOPs/MFU, and the interval statistics a logged row reports.
 
 Only the rank that owns the loss (last pipeline stage, first TP/DP rank) writes; the JSONL file
 has one JSON object per logged step with at least ``step, loss, lr, grad_norm, tokens_per_s``.
+``loss`` is the mean over the steps since the previous logged row (the loss of each step is
+already the per-token mean over the whole global batch, i.e. over all DP ranks), ``step_time_s``
+and ``tokens_per_s`` are interval means, ``eta_s`` is the remaining steps times the mean step time,
+``peak_mem_gib`` is the largest peak of any rank (all-reduce MAX).
 """
 
 from __future__ import annotations
@@ -9,9 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import secrets
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
@@ -53,16 +61,103 @@ def train_flops_per_token(model: ModelConfig, attn: AttentionConfig, seq_len: in
     return float(flops)
 
 
+class IntervalStats:
+    """Per-step values between two logged rows; :meth:`flush` returns their means and starts anew."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.times: list[float] = []
+
+    def add(self, loss: float, step_time_s: float) -> None:
+        """One optimizer step: its loss (non-finite losses are left out of the mean) and wall time (s)."""
+        if math.isfinite(loss):
+            self.losses.append(loss)
+        self.times.append(step_time_s)
+
+    def flush(self, tokens_per_step: int, steps_left: int) -> dict:
+        """``loss`` (mean over finite steps; NaN if none), ``step_time_s``, ``tokens_per_s``, ``eta_s``."""
+        n = max(len(self.times), 1)
+        dt = math.fsum(self.times) / n
+        out = {"loss": math.fsum(self.losses) / len(self.losses) if self.losses else float("nan"),
+               "step_time_s": dt, "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
+               "eta_s": dt * steps_left}
+        self.losses, self.times = [], []
+        return out
+
+
+def local_peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory in GiB: CUDA ``max_memory_allocated`` on a GPU, peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def max_over_ranks(value: float, device: torch.device, group=None) -> float:
+    """The largest ``value`` of all ranks of ``group`` (all-reduce MAX; every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t[0])
+
+
+def format_eta(seconds: float) -> str:
+    """``1d02h03m`` / ``2h03m`` / ``3m04s`` / ``5s``."""
+    if not math.isfinite(seconds):
+        return "-"
+    s = round(seconds)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    if d:
+        return f"{d}d{h:02d}h{m:02d}m"
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{s % 60:02d}s" if m else f"{s}s"
+
+
+WANDB_ID_FILE = "wandb_id"
+
+
+def wandb_run_id(run_dir: str, name: str, resumed: bool) -> str:
+    """The W&B run id of ``run_dir``: kept in ``<run_dir>/wandb_id`` and reused when the run resumes
+    from its own checkpoint (``resumed``); otherwise a new unique id ``<name>-<8 hex>`` is written, so
+    sweeps, resubmissions into new run dirs and restarts from scratch are separate W&B runs."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if resumed and path.is_file():
+        rid = path.read_text().strip()
+        if rid:
+            return rid
+    rid = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)[:48]}-{secrets.token_hex(4)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{WANDB_ID_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(rid + "\n")
+    os.replace(tmp, path)
+    return rid
+
+
+def tensorboard_missing() -> str | None:
+    """Why ``logging.tensorboard=true`` cannot work here (one line), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        return ("logging.tensorboard=true but the tensorboard package is not installed; pip install tensorboard, "
+                "or set logging.tensorboard=false")
+    return None
+
+
 class MetricsLogger:
     """Writes metrics on the owning rank; a no-op elsewhere."""
 
     def __init__(self, run_dir: str, enabled: bool, wandb_mode: str = "disabled",
                  wandb_project: str = "nosa-train", run_name: str = "run", config: dict | None = None,
-                 resume_step: int = 0):
+                 resume_step: int = 0, tensorboard: bool = False):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.history: list[dict] = []
         self._wandb = None
+        self._tb = None
+        self.wandb_id = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,8 +168,13 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, name=run_name, mode=wandb_mode, dir=run_dir,
-                                     config=config, resume="allow", id=run_name.replace("/", "_"))
+            self.wandb_id = wandb_run_id(run_dir, run_name, resumed=resume_step > 0)
+            self._wandb = wandb.init(project=wandb_project, name=f"{run_name} ({Path(run_dir).name})",
+                                     mode=wandb_mode, dir=run_dir, config=config, resume="allow", id=self.wandb_id)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -87,6 +187,10 @@ class MetricsLogger:
             os.fsync(f.fileno())
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                    self._tb.add_scalar(k, v, global_step=row["step"])
 
     def plot(self, out: Path | None = None) -> Path | None:
         """Loss curve (train, and validation where logged) as a PNG next to metrics.jsonl."""
@@ -118,3 +222,5 @@ class MetricsLogger:
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()

@@ -24,7 +24,8 @@ from train.config import RunConfig
 from train.distributed import DistEnv
 from train.finite import grads_nonfinite, weights_nonfinite
 from train.gc_control import GarbageCollection
-from train.metrics import MetricsLogger, peak_flops, train_flops_per_token
+from train.metrics import IntervalStats, MetricsLogger, format_eta, local_peak_memory_gib, max_over_ranks
+from train.metrics import peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
 from train.profiling import StepProfiler
 
@@ -155,11 +156,11 @@ class Trainer:
     def _build_loaders(self) -> None:
         cfg, env = self.cfg, self.env
         if cfg.stage.kind == "sft":
-            from data.loader import build_sft_loader
+            from data.loader import build_sft_loaders
 
-            self.train_loader = build_sft_loader(dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size),
-                                                 env.dp_rank, env.dp_size, log=partial(log0, env))
-            self.valid_loader = None
+            self.train_loader, self.valid_loader = build_sft_loaders(
+                dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size), env.dp_rank, env.dp_size,
+                log=partial(log0, env))
         else:
             from data.loader import build_pretrain_loaders
 
@@ -334,7 +335,9 @@ class Trainer:
         self.restore()
         logger = MetricsLogger(str(self.run_dir), enabled=env.owns_loss, wandb_mode=cfg.logging.wandb,
                                wandb_project=cfg.logging.wandb_project, run_name=cfg.recipe,
-                               config=dataclasses.asdict(cfg), resume_step=self.step)
+                               config=dataclasses.asdict(cfg), resume_step=self.step,
+                               tensorboard=cfg.logging.tensorboard)
+        interval = IntervalStats()
         tokens_per_step = t.global_batch_size * t.seq_length
         start_step, saved_at = self.step, self.step
         last: dict = {}
@@ -359,17 +362,19 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step += 1
                 profiler.after(self.step, partial(log0, env))
+                interval.add(out["loss"], dt)
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
-                       "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_step / dt,
-                       "step_time_s": dt, "skipped": out["skipped"]}
+                       "grad_norm": out["grad_norm"], "skipped": out["skipped"]}
                 row.update({k: v for k, v in out.items() if k.startswith("nosa_")})
-                if env.device.type == "cuda":
-                    row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                if self.peak:
-                    row["mfu"] = tokens_per_step * self.flops_per_token / dt / (self.peak * env.world_size)
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     row["val_loss"] = self.evaluate()
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                    # interval means; peak memory over all ranks (a collective: every rank logs here)
+                    row.update(interval.flush(tokens_per_step, t.max_steps - self.step))
+                    row["peak_mem_gib"] = max_over_ranks(local_peak_memory_gib(env.device), env.device)
+                    if self.peak:
+                        row["mfu"] = tokens_per_step * self.flops_per_token / row["step_time_s"] / (
+                            self.peak * env.world_size)
                     logger.log(row)
                     if env.owns_loss:
                         print(_format_row(row, t.max_steps), flush=True)
@@ -399,6 +404,8 @@ def _format_row(r: dict, max_steps: int) -> str:
     if r.get("grad_norm") is not None:
         parts.append(f"grad_norm {r['grad_norm']:.3f}")
     parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+    if r.get("eta_s") is not None:
+        parts.append(f"ETA {format_eta(r['eta_s'])}")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if r.get("peak_mem_gib") is not None:

@@ -1,0 +1,72 @@
+"""Logged rows: interval means, ETA, peak memory as the max over ranks, W&B run ids, TensorBoard."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+from train.compose import load_config
+from train.config import validate
+from train.metrics import IntervalStats, format_eta, max_over_ranks, wandb_run_id
+
+
+def test_interval_means_leave_out_non_finite_losses_and_give_an_eta():
+    s = IntervalStats()
+    for loss, dt in ((2.0, 1.0), (float("nan"), 3.0), (4.0, 2.0)):
+        s.add(loss, dt)
+    row = s.flush(tokens_per_step=600, steps_left=10)
+    assert row["loss"] == 3.0 and row["step_time_s"] == 2.0 and row["tokens_per_s"] == 300.0 and row["eta_s"] == 20.0
+    s.add(float("inf"), 1.0)
+    assert math.isnan(s.flush(600, 0)["loss"])  # a fresh interval: nothing finite in it
+    assert [format_eta(x) for x in (5, 184, 7380, 93784, float("nan"))] == ["5s", "3m04s", "2h03m", "1d02h03m", "-"]
+
+
+def test_wandb_id_is_unique_per_run_and_kept_across_a_resume(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    first = wandb_run_id(a, "nosa_8b/cpt", resumed=False)
+    assert first.startswith("nosa_8b_cpt-") and (tmp_path / "a" / "wandb_id").read_text().strip() == first
+    assert wandb_run_id(a, "nosa_8b/cpt", resumed=True) == first  # resume of the same run
+    assert wandb_run_id(b, "nosa_8b/cpt", resumed=False) != first  # same recipe, another run dir (sweep, resubmit)
+    assert wandb_run_id(b, "x", resumed=True) != first
+    restarted = wandb_run_id(a, "nosa_8b/cpt", resumed=False)  # started over in the same dir: a new W&B run
+    assert restarted != first and wandb_run_id(a, "nosa_8b/cpt", resumed=True) == restarted
+    assert sorted(os.listdir(tmp_path / "a")) == ["wandb_id"]  # written atomically, no temporary left
+
+
+def _max_rank(rank, init, out):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    got = max_over_ranks([0.5, 7.25, 3.0][rank], torch.device("cpu"))
+    with open(os.path.join(out, f"r{rank}"), "w") as f:
+        f.write(repr(got))
+    dist.destroy_process_group()
+
+
+def test_peak_memory_is_the_max_over_all_ranks(tmp_path):
+    mp.start_processes(_max_rank, args=(f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=3, join=True,
+                       start_method="fork")
+    assert [float((tmp_path / f"r{r}").read_text()) for r in range(3)] == [7.25, 7.25, 7.25]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed here")
+def test_tensorboard_without_the_package_is_one_line():
+    cfg = load_config(["recipe=tiny_cpt", "logging.tensorboard=true"])
+    with pytest.raises(ValueError) as e:
+        validate(cfg, check_files=False)
+    assert "pip install tensorboard" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard package")
+def test_tensorboard_writer_records_logged_rows(tmp_path):
+    from train.metrics import MetricsLogger
+
+    log = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
+    log.log({"step": 1, "loss": 2.5, "lr": 1e-3, "skipped": False})
+    log.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.5
