@@ -65,7 +65,7 @@ def test_verdict_with_world_size_from_env_does_not_wait_for_peers():
     """TP=2 for the 8B on 8 GPUs does not fit 80 GiB; WORLD_SIZE=8 without torchrun gives the world size."""
     p = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), "recipe=nosa_8b_cpt", "dry_run=true",
                         "parallel=tp2", "train.global_batch_size=8"], cwd=ROOT, capture_output=True, text=True,
-                       env=child_env(WORLD_SIZE="8"), timeout=300)
+                       env=child_env(WORLD_SIZE="8"), timeout=300, check=False)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "layout valid for 8 GPUs (TP=2 PP=1 CP=1 DP=4)" in p.stdout
     assert "does not fit in 80 GiB" in p.stdout and "would fit: train.recompute=full" in p.stdout
