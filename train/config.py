@@ -50,6 +50,7 @@ class ParallelSection:
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    world_size: Optional[int] = None  # processes of the run; null: torchrun's WORLD_SIZE (dry_run: TP*PP*CP)
 
     def model_parallel(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel=self.tensor_model_parallel_size,
@@ -148,6 +149,20 @@ class ProfileSection:
 
 
 @dataclass
+class ClusterSection:
+    """Running on a shared cluster: preemption, collective timeouts, the GPU a layout must fit.
+
+    A signal of ``save_signals`` (SIGTERM: preemption and SLURM's time limit; SIGUSR1: SLURM's
+    ``--signal=USR1@<seconds>``) makes every rank save a checkpoint at the next step boundary and
+    exit cleanly; the next launch resumes from it (``checkpoint.resume=auto``).
+    """
+
+    save_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # [] : default signal behaviour
+    dist_timeout_minutes: float = 30.0  # a collective (NCCL/gloo) waiting longer than this fails the run
+    gpu_memory_gib: float = 80.0  # dry_run: the per-GPU memory the layout must fit (H100/A800: 80, H200: 141)
+
+
+@dataclass
 class RunConfig:
     recipe: str = "default"
     run: RunSection = field(default_factory=RunSection)
@@ -162,6 +177,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
     init_from: Optional[str] = None  # weights-only start (previous stage); dense -> NOSA allowed
     print_config: bool = False
     dry_run: bool = False
@@ -211,8 +227,8 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
                "train.gc_interval",
-               "checkpoint.", "logging.", "profile.", "parallel.", "run.device", "init_from", "print_config", "dry_run",
-               "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
+               "checkpoint.", "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "print_config",
+               "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -281,6 +297,25 @@ def _check_resume(cfg: RunConfig) -> None:
           f"set checkpoint.allow_config_change=true")
 
 
+def _validate_cluster(cfg: RunConfig, world_size: int) -> None:
+    """``cluster.*`` and ``parallel.world_size``: known signal names, positive timeout and memory."""
+    import signal
+
+    c = cfg.cluster
+    bad = [s for s in c.save_signals if not (isinstance(s, str) and s.startswith("SIG") and
+                                             isinstance(getattr(signal, s, None), signal.Signals))
+           or s in ("SIGKILL", "SIGSTOP")]
+    _need(not bad, f"cluster.save_signals has {bad}: give catchable signal names such as [SIGTERM, SIGUSR1], "
+                   f"or [] for none")
+    _need(c.dist_timeout_minutes > 0, f"cluster.dist_timeout_minutes={c.dist_timeout_minutes} must be > 0")
+    _need(c.gpu_memory_gib > 0, f"cluster.gpu_memory_gib={c.gpu_memory_gib} must be > 0")
+    ws = cfg.parallel.world_size
+    _need(ws is None or ws >= 1, f"parallel.world_size={ws} must be >= 1 or null")
+    _need(ws is None or ws == world_size,
+          f"parallel.world_size={ws} but {world_size} processes were started; launch {ws} processes "
+          f"(torchrun --nnodes * --nproc_per_node) or drop parallel.world_size")
+
+
 def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> RunConfig:
     """Every cross-field rule of a run, for ``world_size`` processes. Returns ``cfg``."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
@@ -301,6 +336,7 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
     _choice(cfg.checkpoint.resume, RESUME, "checkpoint.resume")
     _choice(cfg.checkpoint.on_corrupt, ON_CORRUPT, "checkpoint.on_corrupt")
 
+    _validate_cluster(cfg, world_size)
     _need(world_size % p.model_parallel_size == 0,
           f"world size {world_size} is not divisible by TP*PP*CP={p.model_parallel_size}; "
           f"launch a multiple of {p.model_parallel_size} processes or change parallel.*")

@@ -11,6 +11,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -50,7 +51,19 @@ def resolve_device(name: str) -> torch.device:
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The process count torchrun set (1 for a plain ``python train/main.py``).
+
+    Raises ``ValueError`` (one line) for WORLD_SIZE > 1 without RANK: such a process would wait
+    forever for peers that nobody starts.
+    """
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise ValueError(f"WORLD_SIZE={world!r} in the environment is not a positive integer; unset it or launch "
+                         f"with torchrun")
+    if int(world) > 1 and "RANK" not in os.environ:
+        raise ValueError(f"WORLD_SIZE={world} is set but RANK is not: start the {world} processes with torchrun "
+                         f"(or launch/run_train.sh), or unset WORLD_SIZE for one process")
+    return int(world)
 
 
 def _free_port() -> int:
@@ -77,9 +90,11 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(minutes=cfg.cluster.dist_timeout_minutes))
     p = cfg.parallel
     ps.initialize_model_parallel(
+        distributed_timeout_minutes=max(1, round(cfg.cluster.dist_timeout_minutes)),
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,

@@ -27,6 +27,7 @@ from train.gc_control import GarbageCollection
 from train.metrics import IntervalStats, MetricsLogger, format_eta, local_peak_memory_gib, max_over_ranks
 from train.metrics import peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
+from train.preemption import StopSignal
 from train.profiling import StepProfiler
 
 
@@ -330,9 +331,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
+        cfg, env = self.cfg, self.env
+        with StopSignal(cfg.cluster.save_signals, env.device) as stop:  # a signal during the build counts too
+            self.build()
+            self.restore()
+            return self._loop(stop)
+
+    def _loop(self, stop: StopSignal) -> dict:
         cfg, env, t = self.cfg, self.env, self.cfg.train
-        self.build()
-        self.restore()
         logger = MetricsLogger(str(self.run_dir), enabled=env.owns_loss, wandb_mode=cfg.logging.wandb,
                                wandb_project=cfg.logging.wandb_project, run_name=cfg.recipe,
                                config=dataclasses.asdict(cfg), resume_step=self.step,
@@ -382,6 +388,11 @@ class Trainer:
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                     self.save()
                     saved_at = self.step
+                got = stop.agreed()
+                if got is not None:
+                    log0(env, f"{got} received: stopping at step {self.step} with a checkpoint; the next launch "
+                              f"with the same run.dir resumes from it")
+                    break
             if self.step == t.max_steps and self.valid_loader is not None and t.eval_iters and \
                     not (t.eval_interval and self.step % t.eval_interval == 0):
                 last = {**last, "step": self.step, "val_loss": self.evaluate()}

@@ -105,6 +105,6 @@ def test_dry_run_8b_counts_parameters_on_the_meta_device():
     total = m.num_layers * layer + 2 * m.padded_vocab_size * h + h
     got = float(re.search(r"parameters: ([0-9.]+) B total", p.stdout).group(1))
     assert got == pytest.approx(total / 1e9, abs=1e-3)
-    assert "layout OK for 8 GPUs (TP=4 PP=2 CP=1 DP=1)" in p.stdout
+    assert "layout valid for 8 GPUs (TP=4 PP=2 CP=1 DP=1)" in p.stdout and "fits in 80 GiB" in p.stdout
     gib = float(re.search(r"= ~([0-9.]+) GiB", p.stdout).group(1))
     assert 10 < gib < 80  # fits an 80 GB GPU at TP=4 x PP=2 with selective recompute

@@ -1,0 +1,55 @@
+"""Save-and-exit on a signal (preemption, SLURM's time limit), agreed by all ranks at a step boundary.
+
+The handler only records which signal arrived; the trainer asks :meth:`StopSignal.agreed` after
+every optimizer step. That call all-reduces (MAX) the flag over the whole world, so every rank
+sees the signal at the same step even when it reached one rank only (e.g. SLURM signalling one
+node), and all of them save the same checkpoint and stop. The same idea as megatron-LM's
+``DistributedSignalHandler`` (``megatron.training``), which all-gathers the flags; this one
+handles several signals and costs one scalar all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+class StopSignal:
+    """Record ``signals`` (names such as ``"SIGTERM"``) instead of dying; restore on :meth:`release`."""
+
+    def __init__(self, signals: list[str], device: torch.device):
+        self.device = device
+        self.received: str | None = None  # the first signal this process got
+        self._previous = {}
+        for name in signals:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """The signal name if any rank got one (collective: every rank calls this at the same step)."""
+        if not self._previous:
+            return None
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()) == 0:
+            return None
+        return self.received or "a signal on another rank"
+
+    def release(self) -> None:
+        """Put the previous handlers back (a signal after the run ends acts as usual)."""
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous = {}
+
+    def __enter__(self) -> StopSignal:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
