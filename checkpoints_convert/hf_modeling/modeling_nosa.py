@@ -30,7 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+)
 from transformers.models.llama.modeling_llama import (
     LlamaForCausalLM,
     LlamaMLP,
@@ -40,9 +43,9 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .nosa_block_cache import LayerSpec, NOSABlockCache
-from .nosa_dispatch import nosa_attention, resolve_backend
 from .nosa_config import NOSAConfig
 from .nosa_decode import nosa_decode_step
+from .nosa_dispatch import nosa_attention, resolve_backend
 from .nosa_eviction import build_eviction_head
 from .nosa_reference import block_sparse_attention
 from .nosa_selection import select_rows
@@ -352,7 +355,7 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                           has_score=a._evict is not None and a._evict.has_score)
                 for a in (layer.self_attn for layer in self.layers)]
 
-    def new_cache(self, offload: bool = False, gpu_blocks: Optional[int] = None, dynamic: bool = False):
+    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False):
         """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
         memory, ``gpu_blocks`` slots per sequence and KV head on the GPU), or with ``dynamic=True``
         transformers' ``DynamicCache`` (the slow reference decode path)."""
@@ -449,13 +452,13 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # forward() makes a NOSABlockCache; generate() takes it from the outputs
 
-    def new_cache(self, offload: bool = False, gpu_blocks: Optional[int] = None, dynamic: bool = False):
+    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
         return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic)
 
-    def set_cache_options(self, offload: bool = False, gpu_blocks: Optional[int] = None, dynamic: bool = False) -> None:
+    def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False) -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval)."""
-        self.model.cache_options = dict(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic)
+        self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic}
 
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""
@@ -467,5 +470,5 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
             layer.self_attn.record_selection = on
 
 
-__all__ = ["NOSALlamaForCausalLM", "NOSALlamaModel", "NOSALlamaPreTrainedModel", "NOSAAttention", "NOSABlockCache"]
+__all__ = ["NOSAAttention", "NOSABlockCache", "NOSALlamaForCausalLM", "NOSALlamaModel", "NOSALlamaPreTrainedModel"]
 

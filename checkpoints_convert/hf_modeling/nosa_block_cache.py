@@ -27,14 +27,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
 from .nosa_config import NOSAConfig
-from .nosa_selection import block_window_index, compressed_keys, pool_to_blocks, topk_mask, window_scores
+from .nosa_selection import (
+    block_window_index,
+    compressed_keys,
+    pool_to_blocks,
+    topk_mask,
+    window_scores,
+)
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -45,7 +50,7 @@ CAPACITY_MARGIN = 1024  # tokens allocated past the prompt before the cache grow
 class LayerSpec:
     """What one layer stores: ``cfg`` (None: dense layer), KV heads, head dim, eviction score or not."""
 
-    cfg: Optional[NOSAConfig]
+    cfg: NOSAConfig | None
     num_kv_heads: int
     head_dim: int
     has_score: bool
@@ -54,22 +59,22 @@ class LayerSpec:
 @dataclass
 class LayerState:
     spec: LayerSpec
-    k: Optional[Tensor] = None  # [B, Hkv, NB, bs, D] on the GPU (full mode, and dense layers)
-    v: Optional[Tensor] = None
-    score: Optional[Tensor] = None  # [B, Hkv, cap] fp32
-    bias: Optional[Tensor] = None  # [B, Hkv, cap] fp32 (the score tensor itself for ED-DMA)
+    k: Tensor | None = None  # [B, Hkv, NB, bs, D] on the GPU (full mode, and dense layers)
+    v: Tensor | None = None
+    score: Tensor | None = None  # [B, Hkv, cap] fp32
+    bias: Tensor | None = None  # [B, Hkv, cap] fp32 (the score tensor itself for ED-DMA)
     bias_mode: str = "unset"  # "score" | "own" | "none"
-    kc: Optional[Tensor] = None  # [B, Hkv, NW + 1, D] fp32
-    wsc: Optional[Tensor] = None  # [B, Hkv, NW + 1] fp32
-    ring_k: Optional[Tensor] = None  # [B, Hkv, kernel_size, D] cache dtype
-    ring_s: Optional[Tensor] = None  # [B, Hkv, kernel_size] fp32
+    kc: Tensor | None = None  # [B, Hkv, NW + 1, D] fp32
+    wsc: Tensor | None = None  # [B, Hkv, NW + 1] fp32
+    ring_k: Tensor | None = None  # [B, Hkv, kernel_size, D] cache dtype
+    ring_s: Tensor | None = None  # [B, Hkv, kernel_size] fp32
     # offload mode (NOSA layers only)
-    cpu_k: Optional[Tensor] = None  # [B * Hkv * NB, bs, D] pinned
-    cpu_v: Optional[Tensor] = None
-    gpu_k: Optional[Tensor] = None  # [B * Hkv * C, bs, D] slots
-    gpu_v: Optional[Tensor] = None
-    slot_of: Optional[Tensor] = None  # [B, Hkv, NB + 1] slot of a block or -1 (column NB: write sink)
-    slot_block: Optional[Tensor] = None  # [B, Hkv, C + 1] block held by a slot or NB (column C: write sink)
+    cpu_k: Tensor | None = None  # [B * Hkv * NB, bs, D] pinned
+    cpu_v: Tensor | None = None
+    gpu_k: Tensor | None = None  # [B * Hkv * C, bs, D] slots
+    gpu_v: Tensor | None = None
+    slot_of: Tensor | None = None  # [B, Hkv, NB + 1] slot of a block or -1 (column NB: write sink)
+    slot_block: Tensor | None = None  # [B, Hkv, C + 1] block held by a slot or NB (column C: write sink)
 
     @property
     def offloaded(self) -> bool:
@@ -103,7 +108,7 @@ class NOSABlockCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: Optional[int] = None) -> None:
+    def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None) -> None:
         super().__init__(layers=[])
         self.specs = specs
         self.offload = offload
@@ -118,15 +123,15 @@ class NOSABlockCache(Cache):
         self.batch = 0
         self.capacity = 0  # tokens per sequence
         self.seen = 0  # attention-mask columns consumed
-        self.lens: Optional[Tensor] = None  # [B] tokens stored per sequence (device)
+        self.lens: Tensor | None = None  # [B] tokens stored per sequence (device)
         self.device = None
         self.dtype = None
         self.state_dtype = torch.float32  # scores, compressed keys, softmax: at least fp32
         self.stats = TransferStats()
         # per-call state set by begin()
         self.decoding = False
-        self.pos: Optional[Tensor] = None  # [B] position of the new token (decode)
-        self.valid_new: Optional[Tensor] = None  # [B, T] bool
+        self.pos: Tensor | None = None  # [B] position of the new token (decode)
+        self.valid_new: Tensor | None = None  # [B, T] bool
         self.rows: list = []  # per sequence: index of its valid new tokens (extend)
         self.start: list = []  # per sequence: tokens stored before this call (extend)
         self._index_cache: dict = {}
@@ -139,7 +144,7 @@ class NOSABlockCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
-    def get_max_length(self, layer_idx: Optional[int] = None) -> Optional[int]:
+    def get_max_length(self, layer_idx: int | None = None) -> int | None:
         return None
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -292,7 +297,7 @@ class NOSABlockCache(Cache):
         self.seen += self.valid_new.shape[1]
 
     # ------------------------------------------------------------------ multi-token calls (prefill)
-    def extend(self, layer: int, k: Tensor, v: Tensor, score: Optional[Tensor], bias: Optional[Tensor]) -> list:
+    def extend(self, layer: int, k: Tensor, v: Tensor, score: Tensor | None, bias: Tensor | None) -> list:
         """Append the valid new tokens of every sequence (``k, v [B, T, Hkv, D]`` post-RoPE keys and
         values, ``score``/``bias [B, T, Hkv]``) and return, per sequence, its whole cached context
         ``(rows, k [1, n, Hkv, D], v, score [1, n, Hkv] | None, bias | None)`` for the attention."""
@@ -344,7 +349,7 @@ class NOSABlockCache(Cache):
         st.slot_of[b] = -1  # resident copies of this sequence may be stale: fetch again
         st.slot_block[b] = st.slot_of.shape[-1] - 1
 
-    def _rebuild_selection_state(self, st: LayerState, b: int, k: Tensor, score: Optional[Tensor]) -> None:
+    def _rebuild_selection_state(self, st: LayerState, b: int, k: Tensor, score: Tensor | None) -> None:
         """Compressed keys, window score means and the key/score ring of sequence ``b`` from its
         whole context ``k [n, Hkv, D]``, ``score [1, n, Hkv]``."""
         cfg, n = st.spec.cfg, k.shape[0]
@@ -359,8 +364,8 @@ class NOSABlockCache(Cache):
             st.ring_s[b][:, p % cfg.kernel_size] = score[0, p].T
 
     # ------------------------------------------------------------------ decode step
-    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, score: Optional[Tensor], bias: Optional[Tensor],
-               softmax_scale: Optional[float] = None, record: bool = False):
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, score: Tensor | None, bias: Tensor | None,
+               softmax_scale: float | None = None, record: bool = False):
         """One token per sequence: ``q [B, 1, Hq, D]`` post-RoPE, ``k, v [B, 1, Hkv, D]``, ``score``/``bias``
         ``[B, 1, Hkv]``. Returns ``(out [B, 1, Hq, D], selection)``; ``selection`` (only with ``record``) is a
         list of bool ``[Hkv, 1, nb]`` per sequence, ``nb`` = its blocks."""
@@ -419,7 +424,7 @@ class NOSABlockCache(Cache):
             self._index_cache[key] = block_window_index(cfg, NB, NW, device=device)
         return self._index_cache[key]
 
-    def _update_windows(self, st: LayerState, cfg: NOSAConfig, k1: Tensor, s1: Optional[Tensor]) -> None:
+    def _update_windows(self, st: LayerState, cfg: NOSAConfig, k1: Tensor, s1: Tensor | None) -> None:
         """Ring write of the new key / score; a completed window goes into ``kc`` / ``wsc``."""
         B = k1.shape[0]
         bi = torch.arange(B, device=k1.device)
@@ -440,7 +445,7 @@ class NOSABlockCache(Cache):
                off: Tensor) -> tuple[Tensor, Tensor]:
         """Offloaded mode: bring the selected blocks into GPU slots (copying only those not resident),
         write the new token (GPU slot and CPU store), return the gathered ``[B, Hkv, K, bs, D]``."""
-        B, Hkv, K = sel.shape
+        B, Hkv = sel.shape[:2]
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
@@ -519,7 +524,7 @@ class NOSABlockCache(Cache):
 
 
 @torch.no_grad()
-def select_decode_batched(q: Tensor, kc: Tensor, wsc: Optional[Tensor], pos: Tensor, cfg: NOSAConfig,
+def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor, cfg: NOSAConfig,
                           index: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
     """The reference selection (``select_rows``) of one new token per sequence, batched.
 
@@ -529,7 +534,6 @@ def select_decode_batched(q: Tensor, kc: Tensor, wsc: Optional[Tensor], pos: Ten
     Returns ``(blocks [B, Hkv, K] long, ok [B, Hkv, K] bool)`` with ``K = min(topk, NB)``: the
     selected block indices (``ok`` False on padding entries of sequences with fewer blocks).
     """
-    B, Hkv, G, D = q.shape
     NW, NB = kc.shape[2], index.shape[0]
     dev = q.device
     n = pos + 1
@@ -556,7 +560,7 @@ def select_decode_batched(q: Tensor, kc: Tensor, wsc: Optional[Tensor], pos: Ten
     return blocks, blocks <= qb[:, :, None]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ok: Tensor, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, ok: Tensor, scale: float) -> Tensor:
     """One query row per (sequence, query head): ``q [B, Hkv, G, D]``, ``k, v [B, Hkv, S, D]``,
     ``bias [B, Hkv, S]`` or None, ``ok [B, Hkv, S]`` bool (key allowed). The softmax runs in at least
     fp32; returns ``[B, Hkv, G, D]`` in that dtype."""

@@ -18,7 +18,12 @@ import torch
 
 from nosa_layers.config import tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
-from nosa_layers.selection import block_window_index, compressed_keys, select_rows, window_scores
+from nosa_layers.selection import (
+    block_window_index,
+    compressed_keys,
+    select_rows,
+    window_scores,
+)
 
 
 def _model_cfg(head_dim: int = 8, heads: int = 4, layers: int = 2) -> ModelConfig:
@@ -169,7 +174,7 @@ def test_offloaded_cache_equals_full_cache(export_dirs):
 def test_generate_batch_equals_single_prompts_and_beam_search(export_dirs):
     model = _load(export_dirs["nosa"], torch.float32)
     ids, mask = _batch([90, 33])
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         both = model.generate(ids, attention_mask=mask, **kw)
         for b, n in enumerate([90, 33]):
@@ -203,7 +208,7 @@ def test_triton_packed_prefill_equals_reference(export_dirs):
 def test_decode_config_default_is_block_cache_for_plain_forward(export_dirs):
     """``use_cache=True`` without a cache makes a block cache; ``set_cache_options`` chooses offload."""
     model = _load(export_dirs["nosa"], torch.float32)
-    ids, mask = _batch([20])
+    ids, _ = _batch([20])
     with torch.no_grad():
         assert type(_cache_of(model(ids, use_cache=True))).__name__ == "NOSABlockCache"
         model.set_cache_options(offload=True)
