@@ -355,16 +355,18 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                           has_score=a._evict is not None and a._evict.has_score)
                 for a in (layer.self_attn for layer in self.layers)]
 
-    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False):
+    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
+                  reserve: int | None = None):
         """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
-        memory, ``gpu_blocks`` slots per sequence and KV head on the GPU), or with ``dynamic=True``
+        memory, ``gpu_blocks`` slots per sequence and KV head on the GPU; ``reserve`` tokens per sequence
+        allocated up front), or with ``dynamic=True``
         transformers' ``DynamicCache`` (the slow reference decode path)."""
         if dynamic:
             try:
                 return DynamicCache(config=self.config)
             except TypeError:
                 return DynamicCache()
-        return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks)
+        return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks, reserve=reserve)
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
@@ -452,9 +454,10 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # forward() makes a NOSABlockCache; generate() takes it from the outputs
 
-    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False):
+    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
+                  reserve: int | None = None):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
-        return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic)
+        return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve)
 
     def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False) -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval)."""

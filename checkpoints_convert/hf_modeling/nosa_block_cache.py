@@ -100,7 +100,8 @@ class NOSABlockCache(Cache):
     """KV cache of ``NOSALlamaForCausalLM``: made by the model (``model.new_cache(...)``, or on the
     first forward with ``use_cache``) and passed back by ``generate``.
 
-    ``offload=True`` keeps every block of the NOSA layers in pinned CPU memory and ``gpu_blocks``
+    ``reserve`` tokens per sequence are allocated up front (default: the prompt plus 1024; the
+    cache doubles when full). ``offload=True`` keeps every block of the NOSA layers in pinned CPU memory and ``gpu_blocks``
     (default: the selection budget ``topk``) block slots per (sequence, KV head) on the GPU; dense
     layers, scores and the selection state stay on the GPU. ``get_seq_length()`` is the number of
     attention-mask columns seen (padding included), as for transformers' own caches.
@@ -108,7 +109,8 @@ class NOSABlockCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None) -> None:
+    def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None,
+                 reserve: int | None = None) -> None:
         super().__init__(layers=[])
         self.specs = specs
         self.offload = offload
@@ -120,6 +122,7 @@ class NOSABlockCache(Cache):
         if offload and any(self.gpu_blocks < c.topk for c in nosa):
             raise ValueError(f"gpu_blocks ({self.gpu_blocks}) must be >= the selection budget topk")
         self.states: list[LayerState] = [LayerState(s) for s in specs]
+        self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
         self.batch = 0
         self.capacity = 0  # tokens per sequence
         self.seen = 0  # attention-mask columns consumed
@@ -177,9 +180,14 @@ class NOSABlockCache(Cache):
                 for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v"):
                     t = getattr(st, name)
                     per = t.shape[0] // self.batch
-                    t = t.view(self.batch, per, *t.shape[1:]).index_select(0, cpu_idx if t.device.type == "cpu" else idx)
-                    t = t.reshape(-1, *t.shape[2:])
-                    setattr(st, name, _pin(t) if name.startswith("cpu") else t)
+                    src = t.view(self.batch, per, *t.shape[1:])
+                    if t.device.type == "cpu":  # straight into new pinned memory (no second copy)
+                        new = torch.empty(int(cpu_idx.numel()), *src.shape[1:], dtype=t.dtype,
+                                          pin_memory=torch.cuda.is_available())
+                        torch.index_select(src, 0, cpu_idx, out=new)
+                    else:
+                        new = src.index_select(0, idx)
+                    setattr(st, name, new.view(-1, *t.shape[1:]))
         self.lens = self.lens.index_select(0, idx)
         self.batch = int(idx.numel())
 
@@ -215,7 +223,7 @@ class NOSABlockCache(Cache):
     def _setup(self, B: int, need: int, device, dtype) -> None:
         self.batch, self.device, self.dtype = B, device, dtype
         self.state_dtype = torch.promote_types(dtype, torch.float32)
-        self.capacity = self._round(need + CAPACITY_MARGIN)
+        self.capacity = self._round(max(need, self.reserve) if self.reserve else need + CAPACITY_MARGIN)
         self.lens = torch.zeros(B, dtype=torch.long, device=device)
         for st in self.states:
             self._allocate(st, B)
