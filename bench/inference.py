@@ -44,9 +44,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from checkpoints_convert.random_export import load_random_model, stock_llama, write_random_export  # noqa: E402
-from nosa_layers.config import NOSAConfig, tiny_geometry  # noqa: E402
-from nosa_layers.megatron.config import AttentionConfig, ModelConfig  # noqa: E402
+from checkpoints_convert.random_export import (
+    load_random_model,
+    stock_llama,
+    write_random_export,
+)
+from nosa_layers.config import NOSAConfig, tiny_geometry
+from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
 GIB = 1 << 30
 
@@ -109,7 +113,7 @@ class Bench:
         r = {"row": name}
         try:
             r.update(fn())
-        except Exception as e:  # one failing row never stops the table
+        except Exception as e:  # noqa: BLE001 (one failing row never stops the table)
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             traceback.print_exc()
         self.free()
@@ -236,22 +240,25 @@ class Bench:
                 continue
             log(f"building {kind} (random weights)")
             model = build()
-            backend = self.attention_backend(model)
-            if "prefill" in only:
-                for n in self.ctx:
-                    self.row(f"prefill {kind} {n}", lambda n=n: {"model": kind, "attention": backend,
-                                                                 **self.prefill_time(model, n)})
-            if "decode" in only:
-                for n in self.ctx:
-                    for B in (1, 4):
-                        def dec(n=n, B=B):
-                            cache, tok = self.prefilled_cache(model, n, B)
-                            return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
-                        self.row(f"decode {kind} ctx{n} b{B}", dec)
-            if kind == "nosa" and "offload" in only:
-                self.offload_rows(model)
+            self.model_rows(kind, model, only)
             del model
             self.free()
+
+    def model_rows(self, kind: str, model, only: set) -> None:
+        backend = self.attention_backend(model)
+        if "prefill" in only:
+            for n in self.ctx:
+                self.row(f"prefill {kind} {n}",
+                         lambda n=n: {"model": kind, "attention": backend, **self.prefill_time(model, n)})
+        if "decode" in only:
+            for n in self.ctx:
+                for B in (1, 4):
+                    def dec(n=n, B=B):
+                        cache, tok = self.prefilled_cache(model, n, B)
+                        return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
+                    self.row(f"decode {kind} ctx{n} b{B}", dec)
+        if kind == "nosa" and "offload" in only:
+            self.offload_rows(model)
 
     def offload_rows(self, model) -> None:
         found = {}

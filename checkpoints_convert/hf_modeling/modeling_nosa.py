@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from .nosa_block_cache import LayerSpec, NOSABlockCache
+from .nosa_block_cache import DecodeGraph, LayerSpec, NOSABlockCache
 from .nosa_config import NOSAConfig
 from .nosa_decode import nosa_decode_step
 from .nosa_dispatch import nosa_attention, resolve_backend
@@ -349,6 +349,43 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
     def get_input_embeddings(self):
         return self.embed_tokens
 
+    def _graph_decode_applies(self, cache, T: int, x: Tensor) -> bool:
+        return (isinstance(cache, NOSABlockCache) and T == 1 and cache.seen > 0 and not cache.offload
+                and x.is_cuda and self.cache_options.get("cuda_graphs", True) and not torch.is_grad_enabled()
+                and not any(layer.self_attn.record_selection for layer in self.layers))
+
+    def _decode_body(self, h: Tensor, position_embeddings, cache) -> Tensor:
+        for layer in self.layers:
+            h = layer(h, None, position_embeddings, cache)
+        return self.norm(h)
+
+    def _graph_decode(self, x: Tensor, attention_mask, position_ids, cache) -> Tensor | None:
+        """One decode step through a captured CUDA graph (see ``DecodeGraph``); ``None`` if capturing
+        failed (the model then stays on the eager path, with a warning)."""
+        B = x.shape[0]
+        valid_new = (torch.ones(B, 1, dtype=torch.bool, device=x.device) if attention_mask is None
+                     else attention_mask[:, -1:].to(torch.bool))
+        cache.begin(valid_new, 1, x.device, x.dtype)
+        if position_ids is None:
+            position_ids = cache.lens[:, None]
+        cos, sin = self.rotary_emb(x, position_ids)
+        if cache.graph is None or cache.graph.version != cache.version or cache.graph.batch != cache.batch:
+            cache.graph = DecodeGraph(cache)
+        try:
+            h = cache.graph.step(cache, lambda e, pe: self._decode_body(e, pe, cache), x, cos, sin, valid_new)
+        except Exception as e:  # noqa: BLE001 (fall back to the eager step, which computes the same)
+            import warnings
+
+            warnings.warn(f"NOSA decode: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                          "decoding eagerly from now on", stacklevel=2)
+            self.cache_options = {**self.cache_options, "cuda_graphs": False}
+            cache.graph = None
+            h = self._decode_body(x, (cos, sin), cache)
+            cache.end()
+            return h
+        cache.end(lens_advanced=True)
+        return h
+
     def layer_specs(self) -> list:
         """What each layer keeps in a :class:`NOSABlockCache`."""
         return [LayerSpec(cfg=a.cfg, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
@@ -381,9 +418,13 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", False)
         if use_cache and cache is None:
-            cache = self.new_cache(**self.cache_options)
+            cache = self.new_cache(**{k: v for k, v in self.cache_options.items() if k != "cuda_graphs"})
         B, T = inputs_embeds.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
+        if self._graph_decode_applies(cache, T, inputs_embeds):
+            h = self._graph_decode(inputs_embeds, attention_mask, position_ids, cache)
+            if h is not None:
+                return BaseModelOutputWithPast(**{"last_hidden_state": h, _cache_field(BaseModelOutputWithPast): cache})
         if attention_mask is None:
             valid = torch.ones(B, past + T, dtype=torch.bool, device=inputs_embeds.device)
         else:
@@ -459,9 +500,12 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
         return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve)
 
-    def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False) -> None:
-        """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval)."""
-        self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic}
+    def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
+                          cuda_graphs: bool = True) -> None:
+        """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
+        ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
+        self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,
+                                    "cuda_graphs": cuda_graphs}
 
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""

@@ -139,6 +139,8 @@ class NOSABlockCache(Cache):
         self.start: list = []  # per sequence: tokens stored before this call (extend)
         self._index_cache: dict = {}
         self._step_h2d = 0
+        self.version = 0  # changes whenever buffers are reallocated (captured decode graphs depend on them)
+        self.graph: DecodeGraph | None = None
 
     # ------------------------------------------------------------------ transformers Cache API
     def __len__(self) -> int:
@@ -190,6 +192,7 @@ class NOSABlockCache(Cache):
                     setattr(st, name, new.view(-1, *t.shape[1:]))
         self.lens = self.lens.index_select(0, idx)
         self.batch = int(idx.numel())
+        self.version += 1
 
     # ------------------------------------------------------------------ allocation
     def _num_windows(self, cfg: NOSAConfig) -> int:
@@ -225,6 +228,7 @@ class NOSABlockCache(Cache):
         self.state_dtype = torch.promote_types(dtype, torch.float32)
         self.capacity = self._round(max(need, self.reserve) if self.reserve else need + CAPACITY_MARGIN)
         self.lens = torch.zeros(B, dtype=torch.long, device=device)
+        self.version += 1
         for st in self.states:
             self._allocate(st, B)
 
@@ -269,16 +273,19 @@ class NOSABlockCache(Cache):
                 st.bias = torch.zeros_like(st.score)
                 st.bias[..., :old_cap] = old.bias
         self._index_cache.clear()
+        self.version += 1
 
     # ------------------------------------------------------------------ per forward call
     def begin(self, valid: Tensor, T: int, device, dtype) -> None:
         """Start a forward of ``T`` new columns; ``valid [B, seen + T]`` bool (1 = token)."""
         B = valid.shape[0]
+        if self.lens is not None and self.seen == 0 and B != self.batch:
+            self.lens = None  # an empty cache may be reused with another batch size
         if self.lens is None:
             self._setup(B, T, device, dtype)
         elif B != self.batch:
             raise ValueError(f"batch size changed from {self.batch} to {B} with the same cache")
-        self.valid_new = valid[:, self.seen:]
+        self.valid_new = valid[:, valid.shape[1] - T:]  # ``valid`` may hold only the new columns
         self.decoding = T == 1 and self.seen > 0
         if self.decoding:
             if self.seen + 1 > self.capacity:
@@ -294,10 +301,11 @@ class NOSABlockCache(Cache):
         if need > self.capacity:
             self._grow(need)
 
-    def end(self) -> None:
-        """Finish the forward: advance the lengths."""
+    def end(self, lens_advanced: bool = False) -> None:
+        """Finish the forward: advance the lengths (unless a captured decode step did)."""
         if self.decoding:
-            self.lens += self.valid_new[:, 0].long()
+            if not lens_advanced:
+                self.lens += self.valid_new[:, 0].long()
             self.stats.decode_steps += 1
             self.stats.per_step_h2d.append(self._step_h2d)
         else:
@@ -413,7 +421,7 @@ class NOSABlockCache(Cache):
         K = sel.shape[-1]
         kb, vb = kb.view(B, Hkv, K * bs, D), vb.view(B, Hkv, K * bs, D)
         tok = (sel[..., None] * bs + torch.arange(bs, device=q.device)).view(B, Hkv, K * bs)
-        ok = sel_ok.repeat_interleave(bs, dim=-1) & (tok <= pos[:, None, None])
+        ok = sel_ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok <= pos[:, None, None])
         bias_sel = None
         if st.bias_mode in ("score", "own"):
             bias_sel = st.bias.view(B, Hkv, -1, bs)[bi[..., None], hi[..., None], sel].view(B, Hkv, K * bs)
@@ -578,3 +586,49 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, ok: Tensor, sca
         logits = logits + bias[:, :, None, :]
     logits = logits.masked_fill(~ok[:, :, None, :], NEG_INF)
     return torch.matmul(torch.softmax(logits, dim=-1), v.to(dt))
+
+
+class DecodeGraph:
+    """A CUDA graph of one batched decode step over a GPU-resident :class:`NOSABlockCache`.
+
+    ``body(emb [B, 1, H], (cos, sin)) -> hidden [B, 1, H]`` runs every layer's decode step. The first
+    step after the cache's buffers were (re)allocated runs eagerly on a side stream (the warm-up), the
+    next one is captured (positions = the cache's lengths, advanced inside the graph by the new tokens'
+    validity) and every later one replays it after copying the step's inputs into static buffers.
+    The cache's ``version`` changes when it reallocates (growth, beam reordering): a new graph is made.
+    """
+
+    def __init__(self, cache: NOSABlockCache) -> None:
+        self.version = cache.version
+        self.batch = cache.batch
+        self.stream = torch.cuda.Stream()
+        self.graph = None
+        self.warm = False
+        self.static: dict = {}
+        self.out: Tensor | None = None
+
+    def step(self, cache: NOSABlockCache, body, emb: Tensor, cos: Tensor, sin: Tensor, valid_new: Tensor) -> Tensor:
+        cur = torch.cuda.current_stream()
+        if not self.warm:
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                cache.pos = cache.lens.clone()
+                out = body(emb, (cos, sin))
+                cache.lens += valid_new[:, 0].long()
+            cur.wait_stream(self.stream)
+            self.warm = True
+            return out
+        if self.graph is None:
+            self.static = {"emb": emb.clone(), "cos": cos.clone(), "sin": sin.clone(), "valid": valid_new.clone()}
+            cur.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                cache.pos = cache.lens.clone()
+                self.out = body(self.static["emb"], (self.static["cos"], self.static["sin"]))
+                cache.lens += self.static["valid"][:, 0].long()
+            self.graph = graph
+        else:
+            for name, t in (("emb", emb), ("cos", cos), ("sin", sin), ("valid", valid_new)):
+                self.static[name].copy_(t)
+        self.graph.replay()
+        return self.out.clone()
