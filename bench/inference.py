@@ -19,7 +19,7 @@ score equal). Rows:
 Every row records its error instead of stopping the table. Writes ``inference.json`` and
 ``inference.md`` into ``--out`` (temp name, then rename).
 
-Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 16] [--host-mem-limit-gib 64]
+Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--layers N] [--kv-heads N]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
@@ -120,6 +120,7 @@ class Bench:
         r["wall_s"] = round(time.time() - t0, 2)
         log(f"row {name}: {json.dumps(r)}")
         self.rows.append(r)
+        self.write(quiet=True)  # partial tables survive a time limit
         return r
 
     def build_nosa(self):
@@ -183,6 +184,24 @@ class Bench:
         self.last_steps = per_step
         return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
                 "tok_per_s": round(B * steps / total, 1)}
+
+    @torch.no_grad()
+    def graph_check(self, model, steps: int = 6) -> dict:
+        """Max |logit difference| of the captured decode step vs the eager one (same fixed tokens)."""
+        feed = self.prompt(steps, 4).T.reshape(steps, 4, 1)
+        runs = []
+        for graphs in (True, False):
+            model.set_cache_options(cuda_graphs=graphs)
+            cache, _ = self.prefilled_cache(model, self.ctx[0], 4)
+            logits = []
+            for j in range(steps):
+                out = model(feed[j], use_cache=True, **{cache_kw(model): cache})
+                cache = out_cache(out)
+                logits.append(out.logits[:, -1].float())
+            runs.append(torch.stack(logits))
+        model.set_cache_options()
+        diff = (runs[0] - runs[1]).abs().max().item()
+        return {"max_abs_logit_diff": diff, "logit_scale": round(runs[1].abs().max().item(), 3)}
 
     def peak_bytes(self, model, cache) -> int:
         if self.dev.type == "cuda":
@@ -257,6 +276,15 @@ class Bench:
                         cache, tok = self.prefilled_cache(model, n, B)
                         return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
                     self.row(f"decode {kind} ctx{n} b{B}", dec)
+            if kind == "nosa" and self.dev.type == "cuda":
+                self.row("check nosa decode: CUDA graph vs eager", lambda: self.graph_check(model))
+                model.set_cache_options(cuda_graphs=False)
+                for n in self.ctx:
+                    def eager(n=n):
+                        cache, tok = self.prefilled_cache(model, n, 4)
+                        return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
+                    self.row(f"decode nosa_eager ctx{n} b4", eager)
+                model.set_cache_options()
         if kind == "nosa" and "offload" in only:
             self.offload_rows(model)
 
@@ -296,7 +324,7 @@ class Bench:
             self.row(f"decode nosa {mode} ctx{self.long} max batch", rate)
 
     # ------------------------------------------------------------------ output
-    def write(self) -> None:
+    def write(self, quiet: bool = False) -> None:
         out = Path(self.args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name() if self.dev.type == "cuda" else "cpu",
@@ -305,7 +333,8 @@ class Bench:
                 "args": vars(self.args)}
         _atomic_write(out / "inference.json", json.dumps({"meta": meta, "rows": self.rows}, indent=2) + "\n")
         _atomic_write(out / "inference.md", markdown(self.rows, meta) + "\n")
-        log(f"wrote {out / 'inference.json'} and {out / 'inference.md'}")
+        if not quiet:
+            log(f"wrote {out / 'inference.json'} and {out / 'inference.md'}")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -316,7 +345,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 COLUMNS = ("row", "prefill_s", "tok_per_s", "steady_tok_per_s", "step_ms", "batch", "peak_gib", "host_gib", "per_seq_device_mib",
            "first_step_h2d_mib", "h2d_bytes_per_token", "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
-           "attention", "error")
+           "attention", "max_abs_logit_diff", "error")
 
 
 def markdown(rows: list, meta: dict) -> str:
@@ -339,8 +368,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for inference.json / inference.md")
     p.add_argument("--quick", action="store_true", help="tiny model and contexts (CPU check of the script)")
-    p.add_argument("--mem-limit-gib", type=float, default=16.0, help="device memory limit of the batch search")
-    p.add_argument("--host-mem-limit-gib", type=float, default=64.0, help="pinned host memory limit (offload)")
+    p.add_argument("--mem-limit-gib", type=float, default=12.0, help="device memory limit of the batch search")
+    p.add_argument("--host-mem-limit-gib", type=float, default=48.0, help="pinned host memory limit (offload)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
     p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
     p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")

@@ -213,3 +213,29 @@ def test_decode_config_default_is_block_cache_for_plain_forward(export_dirs):
         assert type(_cache_of(model(ids, use_cache=True))).__name__ == "NOSABlockCache"
         model.set_cache_options(offload=True)
         assert _cache_of(model(ids, use_cache=True)).offload
+
+
+@pytest.mark.gpu
+def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
+    """On a GPU: the CUDA-graph decode step and the offloaded cache give the eager GPU-resident logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _load(export_dirs["nosa"], torch.float32).cuda()
+    ids, mask = _batch([130, 77, 41])
+    new = torch.randint(1, 97, (3, 20), generator=torch.Generator().manual_seed(5))
+    ids, mask, new = ids.cuda(), mask.cuda(), new.cuda()
+    runs = {}
+    for name, opts, cache_kw in (("eager", {"cuda_graphs": False}, {}), ("graph", {}, {}),
+                                 ("offload", {"cuda_graphs": False}, {"offload": True})):
+        model.set_cache_options(**opts)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, cache=model.new_cache(**cache_kw), use_cache=True)
+            cache, m, logits = _cache_of(out), mask, []
+            for j in range(new.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out = model(new[:, j:j + 1], attention_mask=m, cache=cache, use_cache=True)
+                cache = _cache_of(out)
+                logits.append(out.logits[:, -1])
+        runs[name] = torch.stack(logits, 1)
+    torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(runs["offload"], runs["eager"])
