@@ -187,12 +187,13 @@ class Bench:
 
     @torch.no_grad()
     def graph_check(self, model, steps: int = 6) -> dict:
-        """Max |logit difference| of the captured decode step vs the eager one (same fixed tokens)."""
+        """Max |logit difference| vs the eager GPU-resident decode (same fixed tokens) of the captured
+        decode step and of the offloaded cache (its default transfer path, captured too when it can be)."""
         feed = self.prompt(steps, 4).T.reshape(steps, 4, 1)
         runs = []
-        for graphs in (True, False):
+        for graphs, offload in ((False, False), (True, False), (True, True)):
             model.set_cache_options(cuda_graphs=graphs)
-            cache, _ = self.prefilled_cache(model, self.ctx[0], 4)
+            cache, _ = self.prefilled_cache(model, self.ctx[0], 4, offload=offload)
             logits = []
             for j in range(steps):
                 out = model(feed[j], use_cache=True, **{cache_kw(model): cache})
@@ -200,8 +201,9 @@ class Bench:
                 logits.append(out.logits[:, -1].float())
             runs.append(torch.stack(logits))
         model.set_cache_options()
-        diff = (runs[0] - runs[1]).abs().max().item()
-        return {"max_abs_logit_diff": diff, "logit_scale": round(runs[1].abs().max().item(), 3)}
+        return {"max_abs_logit_diff": (runs[1] - runs[0]).abs().max().item(),
+                "offload_max_abs_logit_diff": (runs[2] - runs[0]).abs().max().item(), "offload_fetch": cache.fetch,
+                "logit_scale": round(runs[0].abs().max().item(), 3)}
 
     def peak_bytes(self, model, cache) -> int:
         if self.dev.type == "cuda":
@@ -277,7 +279,7 @@ class Bench:
                         return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
                     self.row(f"decode {kind} ctx{n} b{B}", dec)
             if kind == "nosa" and self.dev.type == "cuda":
-                self.row("check nosa decode: CUDA graph vs eager", lambda: self.graph_check(model))
+                self.row("check nosa decode: graph / offload vs eager", lambda: self.graph_check(model))
                 model.set_cache_options(cuda_graphs=False)
                 for n in self.ctx:
                     def eager(n=n):
@@ -303,21 +305,24 @@ class Bench:
                 continue
 
             def rate(offload=offload, mode=mode):
-                cache, tok = self.prefilled_cache(model, self.long, found[mode], offload=offload)
-                r = self.decode_rate(model, cache, tok, self.args.offload_steps, warm=0)
-                out = {"model": "nosa", "mode": mode, "context": self.long, **r}
+                B = found[mode]
+                cache, tok = self.prefilled_cache(model, self.long, B, offload=offload)
+                first = self.decode_rate(model, cache, tok, 1, warm=0)  # offload: fetches whole selections
+                blocks0 = cache.fetched_blocks()
+                r = self.decode_rate(model, cache, tok, self.args.offload_steps, warm=1)
+                out = {"model": "nosa", "mode": mode, "context": self.long, **r,
+                       "first_step_ms": first["step_ms"]}
                 if offload:
-                    st, B = cache.stats, found[mode]
-                    steady = st.per_step_h2d[1:]
+                    block_bytes = 2 * self.geo.block_size * self.shape.kv_channels * 2
+                    steady = (cache.fetched_blocks() - blocks0) / (self.args.offload_steps + 1)
                     out.update({
-                        "first_step_h2d_mib": round(st.per_step_h2d[0] / 2**20, 2),
-                        "h2d_bytes_per_token": int(statistics.mean(steady) / B) if steady else None,
-                        "d2h_bytes_per_token": int(st.d2h_bytes / max(1, st.decode_steps) / B),
+                        "fetch": cache.fetch,
+                        "first_step_h2d_mib": round(blocks0 * block_bytes / 2**20, 2),
+                        "h2d_bytes_per_token": int(steady * block_bytes / B),
+                        "d2h_bytes_per_token": 2 * self.shape.kv_channels * 2 * self.shape.num_kv_heads
+                        * self.shape.num_layers,
                         "fetched_blocks_per_step_per_head": round(
-                            (st.fetched_blocks / max(1, st.decode_steps)) / (B * self.shape.num_kv_heads
-                                                                              * self.shape.num_layers), 2),
-                        "steady_tok_per_s": round(B * (len(self.last_steps) - 1) / sum(self.last_steps[1:]), 1)
-                        if len(self.last_steps) > 1 else None,
+                            steady / (B * self.shape.num_kv_heads * self.shape.num_layers), 2),
                     })
                 return out
 
@@ -343,9 +348,9 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-COLUMNS = ("row", "prefill_s", "tok_per_s", "steady_tok_per_s", "step_ms", "batch", "peak_gib", "host_gib", "per_seq_device_mib",
+COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib", "per_seq_device_mib",
            "first_step_h2d_mib", "h2d_bytes_per_token", "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
-           "attention", "max_abs_logit_diff", "error")
+           "attention", "max_abs_logit_diff", "offload_max_abs_logit_diff", "error")
 
 
 def markdown(rows: list, meta: dict) -> str:

@@ -25,7 +25,7 @@ MODELING_FILE = "modeling_nosa.py"
 MODEL_CLASS = "NOSALlamaForCausalLM"
 AUTO_MAP = {"AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
 # modules of this folder shipped with the modeling file (they import the reference copies relatively)
-MODELING_HELPERS = ("nosa_block_cache.py",)
+MODELING_HELPERS = ("nosa_block_cache.py", "nosa_uva.py")
 # reference modules shipped next to the modeling file (the single source of NOSA math)
 SHIPPED = ("config", "eviction", "selection", "reference", "dispatch", "decode")
 

@@ -350,7 +350,8 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         return self.embed_tokens
 
     def _graph_decode_applies(self, cache, T: int, x: Tensor) -> bool:
-        return (isinstance(cache, NOSABlockCache) and T == 1 and cache.seen > 0 and not cache.offload
+        return (isinstance(cache, NOSABlockCache) and T == 1 and cache.seen > 0
+                and (not cache.offload or cache.fetch == "uva")
                 and x.is_cuda and self.cache_options.get("cuda_graphs", True) and not torch.is_grad_enabled()
                 and not any(layer.self_attn.record_selection for layer in self.layers))
 
@@ -393,17 +394,20 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 for a in (layer.self_attn for layer in self.layers)]
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                  reserve: int | None = None):
+                  reserve: int | None = None, fetch: str = "auto"):
         """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
         memory, ``gpu_blocks`` slots per sequence and KV head on the GPU; ``reserve`` tokens per sequence
-        allocated up front), or with ``dynamic=True``
+        allocated up front; ``fetch``: how offloaded blocks move, ``uva`` = Triton kernels reading pinned host
+        memory directly (no host synchronisation, CUDA-graph friendly), ``copy`` = gathered on the host and
+        copied, ``auto`` = ``uva`` when Triton and CUDA are there), or with ``dynamic=True``
         transformers' ``DynamicCache`` (the slow reference decode path)."""
         if dynamic:
             try:
                 return DynamicCache(config=self.config)
             except TypeError:
                 return DynamicCache()
-        return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks, reserve=reserve)
+        return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks, reserve=reserve,
+                              fetch=fetch)
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
@@ -496,16 +500,17 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
         return False  # forward() makes a NOSABlockCache; generate() takes it from the outputs
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                  reserve: int | None = None):
+                  reserve: int | None = None, fetch: str = "auto"):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
-        return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve)
+        return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve,
+                                    fetch=fetch)
 
     def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                          cuda_graphs: bool = True) -> None:
+                          cuda_graphs: bool = True, fetch: str = "auto") -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
         ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
         self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,
-                                    "cuda_graphs": cuda_graphs}
+                                    "cuda_graphs": cuda_graphs, "fetch": fetch}
 
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""

@@ -40,6 +40,9 @@ from .nosa_selection import (
     topk_mask,
     window_scores,
 )
+from .nosa_uva import available as uva_available
+from .nosa_uva import fetch_rows as uva_fetch_rows
+from .nosa_uva import store_tokens as uva_store_tokens
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -87,7 +90,8 @@ class TransferStats:
 
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    fetched_blocks: int = 0
+    fetched_blocks: int = 0  # host-copy path (exact, host int)
+    fetched_dev: Tensor | None = None  # direct-access path: device counter (read with fetched_blocks())
     decode_steps: int = 0
     per_step_h2d: list = field(default_factory=list)
 
@@ -110,7 +114,7 @@ class NOSABlockCache(Cache):
     is_compileable = False
 
     def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None,
-                 reserve: int | None = None) -> None:
+                 reserve: int | None = None, fetch: str = "auto") -> None:
         super().__init__(layers=[])
         self.specs = specs
         self.offload = offload
@@ -122,6 +126,9 @@ class NOSABlockCache(Cache):
         if offload and any(self.gpu_blocks < c.topk for c in nosa):
             raise ValueError(f"gpu_blocks ({self.gpu_blocks}) must be >= the selection budget topk")
         self.states: list[LayerState] = [LayerState(s) for s in specs]
+        if fetch not in ("auto", "uva", "copy"):
+            raise ValueError(f"fetch must be auto, uva or copy, got {fetch!r}")
+        self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
         self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
         self.batch = 0
         self.capacity = 0  # tokens per sequence
@@ -225,6 +232,9 @@ class NOSABlockCache(Cache):
 
     def _setup(self, B: int, need: int, device, dtype) -> None:
         self.batch, self.device, self.dtype = B, device, dtype
+        if self.fetch == "auto":
+            self.fetch = "uva" if torch.device(device).type == "cuda" and uva_available() else "copy"
+        self.stats.fetched_dev = torch.zeros((), dtype=torch.long, device=device)
         self.state_dtype = torch.promote_types(dtype, torch.float32)
         self.capacity = self._round(max(need, self.reserve) if self.reserve else need + CAPACITY_MARGIN)
         self.lens = torch.zeros(B, dtype=torch.long, device=device)
@@ -459,28 +469,21 @@ class NOSABlockCache(Cache):
 
     def _fetch(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
                off: Tensor) -> tuple[Tensor, Tensor]:
-        """Offloaded mode: bring the selected blocks into GPU slots (copying only those not resident),
-        write the new token (GPU slot and CPU store), return the gathered ``[B, Hkv, K, bs, D]``."""
+        """Offloaded mode: bring the selected blocks into GPU slots (moving only those not resident),
+        write the new token (GPU slot and host store), return the gathered ``[B, Hkv, K, bs, D]``."""
         B, Hkv = sel.shape[:2]
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
         bi, hi = torch.arange(B, device=dev)[:, None], torch.arange(Hkv, device=dev)[None, :]
-        # the new token goes to the CPU store (device -> host, pinned, non-blocking)
-        k_host = torch.empty(k1.shape, dtype=k1.dtype, pin_memory=torch.cuda.is_available())
-        v_host = torch.empty_like(k_host, pin_memory=torch.cuda.is_available())
-        pos_host = torch.empty(B, dtype=torch.long, pin_memory=torch.cuda.is_available())
-        k_host.copy_(k1, non_blocking=True)
-        v_host.copy_(v1, non_blocking=True)
-        pos_host.copy_(self.pos, non_blocking=True)
-        # slot bookkeeping on the device
+        # slot bookkeeping on the device: the j-th missing block of a row takes its j-th free slot
         cur = st.slot_of.gather(-1, sel)
         missing = sel_ok & (cur < 0)
         in_sel = torch.zeros(B, Hkv, NB + 1, dtype=torch.bool, device=dev)
         in_sel.scatter_(-1, torch.where(sel_ok, sel, NB), True)
         in_sel[..., NB] = False
         keep = in_sel.gather(-1, st.slot_block[..., :C])
-        free_first = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices  # free slots first
+        free_first = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices
         rank = (missing.long().cumsum(-1) - 1).clamp(min=0)
         target = free_first.gather(-1, rank)
         old = st.slot_block.gather(-1, target)
@@ -488,29 +491,20 @@ class NOSABlockCache(Cache):
         st.slot_of.scatter_(-1, torch.where(missing, sel, NB), target)
         st.slot_of[..., NB] = -1
         st.slot_block.scatter_(-1, torch.where(missing, target, C), sel)
-        src = ((bi * Hkv + hi)[..., None] * NB + sel)[missing]  # host sync: the copy list
-        dst = ((bi * Hkv + hi)[..., None] * C + target)[missing]
-        src_host = src.cpu()
-        # the CPU store receives the new token before it is read
-        p = pos_host
-        ck = st.cpu_k.view(B, Hkv, NB, *st.cpu_k.shape[1:])
-        cv = st.cpu_v.view(B, Hkv, NB, *st.cpu_v.shape[1:])
-        bh, hh = torch.arange(B)[:, None], torch.arange(Hkv)[None, :]
-        ck[bh, hh, (p // self.block_size)[:, None], (p % self.block_size)[:, None]] = k_host
-        cv[bh, hh, (p // self.block_size)[:, None], (p % self.block_size)[:, None]] = v_host
-        n = int(src_host.numel())
-        if n:
-            pin = torch.cuda.is_available()
-            stage_k = torch.empty(n, *st.cpu_k.shape[1:], dtype=st.cpu_k.dtype, pin_memory=pin)
-            stage_v = torch.empty_like(stage_k, pin_memory=pin)
-            torch.index_select(st.cpu_k, 0, src_host, out=stage_k)
-            torch.index_select(st.cpu_v, 0, src_host, out=stage_v)
-            st.gpu_k.index_copy_(0, dst, stage_k.to(dev, non_blocking=True))
-            st.gpu_v.index_copy_(0, dst, stage_v.to(dev, non_blocking=True))
-            moved = 2 * stage_k.numel() * stage_k.element_size()
-            self.stats.h2d_bytes += moved
-            self._step_h2d += moved
-            self.stats.fetched_blocks += n
+        row = (bi * Hkv + hi)[..., None]
+        src = row * NB + sel
+        dst = torch.where(missing, row * C + target, -1)
+        if self.fetch == "uva":
+            try:
+                self._move_uva(st, src, dst, k1, v1)
+            except Exception as e:  # noqa: BLE001 (pointer not addressable, no Triton: copy through the host)
+                import warnings
+
+                warnings.warn(f"NOSA offload: direct host-memory access failed ({type(e).__name__}: {e}); "
+                              "copying through the host", stacklevel=2)
+                self.fetch = "copy"
+        if self.fetch != "uva":
+            self._move_copy(st, src, dst, k1, v1)
         self.stats.d2h_bytes += 2 * k1.numel() * k1.element_size()
         # the new token into its (now resident) block's slot
         own = st.slot_of[bi, hi, blk[:, None]]
@@ -520,6 +514,58 @@ class NOSABlockCache(Cache):
         gv[bi, hi, own, off[:, None]] = v1
         slots = st.slot_of.gather(-1, sel).clamp(min=0)
         return gk[bi[..., None], hi[..., None], slots], gv[bi[..., None], hi[..., None], slots]
+
+    def _token_offsets(self, st: LayerState, pos: Tensor) -> Tensor:
+        """Element offset ``[B * Hkv]`` of each sequence's new token in the host store."""
+        B, Hkv, D, bs = self.batch, st.spec.num_kv_heads, st.spec.head_dim, self.block_size
+        NB = st.slot_of.shape[-1] - 1
+        row = torch.arange(B, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device)[None, :]
+        return (((row * NB + (pos // bs)[:, None]) * bs + (pos % bs)[:, None]) * D).reshape(-1)
+
+    def _move_uva(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
+        """Kernels read / write the pinned host store directly: no host synchronisation."""
+        if not uva_available():
+            raise RuntimeError("triton is not installed")
+        D = st.spec.head_dim
+        uva_store_tokens(k1.reshape(-1, D).contiguous(), v1.reshape(-1, D).contiguous(), st.cpu_k, st.cpu_v,
+                              self._token_offsets(st, self.pos))
+        uva_fetch_rows(st.cpu_k, st.cpu_v, st.gpu_k, st.gpu_v, src.reshape(-1), dst.reshape(-1))
+        self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
+
+    def _move_copy(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
+        """Host path: the new token goes device -> host, the missing blocks are gathered on the host
+        into pinned staging and copied host -> device (one synchronisation per layer)."""
+        pin = torch.cuda.is_available()
+        k_host = torch.empty(k1.shape, dtype=k1.dtype, pin_memory=pin)
+        v_host = torch.empty(v1.shape, dtype=v1.dtype, pin_memory=pin)
+        off_host = torch.empty(k1.shape[0] * k1.shape[1], dtype=torch.long, pin_memory=pin)
+        k_host.copy_(k1, non_blocking=True)
+        v_host.copy_(v1, non_blocking=True)
+        off_host.copy_(self._token_offsets(st, self.pos), non_blocking=True)
+        moving = dst >= 0
+        src, dst = src[moving], dst[moving]  # host sync: the copy list
+        src_host = src.cpu()
+        D = st.spec.head_dim
+        idx = off_host[:, None] + torch.arange(D)
+        st.cpu_k.view(-1)[idx] = k_host.reshape(-1, D)
+        st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
+        n = int(src_host.numel())
+        if n:
+            stage_k = torch.empty(n, *st.cpu_k.shape[1:], dtype=st.cpu_k.dtype, pin_memory=pin)
+            stage_v = torch.empty_like(stage_k, pin_memory=pin)
+            torch.index_select(st.cpu_k, 0, src_host, out=stage_k)
+            torch.index_select(st.cpu_v, 0, src_host, out=stage_v)
+            st.gpu_k.index_copy_(0, dst, stage_k.to(dst.device, non_blocking=True))
+            st.gpu_v.index_copy_(0, dst, stage_v.to(dst.device, non_blocking=True))
+            moved = 2 * stage_k.numel() * stage_k.element_size()
+            self.stats.h2d_bytes += moved
+            self._step_h2d += moved
+            self.stats.fetched_blocks += n
+
+    def fetched_blocks(self) -> int:
+        """Blocks moved host -> device so far (all layers; reads the device counter of the UVA path)."""
+        dev = 0 if self.stats.fetched_dev is None else int(self.stats.fetched_dev)
+        return self.stats.fetched_blocks + dev
 
     # ------------------------------------------------------------------ reporting
     def memory_bytes(self) -> dict:
