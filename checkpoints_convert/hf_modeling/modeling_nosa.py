@@ -3,10 +3,14 @@
 
 Needs only ``torch`` and ``transformers``. The NOSA math is NOT re-implemented here: the files
 ``nosa_config.py``, ``nosa_eviction.py``, ``nosa_selection.py``, ``nosa_reference.py``,
-``nosa_attention.py`` and ``nosa_decode.py`` next to this one are copies of the training
+``nosa_dispatch.py`` and ``nosa_decode.py`` next to this one are copies of the training
 framework's pure-PyTorch reference (``nosa_layers``), written by the exporter with their imports
 made relative. When the framework itself is installed and the tensors are on a GPU, the prefill
-runs its Triton kernels (``nosa_attention(..., backend="auto")``); otherwise everything is PyTorch.
+runs its Triton kernels (one packed ``nosa_attention(..., cu_seqlens, backend="triton")`` call per
+layer for the whole batch); otherwise everything is PyTorch. ``nosa_block_cache.py`` (shipped with
+this file) is the KV cache: 64-token blocks, a batched decode step that recomputes the reference
+selection from incrementally kept state, captured as a CUDA graph on GPUs, and an offloaded mode
+(blocks in pinned host memory, the selection's blocks in GPU slots; ``nosa_uva.py`` moves them).
 
 Weight names follow the public ``openbmb/NOSA-*`` checkpoints: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``self_attn.A``, ``self_attn.delta.weight`` (Locret ablation: ``self_attn.fc1/fc2``), ``mlp.{gate,up,down}_proj``.
@@ -15,8 +19,8 @@ Differences from the public remote code (all deliberate, see the framework's REA
 
 * batch > 1 works: every sequence uses its own positions and blocks (left or right padding,
   different lengths), in prefill and decode; nothing is kept in module state;
-* the decode step recomputes the selection from the cached keys and eviction scores of that
-  sequence (``nosa_decode_step``), so it equals the parallel (training) path row by row;
+* the decode step recomputes the selection of that sequence's newest token (same result as the
+  parallel (training) path's row, tested), for all sequences of the batch at once;
 * CPU works (pure PyTorch reference); prefill rows are processed in chunks to bound memory.
 """
 
