@@ -341,16 +341,20 @@ class NOSABlockCache(Cache):
             if n0:
                 kp, vp = self._read(st, b, n0)
                 kb, vb = torch.cat([kp, kb]), torch.cat([vp, vb])
-            self._write_tokens(st, b, n0, kb[n0:], vb[n0:])
+            self._write_tokens(st, b, n0, kb[n0:].detach(), vb[n0:].detach())
             sb = bb = None
-            if st.score is not None:
-                st.score[b, :, n0:n0 + m] = score[b, rows].to(st.score.dtype).T
-                sb = st.score[b, :, :n0 + m].T[None]
-                if st.bias_mode == "own":
-                    st.bias[b, :, n0:n0 + m] = bias[b, rows].to(st.bias.dtype).T
-                bb = None if st.bias_mode == "none" else st.bias[b, :, :n0 + m].T[None]
+            if st.score is not None:  # cached prefix + the new tokens' own (differentiable) scores
+                new_s = score[b, rows].to(st.score.dtype)
+                sb = torch.cat([st.score[b, :, :n0].T, new_s])[None]
+                st.score[b, :, n0:n0 + m] = new_s.detach().T
+                if st.bias_mode == "score":
+                    bb = sb
+                elif st.bias_mode == "own":
+                    new_b = bias[b, rows].to(st.bias.dtype)
+                    bb = torch.cat([st.bias[b, :, :n0].T, new_b])[None]
+                    st.bias[b, :, n0:n0 + m] = new_b.detach().T
             if st.spec.cfg is not None:
-                self._rebuild_selection_state(st, b, kb, sb)
+                self._rebuild_selection_state(st, b, kb.detach(), None if sb is None else sb.detach())
             out.append((rows, kb[None], vb[None], sb, bb))
         return out
 

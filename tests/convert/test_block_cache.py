@@ -251,3 +251,16 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
     torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
     assert torch.equal(runs["offload"], runs["eager"])
     torch.testing.assert_close(runs["offload_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_with_cache_keeps_gradients(export_dirs):
+    """A training-style forward (``use_cache`` on by config) gives the eviction head its gradient."""
+    model = _load(export_dirs["nosa"], torch.float32)
+    ids, mask = _batch([120, 90])
+    grads = []
+    for use_cache in (True, False):
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=ids, use_cache=use_cache).loss.backward()
+        grads.append(model.model.layers[0].self_attn.A.grad.clone())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1])
