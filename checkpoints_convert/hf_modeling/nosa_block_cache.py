@@ -145,6 +145,7 @@ class NOSABlockCache(Cache):
         self.rows: list = []  # per sequence: index of its valid new tokens (extend)
         self.start: list = []  # per sequence: tokens stored before this call (extend)
         self._index_cache: dict = {}
+        self._derived: dict = {}
         self._step_h2d = 0
         self.version = 0  # changes whenever buffers are reallocated (captured decode graphs depend on them)
         self.graph: DecodeGraph | None = None
@@ -300,7 +301,7 @@ class NOSABlockCache(Cache):
         if self.decoding:
             if self.seen + 1 > self.capacity:
                 self._grow(self.seen + 1)
-            self.pos = self.lens.clone()
+            self.set_pos(self.lens.clone())
             self._step_h2d = 0
             return
         lens = self.lens.tolist()
@@ -405,8 +406,9 @@ class NOSABlockCache(Cache):
         G = Hq // Hkv
         scale = softmax_scale if softmax_scale is not None else D ** -0.5
         pos, bs = self.pos, self.block_size
-        blk, off = pos // bs, pos % bs
-        bi, hi = torch.arange(B, device=q.device)[:, None], torch.arange(Hkv, device=q.device)[None, :]
+        blk, off = self._per_step("blk_off", lambda: (pos // bs, pos % bs))
+        bi, hi = self._per_step(("bi_hi", Hkv), lambda: (torch.arange(B, device=q.device)[:, None],
+                                                         torch.arange(Hkv, device=q.device)[None, :]))
         k1, v1 = k[:, 0].to(self.dtype), v[:, 0].to(self.dtype)  # [B, Hkv, D]
         qg = q[:, 0].view(B, Hkv, G, D)
         if st.spec.cfg is None:  # dense layer: every cached token
@@ -424,8 +426,10 @@ class NOSABlockCache(Cache):
         self._update_windows(st, cfg, k1, None if st.score is None else score[:, 0].to(st.score.dtype))
         NW = st.kc.shape[2] - 1
         index = self._pool_index(cfg, st.slot_of.shape[-1] - 1 if st.offloaded else st.k.shape[2], NW, q.device)
+        masks = self._per_step(("masks", id(cfg), index.shape[0], NW),
+                               lambda: decode_masks(pos, cfg, index.shape[0], NW))
         sel, sel_ok = select_decode_batched(qg, st.kc[:, :, :NW], None if st.score is None else st.wsc[:, :, :NW],
-                                            pos, cfg, index, scale)
+                                            pos, cfg, index, scale, masks)
         if st.offloaded:
             kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
         else:
@@ -454,19 +458,33 @@ class NOSABlockCache(Cache):
             self._index_cache[key] = block_window_index(cfg, NB, NW, device=device)
         return self._index_cache[key]
 
+    def set_pos(self, pos: Tensor) -> None:
+        """Positions of this step's new tokens; forgets what was derived from the previous ones."""
+        self.pos = pos
+        self._derived: dict = {}
+
+    def _per_step(self, key, make):
+        """``make()`` once per decode step (values that depend only on the positions, shared by layers)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def _window_targets(self, cfg: NOSAConfig, sink: int) -> tuple[Tensor, Tensor]:
+        """Ring slot of the new token and the window it completes (``sink`` if none), ``[B]`` each."""
+        n = self.pos + 1  # length after this token
+        done = (n >= cfg.kernel_size) & ((n - cfg.kernel_size) % cfg.kernel_stride == 0)
+        w = torch.where(done, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor"), sink)
+        return self.pos % cfg.kernel_size, w.clamp(max=sink)
+
     def _update_windows(self, st: LayerState, cfg: NOSAConfig, k1: Tensor, s1: Tensor | None) -> None:
         """Ring write of the new key / score; a completed window goes into ``kc`` / ``wsc``."""
-        B = k1.shape[0]
-        bi = torch.arange(B, device=k1.device)
-        slot = self.pos % cfg.kernel_size
+        sink = st.kc.shape[2] - 1
+        bi = self._per_step("arange_b", lambda: torch.arange(k1.shape[0], device=k1.device))
+        slot, w = self._per_step(("win", cfg.kernel_size, cfg.kernel_stride, sink),
+                                 lambda: self._window_targets(cfg, sink))
         st.ring_k[bi, :, slot] = k1.to(st.ring_k.dtype)
         if s1 is not None:
             st.ring_s[bi, :, slot] = s1
-        n = self.pos + 1  # length after this token
-        done = (n >= cfg.kernel_size) & ((n - cfg.kernel_size) % cfg.kernel_stride == 0)
-        sink = st.kc.shape[2] - 1
-        w = torch.where(done, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor"), sink)
-        w = w.clamp(max=sink)
         st.kc[bi, :, w] = st.ring_k.to(st.kc.dtype).mean(dim=2)
         if s1 is not None:
             st.wsc[bi, :, w] = st.ring_s.mean(dim=2)
@@ -589,9 +607,22 @@ class NOSABlockCache(Cache):
         return {"device": dev, "host": host}
 
 
+def decode_masks(pos: Tensor, cfg: NOSAConfig, NB: int, NW: int) -> dict:
+    """What the batched selection derives from the positions alone (shared by all layers of a step):
+    ``hidden [B, 1, NW]`` (windows not complete yet), ``forced`` / ``future [B, 1, NB]``, ``qb [B, 1]``."""
+    dev = pos.device
+    n = pos + 1
+    nw = torch.where(n >= cfg.kernel_size, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor") + 1, 0)
+    hidden = (torch.arange(NW, device=dev)[None, :] >= nw[:, None])[:, None]
+    blk = torch.arange(NB, device=dev)[None, :]
+    qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
+    forced = ((blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb)))[:, None]
+    return {"hidden": hidden, "forced": forced, "future": (blk > qb)[:, None], "qb": qb}
+
+
 @torch.no_grad()
 def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor, cfg: NOSAConfig,
-                          index: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
+                          index: Tensor, softmax_scale: float, masks: dict | None = None) -> tuple[Tensor, Tensor]:
     """The reference selection (``select_rows``) of one new token per sequence, batched.
 
     q ``[B, Hkv, G, D]`` post-RoPE; ``kc [B, Hkv, NW, D]`` compressed keys and ``wsc [B, Hkv, NW]``
@@ -601,19 +632,13 @@ def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor
     selected block indices (``ok`` False on padding entries of sequences with fewer blocks).
     """
     NW, NB = kc.shape[2], index.shape[0]
-    dev = q.device
-    n = pos + 1
-    nw = torch.where(n >= cfg.kernel_size, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor") + 1, 0)
-    hidden = (torch.arange(NW, device=dev)[None, :] >= nw[:, None])[:, None]  # [B, 1, NW]
+    m = masks if masks is not None else decode_masks(pos, cfg, NB, NW)
+    hidden, forced, future, qb = m["hidden"], m["forced"], m["future"], m["qb"]
     logits = torch.matmul(q.to(kc.dtype), kc.transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW]
     logits = logits.masked_fill(hidden[:, :, None], NEG_INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)
     b_qa = pool_to_blocks(s_qa, index)  # [B, Hkv, NB]
-    blk = torch.arange(NB, device=dev)[None, :]
-    qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
-    forced = ((blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb)))[:, None]
-    future = (blk > qb)[:, None]
     b_qa = b_qa.masked_fill(forced, POS_INF).masked_fill(future, NEG_INF)
     K = min(cfg.topk, NB)
     if wsc is None:
@@ -662,7 +687,7 @@ class DecodeGraph:
         if not self.warm:
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
-                cache.pos = cache.lens.clone()
+                cache.set_pos(cache.lens.clone())
                 out = body(emb, (cos, sin))
                 cache.lens += valid_new[:, 0].long()
             cur.wait_stream(self.stream)
@@ -673,7 +698,7 @@ class DecodeGraph:
             cur.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self.stream):
-                cache.pos = cache.lens.clone()
+                cache.set_pos(cache.lens.clone())
                 self.out = body(self.static["emb"], (self.static["cos"], self.static["sin"]))
                 cache.lens += self.static["valid"][:, 0].long()
             self.graph = graph
