@@ -32,6 +32,7 @@ import gc
 import inspect
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -395,6 +396,7 @@ def main(argv=None) -> int:
         b.run()
     finally:
         b.write()
+        shutil.rmtree(b.tmp, ignore_errors=True)  # the weightless export this run wrote
     return 0
 
 
