@@ -386,6 +386,12 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: --only: unknown row kind(s) {sorted(bad)}; use prefill, decode, offload", file=sys.stderr)
         return 2
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
+    if min(args.mem_limit_gib, args.host_mem_limit_gib) <= 0 or min(args.steps, args.offload_steps) < 1:
+        print("error: memory limits must be > 0 and step counts >= 1", file=sys.stderr)
+        return 2
     if args.quick:
         args.mem_limit_gib = min(args.mem_limit_gib, 0.05)
         args.host_mem_limit_gib = min(args.host_mem_limit_gib, 0.05)
