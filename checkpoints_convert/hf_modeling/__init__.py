@@ -27,6 +27,8 @@ CONFIG_FILE = "configuration_nosa.py"
 MODEL_CLASS = "NOSALlamaForCausalLM"
 CONFIG_CLASS = "NOSALlamaConfig"
 AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
+# modules of this folder shipped with the modeling file (they import the reference copies relatively)
+MODELING_HELPERS = ("nosa_block_cache.py", "nosa_uva.py")
 # reference modules shipped next to the modeling file (the single source of NOSA math)
 SHIPPED = ("config", "eviction", "selection", "reference", "dispatch", "decode")
 
@@ -101,7 +103,7 @@ def reference_sources() -> dict:
     pkg = Path(nosa_layers.__file__).resolve().parent
     header = ("# Copied from nosa_layers/{name}.py by checkpoints_convert.to_hf (imports made relative).\n"
               "# Do not edit: the framework's reference is the single source of the NOSA math.\n")
-    files = {MODELING_FILE: (HERE / MODELING_FILE).read_text(), CONFIG_FILE: (HERE / CONFIG_FILE).read_text()}
+    files = {name: (HERE / name).read_text() for name in (MODELING_FILE, CONFIG_FILE, *MODELING_HELPERS)}
     for name in SHIPPED:
         src = (pkg / f"{name}.py").read_text() + (extra_eviction_heads() if name == "eviction" else "")
         files[f"nosa_{name}.py"] = header.format(name=name) + rewrite_reference_source(src)

@@ -3,10 +3,14 @@
 
 Needs only ``torch`` and ``transformers``. The NOSA math is NOT re-implemented here: the files
 ``nosa_config.py``, ``nosa_eviction.py``, ``nosa_selection.py``, ``nosa_reference.py``,
-``nosa_attention.py`` and ``nosa_decode.py`` next to this one are copies of the training
+``nosa_dispatch.py`` and ``nosa_decode.py`` next to this one are copies of the training
 framework's pure-PyTorch reference (``nosa_layers``), written by the exporter with their imports
 made relative. When the framework itself is installed and the tensors are on a GPU, the prefill
-runs its Triton kernels (``nosa_attention(..., backend="auto")``); otherwise everything is PyTorch.
+runs its Triton kernels (one packed ``nosa_attention(..., cu_seqlens, backend="triton")`` call per
+layer for the whole batch); otherwise everything is PyTorch. ``nosa_block_cache.py`` (shipped with
+this file) is the KV cache: 64-token blocks, a batched decode step that recomputes the reference
+selection from incrementally kept state, captured as a CUDA graph on GPUs, and an offloaded mode
+(blocks in pinned host memory, the selection's blocks in GPU slots; ``nosa_uva.py`` moves them).
 
 Weight names follow the public ``openbmb/NOSA-*`` checkpoints: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``self_attn.A``, ``self_attn.delta.weight`` (Locret ablation: ``self_attn.fc1/fc2``), ``mlp.{gate,up,down}_proj``.
@@ -15,8 +19,8 @@ Differences from the public remote code (all deliberate, see the framework's REA
 
 * batch > 1 works: every sequence uses its own positions and blocks (left or right padding,
   different lengths), in prefill and decode; nothing is kept in module state;
-* the decode step recomputes the selection from the cached keys and eviction scores of that
-  sequence (``nosa_decode_step``), so it equals the parallel (training) path row by row;
+* the decode step recomputes the selection of that sequence's newest token (same result as the
+  parallel (training) path's row, tested), for all sequences of the batch at once;
 * CPU works (pure PyTorch reference); prefill rows are processed in chunks to bound memory.
 """
 
@@ -30,7 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+)
 from transformers.models.llama.modeling_llama import (
     LlamaForCausalLM,
     LlamaMLP,
@@ -40,9 +47,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .configuration_nosa import NOSALlamaConfig, nosa_settings
-from .nosa_dispatch import nosa_attention, resolve_backend
+from .nosa_block_cache import DecodeGraph, LayerSpec, NOSABlockCache
 from .nosa_config import NOSAConfig
 from .nosa_decode import nosa_decode_step
+from .nosa_dispatch import nosa_attention, resolve_backend
 from .nosa_eviction import build_eviction_head
 from .nosa_reference import block_sparse_attention
 from .nosa_selection import select_rows
@@ -158,6 +166,9 @@ class NOSAAttention(nn.Module):
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         q_r = q * cos + rotate_half(q) * sin
         k_r = k * cos + rotate_half(k) * sin
+        if isinstance(cache, NOSABlockCache):
+            out = self._with_block_cache(q, k, v, q_r, k_r, cache)
+            return self.o_proj(out.reshape(B, T, Hq * D)), None
         fresh = cache is None or cache.get_seq_length(self.layer_idx) == 0
         if cache is not None:
             k_all, v_all = cache.update(k_r.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
@@ -167,6 +178,62 @@ class NOSAAttention(nn.Module):
         score, bias = self._scores(q, k, v, v_all, cache, fresh)
         out = self._attend(q_r, k_all, v_all, score, bias, valid)
         return self.o_proj(out.reshape(B, T, Hq * D)), None
+
+    def _new_token_scores(self, q: Tensor, k: Tensor, v: Tensor):
+        """Eviction score and bias ``[B, T, Hkv]`` of the new tokens (pre-RoPE q, k); ``bias is score``
+        when the head adds its score (ED-DMA)."""
+        if self._evict is None:
+            return None, None
+        ev = self._head()(q, k, v)
+        return ev.score, ev.bias
+
+    def _with_block_cache(self, q: Tensor, k: Tensor, v: Tensor, q_r: Tensor, k_r: Tensor,
+                          cache: NOSABlockCache) -> Tensor:
+        """Attention with the block KV cache: a batched decode step, or (prompt / chunk) append the valid
+        new tokens and attend each sequence's new rows to its whole cached context."""
+        score, bias = self._new_token_scores(q, k, v)
+        if cache.decoding:
+            out, sel = cache.decode(self.layer_idx, q_r, k_r, v, score, bias, record=self.record_selection)
+            self.last_selection = sel or []
+            return out
+        per_seq = cache.extend(self.layer_idx, k_r, v, score, bias)
+        out = q_r.new_zeros(q_r.shape)
+        self.last_selection = []
+        fresh = all(n0 == 0 for n0 in cache.start)
+        if fresh and self.cfg is not None and len(per_seq) > 1 and \
+                resolve_backend(self.backend, q_r.device) == "triton":
+            return self._attend_packed(q_r, per_seq, out)
+        for b, (rows, kb, vb, sb, bb) in enumerate(per_seq):
+            if rows.numel() == 0:
+                self.last_selection.append(None)
+                continue
+            out[b, rows] = self._attend_one(q_r[b:b + 1, rows], kb, vb, sb, bb)[0]
+        return out
+
+    def _attend_packed(self, q: Tensor, per_seq: list, out: Tensor) -> Tensor:
+        """Fresh prompts of a batch as one packed (``cu_seqlens``) call of the Triton kernels."""
+        keep = [(b, item) for b, item in enumerate(per_seq) if item[0].numel()]
+        lens = [0] + [int(item[0].numel()) for _, item in keep]
+        bounds = torch.tensor(lens).cumsum(0).tolist()
+        cu = torch.tensor(bounds, device=q.device, dtype=torch.int32)
+        qp = torch.cat([q[b, item[0]] for b, item in keep])[None]
+        kp = torch.cat([item[1][0] for _, item in keep])[None]
+        vp = torch.cat([item[2][0] for _, item in keep])[None]
+        sp = None if keep[0][1][3] is None else torch.cat([item[3][0] for _, item in keep])[None]
+        bp = None if keep[0][1][4] is None else torch.cat([item[4][0] for _, item in keep])[None]
+        o = nosa_attention(qp, kp, vp, sp, self.cfg, cu_seqlens=cu, backend="triton", attn_bias=bp)[0]
+        sel = {}
+        for j, (b, item) in enumerate(keep):
+            a, e = bounds[j], bounds[j + 1]
+            out[b, item[0]] = o[a:e]
+            if self.record_selection:
+                from .nosa_selection import select_blocks_reference
+
+                sel[b] = select_blocks_reference(qp[:, a:e], kp[:, a:e], None if sp is None else sp[:, a:e],
+                                                 self.cfg)[0].cpu()
+        if self.record_selection:
+            self.last_selection = [sel.get(b) for b in range(len(per_seq))]
+        return out
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, score, bias, valid: Tensor) -> Tensor:
         """Per sequence: drop padded slots, attend the valid new rows to the valid prefix."""
@@ -274,10 +341,71 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.cache_options: dict = {}  # keyword arguments of new_cache() for caches made by forward()
         self.post_init()
 
     def get_input_embeddings(self):
         return self.embed_tokens
+
+    def _graph_decode_applies(self, cache, T: int, x: Tensor) -> bool:
+        return (isinstance(cache, NOSABlockCache) and T == 1 and cache.seen > 0
+                and (not cache.offload or cache.fetch == "uva")
+                and x.is_cuda and self.cache_options.get("cuda_graphs", True) and not torch.is_grad_enabled()
+                and not any(layer.self_attn.record_selection for layer in self.layers))
+
+    def _decode_body(self, h: Tensor, position_embeddings, cache) -> Tensor:
+        for layer in self.layers:
+            h = layer(h, None, position_embeddings, cache)
+        return self.norm(h)
+
+    def _graph_decode(self, x: Tensor, attention_mask, position_ids, cache) -> Tensor | None:
+        """One decode step through a captured CUDA graph (see ``DecodeGraph``); ``None`` if capturing
+        failed (the model then stays on the eager path, with a warning)."""
+        B = x.shape[0]
+        valid_new = (torch.ones(B, 1, dtype=torch.bool, device=x.device) if attention_mask is None
+                     else attention_mask[:, -1:].to(torch.bool))
+        cache.begin(valid_new, 1, x.device, x.dtype)
+        if position_ids is None:
+            position_ids = cache.lens[:, None]
+        cos, sin = self.rotary_emb(x, position_ids)
+        if cache.graph is None or cache.graph.version != cache.version or cache.graph.batch != cache.batch:
+            cache.graph = DecodeGraph(cache)
+        try:
+            h = cache.graph.step(cache, lambda e, pe: self._decode_body(e, pe, cache), x, cos, sin, valid_new)
+        except Exception as e:  # noqa: BLE001 (fall back to the eager step, which computes the same)
+            import warnings
+
+            warnings.warn(f"NOSA decode: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                          "decoding eagerly from now on", stacklevel=2)
+            self.cache_options = {**self.cache_options, "cuda_graphs": False}
+            cache.graph = None
+            h = self._decode_body(x, (cos, sin), cache)
+            cache.end()
+            return h
+        cache.end(lens_advanced=True)
+        return h
+
+    def layer_specs(self) -> list:
+        """What each layer keeps in a :class:`NOSABlockCache`."""
+        return [LayerSpec(cfg=a.cfg, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                          has_score=a._evict is not None and a._evict.has_score)
+                for a in (layer.self_attn for layer in self.layers)]
+
+    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
+                  reserve: int | None = None, fetch: str = "auto"):
+        """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
+        memory, ``gpu_blocks`` slots per sequence and KV head on the GPU; ``reserve`` tokens per sequence
+        allocated up front; ``fetch``: how offloaded blocks move, ``uva`` = Triton kernels reading pinned host
+        memory directly (no host synchronisation, CUDA-graph friendly), ``copy`` = gathered on the host and
+        copied, ``auto`` = ``uva`` when Triton and CUDA are there), or with ``dynamic=True``
+        transformers' ``DynamicCache`` (the slow reference decode path)."""
+        if dynamic:
+            try:
+                return DynamicCache(config=self.config)
+            except TypeError:
+                return DynamicCache()
+        return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks, reserve=reserve,
+                              fetch=fetch)
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
@@ -292,12 +420,13 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", False)
         if use_cache and cache is None:
-            try:
-                cache = DynamicCache(config=self.config)
-            except TypeError:
-                cache = DynamicCache()
+            cache = self.new_cache(**{k: v for k, v in self.cache_options.items() if k != "cuda_graphs"})
         B, T = inputs_embeds.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
+        if self._graph_decode_applies(cache, T, inputs_embeds):
+            h = self._graph_decode(inputs_embeds, attention_mask, position_ids, cache)
+            if h is not None:
+                return BaseModelOutputWithPast(**{"last_hidden_state": h, _cache_field(BaseModelOutputWithPast): cache})
         if attention_mask is None:
             valid = torch.ones(B, past + T, dtype=torch.bool, device=inputs_embeds.device)
         else:
@@ -312,8 +441,13 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
             position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         h = inputs_embeds
+        block_cache = isinstance(cache, NOSABlockCache)
+        if block_cache:
+            cache.begin(valid, T, h.device, h.dtype)
         for layer in self.layers:
             h = layer(h, valid, position_embeddings, cache)
+        if block_cache:
+            cache.end()
         h = self.norm(h)
         return BaseModelOutputWithPast(**{"last_hidden_state": h, _cache_field(BaseModelOutputWithPast): cache})
 
@@ -359,6 +493,23 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
         field = _cache_field(CausalLMOutputWithPast)
         return CausalLMOutputWithPast(**{"loss": loss, "logits": logits, field: getattr(out, _cache_field(type(out)))})
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward() makes a NOSABlockCache; generate() takes it from the outputs
+
+    def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
+                  reserve: int | None = None, fetch: str = "auto"):
+        """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
+        return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve,
+                                    fetch=fetch)
+
+    def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
+                          cuda_graphs: bool = True, fetch: str = "auto") -> None:
+        """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
+        ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
+        self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,
+                                    "cuda_graphs": cuda_graphs, "fetch": fetch}
+
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""
         return {i: layer.self_attn.last_selection for i, layer in enumerate(self.model.layers)
@@ -369,5 +520,5 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
             layer.self_attn.record_selection = on
 
 
-__all__ = ["NOSALlamaForCausalLM", "NOSALlamaModel", "NOSALlamaPreTrainedModel", "NOSAAttention"]
+__all__ = ["NOSAAttention", "NOSABlockCache", "NOSALlamaForCausalLM", "NOSALlamaModel", "NOSALlamaPreTrainedModel"]
 

@@ -1,0 +1,410 @@
+"""Inference benchmark of the exported NOSA model against a stock transformers Llama of the same shape.
+
+One process, one device, random weights (no download): the shape of ``recipes/model/llama3_1b.yaml``
+(override with ``--layers`` / ``--kv-heads``) in bf16, the released NOSA geometry (64-token blocks,
+64-block budget), the eviction heads' ``A`` set to 1 (zero at init would make every query-agnostic
+score equal). Rows:
+
+* prefill: one prompt of 4K / 16K tokens, ``use_cache=True``, last-token logits (median of 3);
+  NOSA through the Triton kernels when ``nosa_layers`` is importable on a GPU, else the reference;
+* decode: batch 1 / 4 at 4K / 16K context (one prompt prefilled, its cache repeated to the batch),
+  tokens/s over ``--steps`` greedy steps after 2 warm-up steps;
+* offload (16K context): the largest batch whose peak device memory stays under ``--mem-limit-gib``
+  with the whole KV cache on the device vs with the offloaded cache (blocks in pinned host memory,
+  the selection's blocks in ``topk`` device slots; host memory bounded by ``--host-mem-limit-gib``),
+  found from the measured per-sequence slope (batch 1 and 2) and checked at the predicted batch;
+  decode tokens/s at each, and the host -> device bytes per generated token (first step = whole
+  selections; steady state = the blocks a step adds).
+
+Every row records its error instead of stopping the table. Writes ``inference.json`` and
+``inference.md`` into ``--out`` (temp name, then rename).
+
+Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
+       [--steps 32] [--only prefill,decode,offload] [--layers N] [--kv-heads N]
+``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from checkpoints_convert.random_export import (
+    load_random_model,
+    stock_llama,
+    write_random_export,
+)
+from nosa_layers.config import NOSAConfig, tiny_geometry
+from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+
+GIB = 1 << 30
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def model_shape(args) -> ModelConfig:
+    if args.quick:
+        m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                        ffn_hidden_size=128, vocab_size=512, max_position_embeddings=4096)
+    else:
+        import yaml
+
+        fields = yaml.safe_load((REPO / "recipes/model/llama3_1b.yaml").read_text())
+        m = ModelConfig(**fields)
+    over = {k: v for k, v in (("num_layers", args.layers), ("num_kv_heads", args.kv_heads)) if v}
+    return dataclasses.replace(m, **over)
+
+
+def cache_kw(model) -> str:
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def out_cache(out):
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
+        self.shape = model_shape(args)
+        self.geo = tiny_geometry() if args.quick else NOSAConfig()
+        self.ctx = [256, 512] if args.quick else [4096, 16384]
+        self.long = self.ctx[-1]
+        self.rows: list = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="nosa_bench_"))
+
+    # ------------------------------------------------------------------ helpers
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def prompt(self, n: int, batch: int = 1) -> torch.Tensor:
+        g = torch.Generator().manual_seed(n)
+        return torch.randint(10, self.shape.vocab_size, (batch, n), generator=g).to(self.dev)
+
+    def row(self, name: str, fn) -> dict:
+        log(f"row {name} ...")
+        t0 = time.time()
+        r = {"row": name}
+        try:
+            r.update(fn())
+        except Exception as e:  # noqa: BLE001 (one failing row never stops the table)
+            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            traceback.print_exc()
+        self.free()
+        r["wall_s"] = round(time.time() - t0, 2)
+        log(f"row {name}: {json.dumps(r)}")
+        self.rows.append(r)
+        self.write(quiet=True)  # partial tables survive a time limit
+        return r
+
+    def build_nosa(self):
+        attn = AttentionConfig(variant="nosa", nosa=self.geo, backend="auto")
+        path = write_random_export(self.tmp / "nosa_export", self.shape, attn)
+        return load_random_model(path, self.dtype, self.dev, eviction_scale=1.0)
+
+    def build_llama(self):
+        return stock_llama(self.shape, self.dtype, self.dev)
+
+    def attention_backend(self, model) -> str:
+        if not hasattr(model, "selections"):
+            return "sdpa"
+        from importlib import import_module
+
+        mod = import_module(type(model).__module__.rsplit(".", 1)[0] + ".nosa_dispatch")
+        return mod.resolve_backend("auto", self.dev)
+
+    # ------------------------------------------------------------------ measurements
+    @torch.no_grad()
+    def prefill_time(self, model, n: int) -> dict:
+        ids = self.prompt(n)
+        times = []
+        for i in range(4):  # 1 warm-up (Triton compiles here) + 3 timed
+            self.sync()
+            t0 = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            self.sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return {"prefill_s": round(statistics.median(times), 4), "tokens": n}
+
+    @torch.no_grad()
+    def prefilled_cache(self, model, n: int, batch: int, **cache_opts):
+        """Cache of one prompt of ``n`` tokens repeated to ``batch`` sequences, and the next tokens."""
+        kw = {}
+        if hasattr(model, "new_cache"):
+            kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, **cache_opts)
+        out = model(self.prompt(n), use_cache=True, logits_to_keep=1, **kw)
+        cache = out_cache(out)
+        if batch > 1:
+            cache.batch_repeat_interleave(batch)
+        tok = out.logits[:, -1:].argmax(-1).repeat(batch, 1)
+        return cache, tok
+
+    @torch.no_grad()
+    def decode_rate(self, model, cache, tok, steps: int, warm: int = 2) -> dict:
+        name = cache_kw(model)
+        per_step = []
+        for i in range(warm + steps):
+            self.sync()
+            t0 = time.perf_counter()
+            out = model(tok, use_cache=True, **{name: cache})
+            cache = out_cache(out)
+            tok = out.logits[:, -1:].argmax(-1)
+            self.sync()
+            if i >= warm:
+                per_step.append(time.perf_counter() - t0)
+        B = tok.shape[0]
+        total = sum(per_step)
+        self.last_steps = per_step
+        return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
+                "tok_per_s": round(B * steps / total, 1)}
+
+    @torch.no_grad()
+    def graph_check(self, model, steps: int = 6) -> dict:
+        """Max |logit difference| vs the eager GPU-resident decode (same fixed tokens) of the captured
+        decode step and of the offloaded cache (its default transfer path, captured too when it can be)."""
+        feed = self.prompt(steps, 4).T.reshape(steps, 4, 1)
+        runs = []
+        for graphs, offload in ((False, False), (True, False), (True, True)):
+            model.set_cache_options(cuda_graphs=graphs)
+            cache, _ = self.prefilled_cache(model, self.ctx[0], 4, offload=offload)
+            logits = []
+            for j in range(steps):
+                out = model(feed[j], use_cache=True, **{cache_kw(model): cache})
+                cache = out_cache(out)
+                logits.append(out.logits[:, -1].float())
+            runs.append(torch.stack(logits))
+        model.set_cache_options()
+        return {"max_abs_logit_diff": (runs[1] - runs[0]).abs().max().item(),
+                "offload_max_abs_logit_diff": (runs[2] - runs[0]).abs().max().item(), "offload_fetch": cache.fetch,
+                "logit_scale": round(runs[0].abs().max().item(), 3)}
+
+    def peak_bytes(self, model, cache) -> int:
+        if self.dev.type == "cuda":
+            return torch.cuda.max_memory_allocated()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return weights + cache.memory_bytes()["device"]
+
+    @torch.no_grad()
+    def probe(self, model, batch: int, offload: bool) -> dict:
+        """Peak device bytes of a batch at the long context (cache built, 2 decode steps)."""
+        self.free()
+        cache, tok = self.prefilled_cache(model, self.long, batch, offload=offload)
+        if self.dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.decode_rate(model, cache, tok, steps=1, warm=1)
+        r = {"batch": batch, "peak_bytes": self.peak_bytes(model, cache), **cache.memory_bytes()}
+        del cache, tok
+        return r
+
+    def largest_batch(self, model, offload: bool) -> dict:
+        """Largest batch whose peak stays under the device limit (and host limit when offloading)."""
+        limit = int(self.args.mem_limit_gib * GIB)
+        p1, p2 = self.probe(model, 1, offload), self.probe(model, 2, offload)
+        slope = max(1, p2["peak_bytes"] - p1["peak_bytes"])
+        guess = 1 + (limit - p1["peak_bytes"]) // slope
+        host_cap = None
+        if offload:
+            host_cap = int(self.args.host_mem_limit_gib * GIB) // max(1, p2["host"] - p1["host"])
+            guess = min(guess, host_cap)
+        guess = max(1, int(guess))
+        info = {"per_seq_device_mib": round(slope / 2**20, 1), "base_device_gib": round((p1["peak_bytes"] - slope) / GIB, 2),
+                "host_batch_cap": host_cap, "predicted": guess}
+        for _ in range(4):
+            try:
+                p = self.probe(model, guess, offload)
+                if p["peak_bytes"] <= limit:
+                    return {**info, "batch": guess, "peak_gib": round(p["peak_bytes"] / GIB, 2),
+                            "host_gib": round(p["host"] / GIB, 2)}
+                log(f"batch {guess}: peak {p['peak_bytes'] / GIB:.2f} GiB > limit; trying smaller")
+            except torch.cuda.OutOfMemoryError:
+                log(f"batch {guess}: out of memory; trying smaller")
+            self.free()
+            guess = max(1, int(guess * 0.9))
+        raise RuntimeError("no batch fits under --mem-limit-gib")
+
+    # ------------------------------------------------------------------ rows
+    def run(self) -> None:
+        only = set(self.args.only.split(","))
+        log(f"device {self.dev} ({torch.cuda.get_device_name() if self.dev.type == 'cuda' else 'cpu'}), "
+            f"{self.dtype}, shape {self.shape.num_layers}L h{self.shape.hidden_size} "
+            f"{self.shape.num_attention_heads}/{self.shape.num_kv_heads} heads d{self.shape.kv_channels}, "
+            f"geometry {dataclasses.asdict(self.geo)}")
+        for kind, build in (("llama_sdpa", self.build_llama), ("nosa", self.build_nosa)):
+            if not only & {"prefill", "decode"} and kind == "llama_sdpa":
+                continue
+            log(f"building {kind} (random weights)")
+            model = build()
+            self.model_rows(kind, model, only)
+            del model
+            self.free()
+
+    def model_rows(self, kind: str, model, only: set) -> None:
+        backend = self.attention_backend(model)
+        if "prefill" in only:
+            for n in self.ctx:
+                self.row(f"prefill {kind} {n}",
+                         lambda n=n: {"model": kind, "attention": backend, **self.prefill_time(model, n)})
+        if "decode" in only:
+            for n in self.ctx:
+                for B in (1, 4):
+                    def dec(n=n, B=B):
+                        cache, tok = self.prefilled_cache(model, n, B)
+                        return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
+                    self.row(f"decode {kind} ctx{n} b{B}", dec)
+            if kind == "nosa" and self.dev.type == "cuda":
+                self.row("check nosa decode: graph / offload vs eager", lambda: self.graph_check(model))
+                model.set_cache_options(cuda_graphs=False)
+                for n in self.ctx:
+                    def eager(n=n):
+                        cache, tok = self.prefilled_cache(model, n, 4)
+                        return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
+                    self.row(f"decode nosa_eager ctx{n} b4", eager)
+                model.set_cache_options()
+        if kind == "nosa" and "offload" in only:
+            self.offload_rows(model)
+
+    def offload_rows(self, model) -> None:
+        found = {}
+        for offload in (False, True):
+            mode = "offload" if offload else "gpu_kv"
+
+            def search(offload=offload, mode=mode):
+                r = self.largest_batch(model, offload)
+                found[mode] = r["batch"]
+                return {"model": "nosa", "mode": mode, "context": self.long, **r}
+
+            self.row(f"max batch nosa {mode} ctx{self.long}", search)
+            if mode not in found:
+                continue
+
+            def rate(offload=offload, mode=mode):
+                B = found[mode]
+                cache, tok = self.prefilled_cache(model, self.long, B, offload=offload)
+                first = self.decode_rate(model, cache, tok, 1, warm=0)  # offload: fetches whole selections
+                blocks0 = cache.fetched_blocks()
+                r = self.decode_rate(model, cache, tok, self.args.offload_steps, warm=1)
+                out = {"model": "nosa", "mode": mode, "context": self.long, **r,
+                       "first_step_ms": first["step_ms"]}
+                if offload:
+                    block_bytes = 2 * self.geo.block_size * self.shape.kv_channels * 2
+                    steady = (cache.fetched_blocks() - blocks0) / (self.args.offload_steps + 1)
+                    out.update({
+                        "fetch": cache.fetch,
+                        "first_step_h2d_mib": round(blocks0 * block_bytes / 2**20, 2),
+                        "h2d_bytes_per_token": int(steady * block_bytes / B),
+                        "d2h_bytes_per_token": 2 * self.shape.kv_channels * 2 * self.shape.num_kv_heads
+                        * self.shape.num_layers,
+                        "fetched_blocks_per_step_per_head": round(
+                            steady / (B * self.shape.num_kv_heads * self.shape.num_layers), 2),
+                    })
+                return out
+
+            self.row(f"decode nosa {mode} ctx{self.long} max batch", rate)
+
+    # ------------------------------------------------------------------ output
+    def write(self, quiet: bool = False) -> None:
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"device": torch.cuda.get_device_name() if self.dev.type == "cuda" else "cpu",
+                "dtype": str(self.dtype), "torch": torch.__version__, "quick": self.args.quick,
+                "shape": dataclasses.asdict(self.shape), "geometry": dataclasses.asdict(self.geo),
+                "args": vars(self.args)}
+        _atomic_write(out / "inference.json", json.dumps({"meta": meta, "rows": self.rows}, indent=2) + "\n")
+        _atomic_write(out / "inference.md", markdown(self.rows, meta) + "\n")
+        if not quiet:
+            log(f"wrote {out / 'inference.json'} and {out / 'inference.md'}")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib", "per_seq_device_mib",
+           "first_step_h2d_mib", "h2d_bytes_per_token", "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
+           "attention", "max_abs_logit_diff", "offload_max_abs_logit_diff", "error")
+
+
+def markdown(rows: list, meta: dict) -> str:
+    used = [c for c in COLUMNS if any(c in r for r in rows)]
+    lines = [f"device: {meta['device']}, {meta['dtype']}, torch {meta['torch']}", "",
+             "| " + " | ".join(used) + " |", "|" + "---|" * len(used)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in used) + " |")
+    pre = {r["row"]: r.get("prefill_s") for r in rows if r["row"].startswith("prefill")}
+    ratios = []
+    for r in rows:
+        if r["row"].startswith("prefill nosa") and r.get("prefill_s"):
+            base = pre.get(r["row"].replace("nosa", "llama_sdpa"))
+            if base:
+                ratios.append(f"{r['row']}: {r['prefill_s'] / base:.2f}x stock Llama SDPA")
+    return "\n".join(lines + [""] + ratios)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for inference.json / inference.md")
+    p.add_argument("--quick", action="store_true", help="tiny model and contexts (CPU check of the script)")
+    p.add_argument("--mem-limit-gib", type=float, default=12.0, help="device memory limit of the batch search")
+    p.add_argument("--host-mem-limit-gib", type=float, default=48.0, help="pinned host memory limit (offload)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
+    p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
+    p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
+    args = p.parse_args(argv)
+    bad = set(args.only.split(",")) - {"prefill", "decode", "offload"}
+    if bad:
+        print(f"error: --only: unknown row kind(s) {sorted(bad)}; use prefill, decode, offload", file=sys.stderr)
+        return 2
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
+    if min(args.mem_limit_gib, args.host_mem_limit_gib) <= 0 or min(args.steps, args.offload_steps) < 1:
+        print("error: memory limits must be > 0 and step counts >= 1", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.mem_limit_gib = min(args.mem_limit_gib, 0.05)
+        args.host_mem_limit_gib = min(args.host_mem_limit_gib, 0.05)
+        args.steps = min(args.steps, 4)
+        args.offload_steps = min(args.offload_steps, 4)
+    b = Bench(args)
+    try:
+        b.run()
+    finally:
+        b.write()
+        shutil.rmtree(b.tmp, ignore_errors=True)  # the weightless export this run wrote
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,709 @@
+"""Block-organised KV cache of the exported NOSA model: batched decode steps, optionally offloaded.
+
+Shipped next to ``modeling_nosa.py`` in every sparse export (pure PyTorch, no Triton needed).
+
+Layout per layer (``B`` sequences, ``Hkv`` KV heads, ``NB`` blocks of ``bs`` tokens, capacity
+``cap = NB * bs`` tokens per sequence; sequences are stored compactly, padding never enters):
+
+* keys / values ``[B, Hkv, NB, bs, D]`` (cache dtype) on the GPU, or, with ``offload=True``, in
+  pinned CPU memory plus a GPU cache of ``C`` block slots per (sequence, KV head) that holds the
+  blocks the current step selected;
+* eviction score / bias ``[B, Hkv, cap]`` (fp32) and the selection's running state: compressed keys
+  ``kc [B, Hkv, NW + 1, D]`` and window means of the score ``wsc [B, Hkv, NW + 1]`` (fp32; the last
+  column is a write sink) and a ring of the last ``kernel_size`` keys and scores. These stay on the
+  GPU in both modes (``kc`` is 1/``kernel_stride`` of the keys).
+
+A decode step (one token per sequence) is a fixed number of batched tensor operations per layer,
+independent of the context length and with no host synchronisation in the GPU-resident mode: the
+new key/value/score are written at each sequence's own length, a window that the token completes is
+added to ``kc``/``wsc``, the selection of the reference (``nosa_selection.select_rows`` for one row)
+is recomputed from ``kc``/``wsc`` for all sequences at once, and the token attends to the gathered
+selected blocks. The offloaded mode adds one host synchronisation per layer: the blocks the step
+selects that are not resident are copied host -> device (one gathered, non-blocking copy), and the
+new token is copied device -> host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from .nosa_config import NOSAConfig
+from .nosa_selection import (
+    block_window_index,
+    compressed_keys,
+    pool_to_blocks,
+    topk_mask,
+    window_scores,
+)
+from .nosa_uva import available as uva_available
+from .nosa_uva import fetch_rows as uva_fetch_rows
+from .nosa_uva import store_tokens as uva_store_tokens
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+CAPACITY_MARGIN = 1024  # tokens allocated past the prompt before the cache grows (doubling)
+
+
+@dataclass
+class LayerSpec:
+    """What one layer stores: ``cfg`` (None: dense layer), KV heads, head dim, eviction score or not."""
+
+    cfg: NOSAConfig | None
+    num_kv_heads: int
+    head_dim: int
+    has_score: bool
+
+
+@dataclass
+class LayerState:
+    spec: LayerSpec
+    k: Tensor | None = None  # [B, Hkv, NB, bs, D] on the GPU (full mode, and dense layers)
+    v: Tensor | None = None
+    score: Tensor | None = None  # [B, Hkv, cap] fp32
+    bias: Tensor | None = None  # [B, Hkv, cap] fp32 (the score tensor itself for ED-DMA)
+    bias_mode: str = "unset"  # "score" | "own" | "none"
+    kc: Tensor | None = None  # [B, Hkv, NW + 1, D] fp32
+    wsc: Tensor | None = None  # [B, Hkv, NW + 1] fp32
+    ring_k: Tensor | None = None  # [B, Hkv, kernel_size, D] cache dtype
+    ring_s: Tensor | None = None  # [B, Hkv, kernel_size] fp32
+    # offload mode (NOSA layers only)
+    cpu_k: Tensor | None = None  # [B * Hkv * NB, bs, D] pinned
+    cpu_v: Tensor | None = None
+    gpu_k: Tensor | None = None  # [B * Hkv * C, bs, D] slots
+    gpu_v: Tensor | None = None
+    slot_of: Tensor | None = None  # [B, Hkv, NB + 1] slot of a block or -1 (column NB: write sink)
+    slot_block: Tensor | None = None  # [B, Hkv, C + 1] block held by a slot or NB (column C: write sink)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.cpu_k is not None
+
+
+@dataclass
+class TransferStats:
+    """Bytes moved by the offloaded cache (all layers) and how many decode steps moved them."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    fetched_blocks: int = 0  # host-copy path (exact, host int)
+    fetched_dev: Tensor | None = None  # direct-access path: device counter (read with fetched_blocks())
+    decode_steps: int = 0
+    per_step_h2d: list = field(default_factory=list)
+
+
+def _pin(t: Tensor) -> Tensor:
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+class NOSABlockCache(Cache):
+    """KV cache of ``NOSALlamaForCausalLM``: made by the model (``model.new_cache(...)``, or on the
+    first forward with ``use_cache``) and passed back by ``generate``.
+
+    ``reserve`` tokens per sequence are allocated up front (default: the prompt plus 1024; the
+    cache doubles when full). ``offload=True`` keeps every block of the NOSA layers in pinned CPU memory and ``gpu_blocks``
+    (default: the selection budget ``topk``) block slots per (sequence, KV head) on the GPU; dense
+    layers, scores and the selection state stay on the GPU. ``get_seq_length()`` is the number of
+    attention-mask columns seen (padding included), as for transformers' own caches.
+    """
+
+    is_compileable = False
+
+    def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None,
+                 reserve: int | None = None, fetch: str = "auto") -> None:
+        super().__init__(layers=[])
+        self.specs = specs
+        self.offload = offload
+        nosa = [s.cfg for s in specs if s.cfg is not None]
+        self.block_size = nosa[0].block_size if nosa else 64
+        if any(c.block_size != self.block_size for c in nosa):
+            raise ValueError("all NOSA layers of one model must share block_size")
+        self.gpu_blocks = gpu_blocks if gpu_blocks is not None else max((c.topk for c in nosa), default=0)
+        if offload and any(self.gpu_blocks < c.topk for c in nosa):
+            raise ValueError(f"gpu_blocks ({self.gpu_blocks}) must be >= the selection budget topk")
+        self.states: list[LayerState] = [LayerState(s) for s in specs]
+        if fetch not in ("auto", "uva", "copy"):
+            raise ValueError(f"fetch must be auto, uva or copy, got {fetch!r}")
+        self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
+        self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
+        self.batch = 0
+        self.capacity = 0  # tokens per sequence
+        self.seen = 0  # attention-mask columns consumed
+        self.lens: Tensor | None = None  # [B] tokens stored per sequence (device)
+        self.device = None
+        self.dtype = None
+        self.state_dtype = torch.float32  # scores, compressed keys, softmax: at least fp32
+        self.stats = TransferStats()
+        # per-call state set by begin()
+        self.decoding = False
+        self.pos: Tensor | None = None  # [B] position of the new token (decode)
+        self.valid_new: Tensor | None = None  # [B, T] bool
+        self.rows: list = []  # per sequence: index of its valid new tokens (extend)
+        self.start: list = []  # per sequence: tokens stored before this call (extend)
+        self._index_cache: dict = {}
+        self._derived: dict = {}
+        self._step_h2d = 0
+        self.version = 0  # changes whenever buffers are reallocated (captured decode graphs depend on them)
+        self.graph: DecodeGraph | None = None
+
+    # ------------------------------------------------------------------ transformers Cache API
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int | None:
+        return None
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("NOSABlockCache does not support crop (assisted decoding); use a DynamicCache")
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.lens is None:
+            return
+        self.batch_select_indices(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep / reorder / repeat sequences: ``indices [B']`` into the current batch."""
+        if self.lens is None:
+            return
+        idx = indices.to(self.device).long()
+        cpu_idx = idx.cpu()
+        for st in self.states:
+            for name in ("k", "v", "kc", "wsc", "ring_k", "ring_s", "score", "slot_of", "slot_block"):
+                t = getattr(st, name)
+                if t is not None:
+                    setattr(st, name, t.index_select(0, idx))
+            st.bias = st.score if st.bias_mode == "score" else (None if st.bias is None else st.bias.index_select(0, idx))
+            if st.offloaded:
+                for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v"):
+                    t = getattr(st, name)
+                    per = t.shape[0] // self.batch
+                    src = t.view(self.batch, per, *t.shape[1:])
+                    if t.device.type == "cpu":  # straight into new pinned memory (no second copy)
+                        new = torch.empty(int(cpu_idx.numel()), *src.shape[1:], dtype=t.dtype,
+                                          pin_memory=torch.cuda.is_available())
+                        torch.index_select(src, 0, cpu_idx, out=new)
+                    else:
+                        new = src.index_select(0, idx)
+                    setattr(st, name, new.view(-1, *t.shape[1:]))
+        self.lens = self.lens.index_select(0, idx)
+        self.batch = int(idx.numel())
+        self.version += 1
+
+    # ------------------------------------------------------------------ allocation
+    def _num_windows(self, cfg: NOSAConfig) -> int:
+        return cfg.num_windows(self.capacity)
+
+    def _allocate(self, st: LayerState, B: int) -> None:
+        s, cap, dev = st.spec, self.capacity, self.device
+        NB, bs, Hkv, D = cap // self.block_size, self.block_size, s.num_kv_heads, s.head_dim
+        f32 = self.state_dtype
+        if s.cfg is None or not self.offload:
+            st.k = torch.zeros(B, Hkv, NB, bs, D, dtype=self.dtype, device=dev)
+            st.v = torch.zeros_like(st.k)
+        else:
+            C = self.gpu_blocks
+            st.cpu_k = _pin(torch.zeros(B * Hkv * NB, bs, D, dtype=self.dtype))
+            st.cpu_v = _pin(torch.zeros(B * Hkv * NB, bs, D, dtype=self.dtype))
+            st.gpu_k = torch.zeros(B * Hkv * C, bs, D, dtype=self.dtype, device=dev)
+            st.gpu_v = torch.zeros_like(st.gpu_k)
+            st.slot_of = torch.full((B, Hkv, NB + 1), -1, dtype=torch.long, device=dev)
+            st.slot_block = torch.full((B, Hkv, C + 1), NB, dtype=torch.long, device=dev)
+        if s.cfg is None:
+            return
+        NW = self._num_windows(s.cfg)
+        st.kc = torch.zeros(B, Hkv, NW + 1, D, dtype=f32, device=dev)
+        st.ring_k = torch.zeros(B, Hkv, s.cfg.kernel_size, D, dtype=self.dtype, device=dev)
+        if s.has_score:
+            st.score = torch.zeros(B, Hkv, cap, dtype=f32, device=dev)
+            st.wsc = torch.zeros(B, Hkv, NW + 1, dtype=f32, device=dev)
+            st.ring_s = torch.zeros(B, Hkv, s.cfg.kernel_size, dtype=f32, device=dev)
+
+    def _setup(self, B: int, need: int, device, dtype) -> None:
+        self.batch, self.device, self.dtype = B, device, dtype
+        if self.fetch == "auto":
+            self.fetch = "uva" if torch.device(device).type == "cuda" and uva_available() else "copy"
+        self.stats.fetched_dev = torch.zeros((), dtype=torch.long, device=device)
+        self.state_dtype = torch.promote_types(dtype, torch.float32)
+        self.capacity = self._round(max(need, self.reserve) if self.reserve else need + CAPACITY_MARGIN)
+        self.lens = torch.zeros(B, dtype=torch.long, device=device)
+        self.version += 1
+        for st in self.states:
+            self._allocate(st, B)
+
+    def _round(self, tokens: int) -> int:
+        step = self.block_size * 16  # keeps NW integral for any kernel_stride dividing block_size
+        return max(step, math.ceil(tokens / step) * step)
+
+    def _grow(self, need: int) -> None:
+        """Reallocate every layer for at least ``need`` tokens per sequence (rare: doubling)."""
+        old_cap = self.capacity
+        self.capacity = self._round(max(need, 2 * old_cap))
+        B, oNB, NB = self.batch, old_cap // self.block_size, self.capacity // self.block_size
+        for st in self.states:
+            old = LayerState(st.spec, **{k: getattr(st, k) for k in ("k", "v", "score", "bias", "kc", "wsc", "ring_k",
+                                                                      "ring_s", "cpu_k", "cpu_v", "gpu_k", "gpu_v",
+                                                                      "slot_of", "slot_block")})
+            mode = st.bias_mode
+            self._allocate(st, B)
+            st.bias_mode = mode
+            if old.k is not None:
+                st.k[:, :, :oNB] = old.k
+                st.v[:, :, :oNB] = old.v
+            if old.cpu_k is not None:
+                Hkv = st.spec.num_kv_heads
+                st.cpu_k.view(B, Hkv, NB, *old.cpu_k.shape[1:])[:, :, :oNB] = old.cpu_k.view(B, Hkv, oNB, *old.cpu_k.shape[1:])
+                st.cpu_v.view(B, Hkv, NB, *old.cpu_v.shape[1:])[:, :, :oNB] = old.cpu_v.view(B, Hkv, oNB, *old.cpu_v.shape[1:])
+                st.gpu_k, st.gpu_v = old.gpu_k, old.gpu_v
+                st.slot_of[..., :oNB] = old.slot_of[..., :oNB]
+                st.slot_block = torch.where(old.slot_block == oNB, NB, old.slot_block)
+            if st.spec.cfg is None:
+                continue
+            oNW = old.kc.shape[2] - 1
+            st.kc[:, :, :oNW] = old.kc[:, :, :oNW]
+            st.ring_k.copy_(old.ring_k)
+            if old.score is not None:
+                st.score[..., :old_cap] = old.score
+                st.wsc[..., :oNW] = old.wsc[..., :oNW]
+                st.ring_s.copy_(old.ring_s)
+            if mode == "score":
+                st.bias = st.score
+            elif mode == "own":
+                st.bias = torch.zeros_like(st.score)
+                st.bias[..., :old_cap] = old.bias
+        self._index_cache.clear()
+        self.version += 1
+
+    # ------------------------------------------------------------------ per forward call
+    def begin(self, valid: Tensor, T: int, device, dtype) -> None:
+        """Start a forward of ``T`` new columns; ``valid [B, seen + T]`` bool (1 = token)."""
+        B = valid.shape[0]
+        if self.lens is not None and self.seen == 0 and B != self.batch:
+            self.lens = None  # an empty cache may be reused with another batch size
+        if self.lens is None:
+            self._setup(B, T, device, dtype)
+        elif B != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {B} with the same cache")
+        self.valid_new = valid[:, valid.shape[1] - T:]  # ``valid`` may hold only the new columns
+        self.decoding = T == 1 and self.seen > 0
+        if self.decoding:
+            if self.seen + 1 > self.capacity:
+                self._grow(self.seen + 1)
+            self.set_pos(self.lens.clone())
+            self._step_h2d = 0
+            return
+        lens = self.lens.tolist()
+        self.rows = [self.valid_new[b].nonzero().squeeze(-1) for b in range(B)]
+        counts = [int(r.numel()) for r in self.rows]
+        self.start = lens
+        need = max(a + c for a, c in zip(lens, counts))
+        if need > self.capacity:
+            self._grow(need)
+
+    def end(self, lens_advanced: bool = False) -> None:
+        """Finish the forward: advance the lengths (unless a captured decode step did)."""
+        if self.decoding:
+            if not lens_advanced:
+                self.lens += self.valid_new[:, 0].long()
+            self.stats.decode_steps += 1
+            self.stats.per_step_h2d.append(self._step_h2d)
+        else:
+            self.lens += torch.tensor([int(r.numel()) for r in self.rows], device=self.device)
+        self.seen += self.valid_new.shape[1]
+
+    # ------------------------------------------------------------------ multi-token calls (prefill)
+    def extend(self, layer: int, k: Tensor, v: Tensor, score: Tensor | None, bias: Tensor | None) -> list:
+        """Append the valid new tokens of every sequence (``k, v [B, T, Hkv, D]`` post-RoPE keys and
+        values, ``score``/``bias [B, T, Hkv]``) and return, per sequence, its whole cached context
+        ``(rows, k [1, n, Hkv, D], v, score [1, n, Hkv] | None, bias | None)`` for the attention."""
+        st = self.states[layer]
+        if st.bias_mode == "unset":
+            st.bias_mode = "none" if bias is None else ("score" if bias is score else "own")
+            if st.bias_mode == "own":
+                st.bias = torch.zeros_like(st.score)
+            elif st.bias_mode == "score":
+                st.bias = st.score
+        out = []
+        for b, rows in enumerate(self.rows):
+            n0, m = self.start[b], int(rows.numel())
+            kb, vb = k[b, rows].to(self.dtype), v[b, rows].to(self.dtype)  # [m, Hkv, D]
+            if n0:
+                kp, vp = self._read(st, b, n0)
+                kb, vb = torch.cat([kp, kb]), torch.cat([vp, vb])
+            self._write_tokens(st, b, n0, kb[n0:].detach(), vb[n0:].detach())
+            sb = bb = None
+            if st.score is not None:  # cached prefix + the new tokens' own (differentiable) scores
+                new_s = score[b, rows].to(st.score.dtype)
+                sb = torch.cat([st.score[b, :, :n0].T, new_s])[None]
+                st.score[b, :, n0:n0 + m] = new_s.detach().T
+                if st.bias_mode == "score":
+                    bb = sb
+                elif st.bias_mode == "own":
+                    new_b = bias[b, rows].to(st.bias.dtype)
+                    bb = torch.cat([st.bias[b, :, :n0].T, new_b])[None]
+                    st.bias[b, :, n0:n0 + m] = new_b.detach().T
+            if st.spec.cfg is not None:
+                self._rebuild_selection_state(st, b, kb.detach(), None if sb is None else sb.detach())
+            out.append((rows, kb[None], vb[None], sb, bb))
+        return out
+
+    def _read(self, st: LayerState, b: int, n: int) -> tuple[Tensor, Tensor]:
+        """First ``n`` cached keys / values of sequence ``b`` as ``[n, Hkv, D]``."""
+        Hkv, D = st.spec.num_kv_heads, st.spec.head_dim
+        if st.k is not None:
+            k, v = st.k[b].view(Hkv, -1, D), st.v[b].view(Hkv, -1, D)
+        else:
+            k = st.cpu_k.view(self.batch, Hkv, -1, D)[b].to(self.device)
+            v = st.cpu_v.view(self.batch, Hkv, -1, D)[b].to(self.device)
+        return k[:, :n].transpose(0, 1), v[:, :n].transpose(0, 1)
+
+    def _write_tokens(self, st: LayerState, b: int, n0: int, k: Tensor, v: Tensor) -> None:
+        Hkv, D, m = st.spec.num_kv_heads, st.spec.head_dim, k.shape[0]
+        if st.k is not None:
+            st.k[b].view(Hkv, -1, D)[:, n0:n0 + m] = k.transpose(0, 1)
+            st.v[b].view(Hkv, -1, D)[:, n0:n0 + m] = v.transpose(0, 1)
+            return
+        st.cpu_k.view(self.batch, Hkv, -1, D)[b, :, n0:n0 + m] = k.transpose(0, 1).cpu()
+        st.cpu_v.view(self.batch, Hkv, -1, D)[b, :, n0:n0 + m] = v.transpose(0, 1).cpu()
+        st.slot_of[b] = -1  # resident copies of this sequence may be stale: fetch again
+        st.slot_block[b] = st.slot_of.shape[-1] - 1
+
+    def _rebuild_selection_state(self, st: LayerState, b: int, k: Tensor, score: Tensor | None) -> None:
+        """Compressed keys, window score means and the key/score ring of sequence ``b`` from its
+        whole context ``k [n, Hkv, D]``, ``score [1, n, Hkv]``."""
+        cfg, n = st.spec.cfg, k.shape[0]
+        nw = cfg.num_windows(n)
+        if nw:
+            st.kc[b, :, :nw] = compressed_keys(k[None].to(st.kc.dtype), cfg)[0].transpose(0, 1)
+            if score is not None:
+                st.wsc[b, :, :nw] = window_scores(score.to(st.wsc.dtype), cfg)[0]
+        p = torch.arange(max(0, n - cfg.kernel_size), n, device=k.device)
+        st.ring_k[b][:, p % cfg.kernel_size] = k[p].transpose(0, 1).to(st.ring_k.dtype)
+        if score is not None:
+            st.ring_s[b][:, p % cfg.kernel_size] = score[0, p].T
+
+    # ------------------------------------------------------------------ decode step
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, score: Tensor | None, bias: Tensor | None,
+               softmax_scale: float | None = None, record: bool = False):
+        """One token per sequence: ``q [B, 1, Hq, D]`` post-RoPE, ``k, v [B, 1, Hkv, D]``, ``score``/``bias``
+        ``[B, 1, Hkv]``. Returns ``(out [B, 1, Hq, D], selection)``; ``selection`` (only with ``record``) is a
+        list of bool ``[Hkv, 1, nb]`` per sequence, ``nb`` = its blocks."""
+        st = self.states[layer]
+        B, _, Hq, D = q.shape
+        Hkv = st.spec.num_kv_heads
+        G = Hq // Hkv
+        scale = softmax_scale if softmax_scale is not None else D ** -0.5
+        pos, bs = self.pos, self.block_size
+        blk, off = self._per_step("blk_off", lambda: (pos // bs, pos % bs))
+        bi, hi = self._per_step(("bi_hi", Hkv), lambda: (torch.arange(B, device=q.device)[:, None],
+                                                         torch.arange(Hkv, device=q.device)[None, :]))
+        k1, v1 = k[:, 0].to(self.dtype), v[:, 0].to(self.dtype)  # [B, Hkv, D]
+        qg = q[:, 0].view(B, Hkv, G, D)
+        if st.spec.cfg is None:  # dense layer: every cached token
+            st.k[bi, hi, blk[:, None], off[:, None]] = k1
+            st.v[bi, hi, blk[:, None], off[:, None]] = v1
+            kk, vv = st.k.view(B, Hkv, -1, D), st.v.view(B, Hkv, -1, D)
+            ok = (torch.arange(kk.shape[2], device=q.device)[None, :] <= pos[:, None])[:, None, :]
+            out = attend(qg, kk, vv, None, ok.expand(B, Hkv, -1), scale)
+            return out.reshape(B, 1, Hq, D).to(q.dtype), None
+        cfg = st.spec.cfg
+        if st.score is not None:
+            st.score[bi, hi, pos[:, None]] = score[:, 0].to(st.score.dtype)
+            if st.bias_mode == "own":
+                st.bias[bi, hi, pos[:, None]] = bias[:, 0].to(st.bias.dtype)
+        self._update_windows(st, cfg, k1, None if st.score is None else score[:, 0].to(st.score.dtype))
+        NW = st.kc.shape[2] - 1
+        index = self._pool_index(cfg, st.slot_of.shape[-1] - 1 if st.offloaded else st.k.shape[2], NW, q.device)
+        masks = self._per_step(("masks", id(cfg), index.shape[0], NW),
+                               lambda: decode_masks(pos, cfg, index.shape[0], NW))
+        sel, sel_ok = select_decode_batched(qg, st.kc[:, :, :NW], None if st.score is None else st.wsc[:, :, :NW],
+                                            pos, cfg, index, scale, masks)
+        if st.offloaded:
+            kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
+        else:
+            st.k[bi, hi, blk[:, None], off[:, None]] = k1
+            st.v[bi, hi, blk[:, None], off[:, None]] = v1
+            kb, vb = st.k[bi[..., None], hi[..., None], sel], st.v[bi[..., None], hi[..., None], sel]
+        K = sel.shape[-1]
+        kb, vb = kb.view(B, Hkv, K * bs, D), vb.view(B, Hkv, K * bs, D)
+        tok = (sel[..., None] * bs + torch.arange(bs, device=q.device)).view(B, Hkv, K * bs)
+        ok = sel_ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok <= pos[:, None, None])
+        bias_sel = None
+        if st.bias_mode in ("score", "own"):
+            bias_sel = st.bias.view(B, Hkv, -1, bs)[bi[..., None], hi[..., None], sel].view(B, Hkv, K * bs)
+        out = attend(qg, kb, vb, bias_sel, ok, scale).reshape(B, 1, Hq, D).to(q.dtype)
+        recorded = None
+        if record:
+            NB = index.shape[0]
+            mask = torch.zeros(B, Hkv, NB + 1, dtype=torch.bool, device=q.device)
+            mask.scatter_(-1, torch.where(sel_ok, sel, NB), True)
+            recorded = [mask[b, :, None, :int(pos[b]) // bs + 1].cpu() for b in range(B)]
+        return out, recorded
+
+    def _pool_index(self, cfg: NOSAConfig, NB: int, NW: int, device) -> Tensor:
+        key = (id(cfg), NB, NW)
+        if key not in self._index_cache:
+            self._index_cache[key] = block_window_index(cfg, NB, NW, device=device)
+        return self._index_cache[key]
+
+    def set_pos(self, pos: Tensor) -> None:
+        """Positions of this step's new tokens; forgets what was derived from the previous ones."""
+        self.pos = pos
+        self._derived: dict = {}
+
+    def _per_step(self, key, make):
+        """``make()`` once per decode step (values that depend only on the positions, shared by layers)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def _window_targets(self, cfg: NOSAConfig, sink: int) -> tuple[Tensor, Tensor]:
+        """Ring slot of the new token and the window it completes (``sink`` if none), ``[B]`` each."""
+        n = self.pos + 1  # length after this token
+        done = (n >= cfg.kernel_size) & ((n - cfg.kernel_size) % cfg.kernel_stride == 0)
+        w = torch.where(done, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor"), sink)
+        return self.pos % cfg.kernel_size, w.clamp(max=sink)
+
+    def _update_windows(self, st: LayerState, cfg: NOSAConfig, k1: Tensor, s1: Tensor | None) -> None:
+        """Ring write of the new key / score; a completed window goes into ``kc`` / ``wsc``."""
+        sink = st.kc.shape[2] - 1
+        bi = self._per_step("arange_b", lambda: torch.arange(k1.shape[0], device=k1.device))
+        slot, w = self._per_step(("win", cfg.kernel_size, cfg.kernel_stride, sink),
+                                 lambda: self._window_targets(cfg, sink))
+        st.ring_k[bi, :, slot] = k1.to(st.ring_k.dtype)
+        if s1 is not None:
+            st.ring_s[bi, :, slot] = s1
+        st.kc[bi, :, w] = st.ring_k.to(st.kc.dtype).mean(dim=2)
+        if s1 is not None:
+            st.wsc[bi, :, w] = st.ring_s.mean(dim=2)
+
+    def _fetch(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
+               off: Tensor) -> tuple[Tensor, Tensor]:
+        """Offloaded mode: bring the selected blocks into GPU slots (moving only those not resident),
+        write the new token (GPU slot and host store), return the gathered ``[B, Hkv, K, bs, D]``."""
+        B, Hkv = sel.shape[:2]
+        NB = st.slot_of.shape[-1] - 1
+        C = st.slot_block.shape[-1] - 1
+        dev = sel.device
+        bi, hi = torch.arange(B, device=dev)[:, None], torch.arange(Hkv, device=dev)[None, :]
+        # slot bookkeeping on the device: the j-th missing block of a row takes its j-th free slot
+        cur = st.slot_of.gather(-1, sel)
+        missing = sel_ok & (cur < 0)
+        in_sel = torch.zeros(B, Hkv, NB + 1, dtype=torch.bool, device=dev)
+        in_sel.scatter_(-1, torch.where(sel_ok, sel, NB), True)
+        in_sel[..., NB] = False
+        keep = in_sel.gather(-1, st.slot_block[..., :C])
+        free_first = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices
+        rank = (missing.long().cumsum(-1) - 1).clamp(min=0)
+        target = free_first.gather(-1, rank)
+        old = st.slot_block.gather(-1, target)
+        st.slot_of.scatter_(-1, torch.where(missing, old, NB), -1)
+        st.slot_of.scatter_(-1, torch.where(missing, sel, NB), target)
+        st.slot_of[..., NB] = -1
+        st.slot_block.scatter_(-1, torch.where(missing, target, C), sel)
+        row = (bi * Hkv + hi)[..., None]
+        src = row * NB + sel
+        dst = torch.where(missing, row * C + target, -1)
+        if self.fetch == "uva":
+            try:
+                self._move_uva(st, src, dst, k1, v1)
+            except Exception as e:  # noqa: BLE001 (pointer not addressable, no Triton: copy through the host)
+                import warnings
+
+                warnings.warn(f"NOSA offload: direct host-memory access failed ({type(e).__name__}: {e}); "
+                              "copying through the host", stacklevel=2)
+                self.fetch = "copy"
+        if self.fetch != "uva":
+            self._move_copy(st, src, dst, k1, v1)
+        self.stats.d2h_bytes += 2 * k1.numel() * k1.element_size()
+        # the new token into its (now resident) block's slot
+        own = st.slot_of[bi, hi, blk[:, None]]
+        gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
+        gv = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])
+        gk[bi, hi, own, off[:, None]] = k1
+        gv[bi, hi, own, off[:, None]] = v1
+        slots = st.slot_of.gather(-1, sel).clamp(min=0)
+        return gk[bi[..., None], hi[..., None], slots], gv[bi[..., None], hi[..., None], slots]
+
+    def _token_offsets(self, st: LayerState, pos: Tensor) -> Tensor:
+        """Element offset ``[B * Hkv]`` of each sequence's new token in the host store."""
+        B, Hkv, D, bs = self.batch, st.spec.num_kv_heads, st.spec.head_dim, self.block_size
+        NB = st.slot_of.shape[-1] - 1
+        row = torch.arange(B, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device)[None, :]
+        return (((row * NB + (pos // bs)[:, None]) * bs + (pos % bs)[:, None]) * D).reshape(-1)
+
+    def _move_uva(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
+        """Kernels read / write the pinned host store directly: no host synchronisation."""
+        if not uva_available():
+            raise RuntimeError("triton is not installed")
+        D = st.spec.head_dim
+        uva_store_tokens(k1.reshape(-1, D).contiguous(), v1.reshape(-1, D).contiguous(), st.cpu_k, st.cpu_v,
+                              self._token_offsets(st, self.pos))
+        uva_fetch_rows(st.cpu_k, st.cpu_v, st.gpu_k, st.gpu_v, src.reshape(-1), dst.reshape(-1))
+        self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
+
+    def _move_copy(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
+        """Host path: the new token goes device -> host, the missing blocks are gathered on the host
+        into pinned staging and copied host -> device (one synchronisation per layer)."""
+        pin = torch.cuda.is_available()
+        k_host = torch.empty(k1.shape, dtype=k1.dtype, pin_memory=pin)
+        v_host = torch.empty(v1.shape, dtype=v1.dtype, pin_memory=pin)
+        off_host = torch.empty(k1.shape[0] * k1.shape[1], dtype=torch.long, pin_memory=pin)
+        k_host.copy_(k1, non_blocking=True)
+        v_host.copy_(v1, non_blocking=True)
+        off_host.copy_(self._token_offsets(st, self.pos), non_blocking=True)
+        moving = dst >= 0
+        src, dst = src[moving], dst[moving]  # host sync: the copy list
+        src_host = src.cpu()
+        D = st.spec.head_dim
+        idx = off_host[:, None] + torch.arange(D)
+        st.cpu_k.view(-1)[idx] = k_host.reshape(-1, D)
+        st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
+        n = int(src_host.numel())
+        if n:
+            stage_k = torch.empty(n, *st.cpu_k.shape[1:], dtype=st.cpu_k.dtype, pin_memory=pin)
+            stage_v = torch.empty_like(stage_k, pin_memory=pin)
+            torch.index_select(st.cpu_k, 0, src_host, out=stage_k)
+            torch.index_select(st.cpu_v, 0, src_host, out=stage_v)
+            st.gpu_k.index_copy_(0, dst, stage_k.to(dst.device, non_blocking=True))
+            st.gpu_v.index_copy_(0, dst, stage_v.to(dst.device, non_blocking=True))
+            moved = 2 * stage_k.numel() * stage_k.element_size()
+            self.stats.h2d_bytes += moved
+            self._step_h2d += moved
+            self.stats.fetched_blocks += n
+
+    def fetched_blocks(self) -> int:
+        """Blocks moved host -> device so far (all layers; reads the device counter of the UVA path)."""
+        dev = 0 if self.stats.fetched_dev is None else int(self.stats.fetched_dev)
+        return self.stats.fetched_blocks + dev
+
+    # ------------------------------------------------------------------ reporting
+    def memory_bytes(self) -> dict:
+        """Bytes held on the device and in host memory by this cache."""
+        dev = host = 0
+        for st in self.states:
+            for name in ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "gpu_k", "gpu_v", "slot_of", "slot_block"):
+                t = getattr(st, name)
+                if t is not None:
+                    dev += t.numel() * t.element_size()
+            if st.bias_mode == "own":
+                dev += st.bias.numel() * st.bias.element_size()
+            for name in ("cpu_k", "cpu_v"):
+                t = getattr(st, name)
+                if t is not None:
+                    host += t.numel() * t.element_size()
+        return {"device": dev, "host": host}
+
+
+def decode_masks(pos: Tensor, cfg: NOSAConfig, NB: int, NW: int) -> dict:
+    """What the batched selection derives from the positions alone (shared by all layers of a step):
+    ``hidden [B, 1, NW]`` (windows not complete yet), ``forced`` / ``future [B, 1, NB]``, ``qb [B, 1]``."""
+    dev = pos.device
+    n = pos + 1
+    nw = torch.where(n >= cfg.kernel_size, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor") + 1, 0)
+    hidden = (torch.arange(NW, device=dev)[None, :] >= nw[:, None])[:, None]
+    blk = torch.arange(NB, device=dev)[None, :]
+    qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
+    forced = ((blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb)))[:, None]
+    return {"hidden": hidden, "forced": forced, "future": (blk > qb)[:, None], "qb": qb}
+
+
+@torch.no_grad()
+def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor, cfg: NOSAConfig,
+                          index: Tensor, softmax_scale: float, masks: dict | None = None) -> tuple[Tensor, Tensor]:
+    """The reference selection (``select_rows``) of one new token per sequence, batched.
+
+    q ``[B, Hkv, G, D]`` post-RoPE; ``kc [B, Hkv, NW, D]`` compressed keys and ``wsc [B, Hkv, NW]``
+    window score means of capacity ``NW`` windows, of which the first ``num_windows(pos + 1)`` are
+    valid per sequence; ``pos [B]`` the token positions; ``index`` = ``block_window_index(cfg, NB, NW)``.
+    Returns ``(blocks [B, Hkv, K] long, ok [B, Hkv, K] bool)`` with ``K = min(topk, NB)``: the
+    selected block indices (``ok`` False on padding entries of sequences with fewer blocks).
+    """
+    NW, NB = kc.shape[2], index.shape[0]
+    m = masks if masks is not None else decode_masks(pos, cfg, NB, NW)
+    hidden, forced, future, qb = m["hidden"], m["forced"], m["future"], m["qb"]
+    logits = torch.matmul(q.to(kc.dtype), kc.transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW]
+    logits = logits.masked_fill(hidden[:, :, None], NEG_INF)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)
+    b_qa = pool_to_blocks(s_qa, index)  # [B, Hkv, NB]
+    b_qa = b_qa.masked_fill(forced, POS_INF).masked_fill(future, NEG_INF)
+    K = min(cfg.topk, NB)
+    if wsc is None:
+        ranked = b_qa
+    else:
+        qa = topk_mask(b_qa, min(cfg.query_aware_blocks, NB))
+        b_qg = pool_to_blocks(wsc.masked_fill(hidden, NEG_INF), index)
+        ranked = b_qg.masked_fill(forced | qa, POS_INF).masked_fill(future, NEG_INF)
+    blocks = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :K]
+    return blocks, blocks <= qb[:, :, None]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, ok: Tensor, scale: float) -> Tensor:
+    """One query row per (sequence, query head): ``q [B, Hkv, G, D]``, ``k, v [B, Hkv, S, D]``,
+    ``bias [B, Hkv, S]`` or None, ``ok [B, Hkv, S]`` bool (key allowed). The softmax runs in at least
+    fp32; returns ``[B, Hkv, G, D]`` in that dtype."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias[:, :, None, :]
+    logits = logits.masked_fill(~ok[:, :, None, :], NEG_INF)
+    return torch.matmul(torch.softmax(logits, dim=-1), v.to(dt))
+
+
+class DecodeGraph:
+    """A CUDA graph of one batched decode step over a GPU-resident :class:`NOSABlockCache`.
+
+    ``body(emb [B, 1, H], (cos, sin)) -> hidden [B, 1, H]`` runs every layer's decode step. The first
+    step after the cache's buffers were (re)allocated runs eagerly on a side stream (the warm-up), the
+    next one is captured (positions = the cache's lengths, advanced inside the graph by the new tokens'
+    validity) and every later one replays it after copying the step's inputs into static buffers.
+    The cache's ``version`` changes when it reallocates (growth, beam reordering): a new graph is made.
+    """
+
+    def __init__(self, cache: NOSABlockCache) -> None:
+        self.version = cache.version
+        self.batch = cache.batch
+        self.stream = torch.cuda.Stream()
+        self.graph = None
+        self.warm = False
+        self.static: dict = {}
+        self.out: Tensor | None = None
+
+    def step(self, cache: NOSABlockCache, body, emb: Tensor, cos: Tensor, sin: Tensor, valid_new: Tensor) -> Tensor:
+        cur = torch.cuda.current_stream()
+        if not self.warm:
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                cache.set_pos(cache.lens.clone())
+                out = body(emb, (cos, sin))
+                cache.lens += valid_new[:, 0].long()
+            cur.wait_stream(self.stream)
+            self.warm = True
+            return out
+        if self.graph is None:
+            self.static = {"emb": emb.clone(), "cos": cos.clone(), "sin": sin.clone(), "valid": valid_new.clone()}
+            cur.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                cache.set_pos(cache.lens.clone())
+                self.out = body(self.static["emb"], (self.static["cos"], self.static["sin"]))
+                cache.lens += self.static["valid"][:, 0].long()
+            self.graph = graph
+        else:
+            for name, t in (("emb", emb), ("cos", cos), ("sin", sin), ("valid", valid_new)):
+                self.static[name].copy_(t)
+        self.graph.replay()
+        return self.out.clone()

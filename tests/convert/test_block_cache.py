@@ -1,0 +1,266 @@
+"""The exported model's fast paths against its reference path (CPU, tiny random models, fp64).
+
+* the batched decode selection equals the reference selection of that row (``select_rows``);
+* block-cache decode (batch > 1, different lengths, left padding, chunked prefill) gives the logits
+  and the per-step selections of the reference decode path (``DynamicCache``);
+* the offloaded cache returns exactly what the GPU-resident block cache does, moving only the
+  blocks a step adds;
+* ``generate`` (greedy at batch > 1, beam search) with the default block cache;
+* the packed Triton prefill (interpreter, tiny shapes) equals the reference prefill.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from nosa_layers.config import tiny_geometry
+from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+from nosa_layers.selection import (
+    block_window_index,
+    compressed_keys,
+    select_rows,
+    window_scores,
+)
+
+
+def _model_cfg(head_dim: int = 8, heads: int = 4, layers: int = 2) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=heads, num_kv_heads=2,
+                       head_dim=head_dim, ffn_hidden_size=64, vocab_size=97, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def export_dirs(tmp_path_factory):
+    from checkpoints_convert.random_export import write_random_export
+
+    root = tmp_path_factory.mktemp("block_cache")
+    geo = tiny_geometry()
+    return {
+        "nosa": write_random_export(root / "nosa", _model_cfg(),
+                                    AttentionConfig(variant="nosa", nosa=geo, backend="reference")),
+        "mixed": write_random_export(root / "mixed", _model_cfg(), AttentionConfig(
+            variant="nosa", layer_pattern=["dense", "infllm_v2"], nosa=geo, backend="reference")),
+        "triton": write_random_export(root / "triton", _model_cfg(head_dim=16, heads=8, layers=1),
+                                      AttentionConfig(variant="nosa", nosa=geo, backend="triton")),
+    }
+
+
+def _load(path, dtype=torch.float64):
+    from checkpoints_convert.random_export import load_random_model
+
+    torch.manual_seed(7)
+    return load_random_model(path, dtype, eviction_scale=0.8)
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def _batch(lens, vocab=97, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    P = max(lens)
+    ids = torch.zeros(len(lens), P, dtype=torch.long)
+    mask = torch.zeros(len(lens), P, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, P - n:] = torch.randint(1, vocab, (n,), generator=g)
+        mask[b, P - n:] = 1
+    return ids, mask
+
+
+def _run(model, cache, ids, mask, new_tokens, chunk=None):
+    """Prefill (optionally in two chunks) then decode ``new_tokens [B, S]``; returns the step logits
+    ``[B, S, V]`` and the per-step selections."""
+    model.record(True)
+    with torch.no_grad():
+        if chunk:
+            out = model(ids[:, :chunk], attention_mask=mask[:, :chunk], cache=cache, use_cache=True)
+            out = model(ids[:, chunk:], attention_mask=mask, cache=_cache_of(out), use_cache=True)
+        else:
+            out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        cache = _cache_of(out)
+        logits, sels = [], []
+        for j in range(new_tokens.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(new_tokens[:, j:j + 1], attention_mask=mask, cache=cache, use_cache=True)
+            cache = _cache_of(out)
+            logits.append(out.logits[:, -1])
+            sels.append({i: [s.clone() for s in per_seq] for i, per_seq in model.selections().items()})
+    model.record(False)
+    return torch.stack(logits, 1), sels, cache
+
+
+@pytest.mark.parametrize("G,seed", [(1, 0), (4, 1), (8, 2)])
+def test_batched_decode_selection_equals_select_rows(export_dirs, G, seed):
+    """``select_decode_batched`` on capacity-sized state = ``select_rows`` on each sequence's prefix."""
+    mod = _shipped(_load(export_dirs["nosa"]), "nosa_block_cache")
+    g = torch.Generator().manual_seed(seed)
+    cfg = tiny_geometry()
+    B, Hkv, D, cap = 3, 2, 8, 256
+    lens = [int(x) for x in torch.randint(1, cap, (B,), generator=g)]
+    lens[0] = 7  # no full window yet
+    k = torch.randn(B, cap, Hkv, D, generator=g, dtype=torch.float64)
+    q = torch.randn(B, 1, Hkv * G, D, generator=g, dtype=torch.float64)
+    score = torch.randn(B, cap, Hkv, generator=g, dtype=torch.float64)
+    NW, NB = cfg.num_windows(cap), cap // cfg.block_size
+    kc = torch.zeros(B, Hkv, NW, D, dtype=torch.float64)
+    wsc = torch.zeros(B, Hkv, NW, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        nw = cfg.num_windows(n)
+        if not nw:
+            continue
+        kc[b, :, :nw] = compressed_keys(k[b:b + 1, :n], cfg)[0, :nw].transpose(0, 1)
+        wsc[b, :, :nw] = window_scores(score[b:b + 1, :n], cfg)[0]
+    pos = torch.tensor(lens) - 1
+    index = block_window_index(cfg, NB, NW)
+    for with_score in (True, False):
+        blocks, ok = mod.select_decode_batched(q[:, 0].view(B, Hkv, G, D), kc, wsc if with_score else None, pos,
+                                               cfg, index, D ** -0.5)
+        for b, n in enumerate(lens):
+            want = select_rows(q[b:b + 1], k[b:b + 1, :n], score[b:b + 1, :n] if with_score else None,
+                               torch.tensor([n - 1]), cfg)[0, :, 0]  # [Hkv, nb]
+            got = torch.zeros(Hkv, NB + 1, dtype=torch.bool)
+            got.scatter_(-1, torch.where(ok[b], blocks[b], NB), True)
+            assert torch.equal(got[:, :want.shape[-1]], want) and not got[:, want.shape[-1]:NB].any(), \
+                f"G={G} seq {b} (len {n}) score={with_score}"
+
+
+def _shipped(model, name: str):
+    """A module shipped with the export of ``model`` (the remote-code package transformers imported)."""
+    return importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + "." + name)
+
+
+@pytest.mark.parametrize("kind", ["nosa", "mixed"])
+def test_block_cache_decode_equals_reference_decode(export_dirs, kind):
+    """3 sequences of different lengths (left padded), prefilled whole or in two chunks, decode 24 tokens
+    (past the 6-block budget): logits and selections equal the DynamicCache reference path."""
+    model = _load(export_dirs[kind])
+    ids, mask = _batch([130, 77, 41])
+    new = torch.randint(1, 97, (3, 24), generator=torch.Generator().manual_seed(5))
+    ref_logits, ref_sels, _ = _run(model, model.new_cache(dynamic=True), ids, mask, new)
+    for chunk in (None, 100):
+        logits, sels, cache = _run(model, model.new_cache(), ids, mask, new, chunk=chunk)
+        assert type(cache).__name__ == "NOSABlockCache"
+        # the eviction head scores in fp32 (reference): a GEMM over [B, 1] vs [B, L] rows may round differently
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
+        for j, (got, want) in enumerate(zip(sels, ref_sels)):
+            for layer in want:
+                for b in range(3):
+                    assert torch.equal(got[layer][b], want[layer][b]), f"step {j} layer {layer} seq {b}"
+    assert cache.lens.tolist() == [154, 101, 65] and cache.get_seq_length() == 154
+
+
+def test_offloaded_cache_equals_full_cache(export_dirs):
+    """Offloaded (host store + GPU slots) vs GPU-resident block cache: identical logits and selections;
+    the first step fetches whole selections, later steps only the blocks a selection adds. Both transfer
+    paths: host copies, and the Triton kernels on the host store (interpreter on CPU)."""
+    model = _load(export_dirs["nosa"])
+    ids, mask = _batch([170, 130])
+    new = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(6))
+    full_logits, full_sels, _ = _run(model, model.new_cache(), ids, mask, new)
+    topk = tiny_geometry().topk
+    fetched = {}
+    for gpu_blocks, fetch in ((None, "copy"), (9, "copy"), (None, "uva")):
+        if fetch == "uva":
+            pytest.importorskip("triton")
+        cache = model.new_cache(offload=True, gpu_blocks=gpu_blocks, fetch=fetch)
+        logits, sels, cache = _run(model, cache, ids, mask, new)
+        assert cache.fetch == fetch
+        assert torch.equal(logits, full_logits)
+        assert all(torch.equal(a[i][b], c[i][b]) for a, c in zip(sels, full_sels) for i in a for b in range(2))
+        fetched[(gpu_blocks, fetch)] = cache.fetched_blocks()
+        if fetch == "copy":
+            st = cache.stats
+            steps = st.per_step_h2d
+            block_bytes = 2 * 16 * 8 * 8  # K and V of one 16-token block, D = 8, fp64
+            assert steps[0] == 2 * 2 * 2 * topk * block_bytes  # layers x seqs x heads x whole selection
+            assert all(s < steps[0] for s in steps[1:]) and sum(steps[1:]) > 0
+            assert st.h2d_bytes == sum(steps) == st.fetched_blocks * block_bytes and st.decode_steps == 40
+    assert fetched[(None, "uva")] == fetched[(None, "copy")] >= fetched[(9, "copy")]
+
+
+def test_generate_batch_equals_single_prompts_and_beam_search(export_dirs):
+    model = _load(export_dirs["nosa"], torch.float32)
+    ids, mask = _batch([90, 33])
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        both = model.generate(ids, attention_mask=mask, **kw)
+        for b, n in enumerate([90, 33]):
+            one = model.generate(ids[b:b + 1, -n:], **kw)
+            assert torch.equal(both[b, -12:], one[0, -12:])
+        beam_fast = model.generate(ids, attention_mask=mask, num_beams=3, **kw)
+        beam_ref = model.generate(ids, attention_mask=mask, num_beams=3, cache=model.new_cache(dynamic=True), **kw)
+    assert torch.equal(beam_fast, beam_ref)
+
+
+def test_triton_packed_prefill_equals_reference(export_dirs):
+    """Prefill of 2 left-padded prompts through the Triton kernels (one packed call; interpreter on CPU)."""
+    pytest.importorskip("triton")
+    model = _load(export_dirs["triton"], torch.float32)
+    ids, mask = _batch([100, 61])
+    model.record(True)
+    for layer in model.model.layers:
+        layer.self_attn.backend = "triton"
+    with torch.no_grad():
+        fast = model(ids, attention_mask=mask, use_cache=True)
+        sel_fast = [s.clone() for s in model.selections()[0]]
+        for layer in model.model.layers:
+            layer.self_attn.backend = "reference"
+        ref = model(ids, attention_mask=mask, use_cache=True)
+        sel_ref = model.selections()[0]
+    valid = mask.bool()
+    torch.testing.assert_close(fast.logits[valid], ref.logits[valid], rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(sel_fast, sel_ref))
+
+
+def test_decode_config_default_is_block_cache_for_plain_forward(export_dirs):
+    """``use_cache=True`` without a cache makes a block cache; ``set_cache_options`` chooses offload."""
+    model = _load(export_dirs["nosa"], torch.float32)
+    ids, _ = _batch([20])
+    with torch.no_grad():
+        assert type(_cache_of(model(ids, use_cache=True))).__name__ == "NOSABlockCache"
+        model.set_cache_options(offload=True)
+        assert _cache_of(model(ids, use_cache=True)).offload
+
+
+@pytest.mark.gpu
+def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
+    """On a GPU: the CUDA-graph decode step and the offloaded cache (host copies; kernels on pinned host
+    memory inside the graph) give the eager GPU-resident logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _load(export_dirs["nosa"], torch.float32).cuda()
+    ids, mask = _batch([130, 77, 41])
+    new = torch.randint(1, 97, (3, 20), generator=torch.Generator().manual_seed(5))
+    ids, mask, new = ids.cuda(), mask.cuda(), new.cuda()
+    runs = {}
+    for name, opts, cache_kw in (("eager", {"cuda_graphs": False}, {}), ("graph", {}, {}),
+                                 ("offload", {"cuda_graphs": False}, {"offload": True, "fetch": "copy"}),
+                                 ("offload_uva_graph", {}, {"offload": True, "fetch": "uva"})):
+        model.set_cache_options(**opts)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, cache=model.new_cache(**cache_kw), use_cache=True)
+            cache, m, logits = _cache_of(out), mask, []
+            for j in range(new.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out = model(new[:, j:j + 1], attention_mask=m, cache=cache, use_cache=True)
+                cache = _cache_of(out)
+                logits.append(out.logits[:, -1])
+        runs[name] = torch.stack(logits, 1)
+    torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(runs["offload"], runs["eager"])
+    torch.testing.assert_close(runs["offload_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_with_cache_keeps_gradients(export_dirs):
+    """A training-style forward (``use_cache`` on by config) gives the eviction head its gradient."""
+    model = _load(export_dirs["nosa"], torch.float32)
+    ids, mask = _batch([120, 90])
+    grads = []
+    for use_cache in (True, False):
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=ids, use_cache=use_cache).loss.backward()
+        grads.append(model.model.layers[0].self_attn.A.grad.clone())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1])
