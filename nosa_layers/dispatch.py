@@ -26,14 +26,17 @@ except ImportError:
 BACKENDS = ("reference", "triton", "auto")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``auto`` to a concrete backend for tensors on ``device``."""
+def resolve_backend(backend: str, device: torch.device, head_dim: int | None = None,
+                    block_size: int | None = None) -> str:
+    """Map ``auto`` to a concrete backend for tensors on ``device`` (the reference for a head dim /
+    block size the kernels do not cover, when given)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown NOSA backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
         backend = os.environ.get("NOSA_ATTN_BACKEND", "auto")
         if backend == "auto":
-            return "triton" if device.type == "cuda" and ops is not None else "reference"
+            fits = ops is not None and (head_dim is None or ops.supports_attention(head_dim, block_size or 64))
+            return "triton" if device.type == "cuda" and fits else "reference"
         if backend not in ("reference", "triton"):
             raise ValueError(f"NOSA_ATTN_BACKEND={backend!r}; use reference or triton")
     if backend == "triton" and ops is None:
@@ -78,7 +81,7 @@ def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOS
     for ``nosa_attention(..., selected=<this>)``. Shapes as in ``nosa_attention``; ``q`` may hold
     more query heads than the attention call (a whole KV group gathered over tensor parallelism):
     ``attn_heads`` is then the attention's query-head count (it shapes the kernels' query tiles)."""
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device, q.shape[-1], cfg.block_size)
     score = None if evict_score is None else evict_score.detach()
     given = selected is not None  # a caller's selection may exceed the topk budget per row
     if selected is None:
@@ -122,7 +125,7 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
     bias = evict_score if isinstance(attn_bias, str) and attn_bias == BIAS_FROM_SCORE else attn_bias
     if bias is not None and bias.shape != k.shape[:3]:
         raise ValueError(f"attn_bias must be [B, T, Hkv] = {tuple(k.shape[:3])}, got {tuple(bias.shape)}")
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device, q.shape[-1], cfg.block_size)
     if not isinstance(selected, PreparedSelection):
         if selected is not None and selected.shape[:3] != (q.shape[0], k.shape[2], q.shape[1]):
             raise ValueError(f"selected must be [B, Hkv, T, nb] with B, Hkv, T = "

@@ -201,7 +201,7 @@ class NOSAAttention(nn.Module):
         self.last_selection = []
         fresh = all(n0 == 0 for n0 in cache.start)
         if fresh and self.cfg is not None and len(per_seq) > 1 and \
-                resolve_backend(self.backend, q_r.device) == "triton":
+                resolve_backend(self.backend, q_r.device, q_r.shape[-1], self.cfg.block_size) == "triton":
             return self._attend_packed(q_r, per_seq, out)
         for b, (rows, kb, vb, sb, bb) in enumerate(per_seq):
             if rows.numel() == 0:
@@ -272,7 +272,7 @@ class NOSAAttention(nn.Module):
             if self.record_selection:
                 self.last_selection.append(step.selected[0][:, None].cpu())
             return step.out
-        if m == n and resolve_backend(self.backend, q.device) == "triton":  # GPU prefill: the kernels
+        if m == n and resolve_backend(self.backend, q.device, q.shape[-1], cfg.block_size) == "triton":  # GPU prefill
             if self.record_selection:
                 from .nosa_selection import select_blocks_reference
 

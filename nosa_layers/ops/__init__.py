@@ -7,8 +7,8 @@ PyTorch reference in ``nosa_layers`` (``selection.py``, ``reference.py``) it is 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from .block_selection import SEL_CONFIG, select_blocks_triton, supports_selection
-from .attention_op import CONFIG, sparse_attention
+from .attention_op import CONFIG, sparse_attention, supports_attention
 from .sparse_index import SparseIndex, build_sparse_index
 
-__all__ = ["select_blocks_triton", "supports_selection", "sparse_attention", "build_sparse_index", "SparseIndex",
-           "CONFIG", "SEL_CONFIG"]
+__all__ = ["select_blocks_triton", "supports_selection", "sparse_attention", "supports_attention",
+           "build_sparse_index", "SparseIndex", "CONFIG", "SEL_CONFIG"]

@@ -23,3 +23,21 @@ def check_device(*tensors: Tensor | None) -> None:
         if t is not None and not t.is_cuda:
             raise RuntimeError("nosa_layers.ops: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); "
                                "use backend='reference' on CPU")
+
+
+# Runtime arguments whose value follows the data (document lengths of a packed batch: the selection
+# width, list capacities, tile and list counts, and strides over the width). Triton would compile a
+# variant per specialisation class of each (1 / multiple of 16 / other), i.e. recompile in the
+# middle of training when a batch brings a new class, so the kernels take them unspecialised
+# (``@triton.jit(do_not_specialize=UNSPECIALIZED[name])``; checked by tests/ops/test_compile_variants).
+UNSPECIALIZED = {
+    "_select_kernel": ("s_ab", "s_ah", "s_at", "s_ob", "s_oh", "s_ot", "NBW"),
+    "_sel_block_kernel": ("s_ob", "s_oh", "s_ot"),
+    "_pack_lists_kernel": ("s_sb", "s_sh", "s_st", "cap", "NBW"),
+    "_inv_count_kernel": ("NBW",),
+    "_scan_kernel": ("n_lists", "chunk", "max_slots"),
+    "_inv_fill_kernel": ("NBW",),
+    "_fwd_kernel": ("n_tiles", "cap"),
+    "_bwd_dq_kernel": ("n_tiles", "cap"),
+    "_bwd_dkdv_kernel": ("n_lists", "chunk"),
+}

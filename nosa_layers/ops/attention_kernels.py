@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import UNSPECIALIZED
+
 
 @triton.jit
 def _query_program(Blocks, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
@@ -80,7 +82,7 @@ def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, 
     return s, k, v
 
 
-@triton.jit(do_not_specialize=["n_tiles", "cap"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
 def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
@@ -117,7 +119,7 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
     tl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=rvalid)
 
 
-@triton.jit(do_not_specialize=["n_tiles", "cap"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_kernel"])
 def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                    s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
@@ -149,7 +151,7 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
              mask=rvalid[:, None])
 
 
-@triton.jit(do_not_specialize=["n_lists", "chunk"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])
 def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
                      PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,

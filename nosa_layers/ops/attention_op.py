@@ -68,6 +68,11 @@ def heads_per_program(G: int, qt: int, rows: int) -> int:
     return hp
 
 
+def supports_attention(head_dim: int, block: int) -> bool:
+    """Whether the attention kernels cover this head dim and block size."""
+    return head_dim in (16, 32, 64, 128, 256) and block in (16, 32, 64)
+
+
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, block: int) -> None:
     D = q.shape[-1]
     if D not in (16, 32, 64, 128, 256):

@@ -33,7 +33,7 @@ from torch import Tensor
 from nosa_layers.config import NOSAConfig
 from nosa_layers.selection import check_inputs
 
-from ._common import LOG2E, check_device
+from ._common import LOG2E, UNSPECIALIZED, check_device
 from .layout import BlockLayout, block_layout
 from .topk import select_from_block_scores
 
@@ -105,7 +105,7 @@ def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh
     tl.store(LSE + b * s_lb + head * s_lh + t, lse, mask=tvalid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED["_sel_block_kernel"])
 def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale,
                       HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr,
                       BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
 
-from ._common import check_device
+from ._common import UNSPECIALIZED, check_device
 from .layout import BlockLayout, block_layout
 
 
@@ -63,7 +63,7 @@ class SparseIndex:
         return self.layout.n_blocks * self.hkv
 
 
-@triton.jit(do_not_specialize=["cap", "NBW"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
 def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap, NBW,
                        HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
                        BS: tl.constexpr, NBC: tl.constexpr):
@@ -111,7 +111,7 @@ def _inverse_scan(Blocks, c, S: tl.constexpr, BS: tl.constexpr):
     return c * S, (c - j + nb_doc) * S, j
 
 
-@triton.jit(do_not_specialize=["NBW"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_inv_count_kernel"])
 def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.constexpr,
                       BS: tl.constexpr, CB: tl.constexpr):
     c = tl.program_id(0)
@@ -125,7 +125,7 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.con
     tl.store(InvCount + c * HKV + h, cnt)
 
 
-@triton.jit(do_not_specialize=["n_lists", "chunk", "max_slots"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_scan_kernel"])
 def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, CH: tl.constexpr):
     """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
     the split lists (lists are split in order while the slot budget lasts)."""
@@ -151,7 +151,7 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
     tl.store(PiecePtr + n_lists, carry_p)
 
 
-@triton.jit(do_not_specialize=["NBW"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_inv_fill_kernel"])
 def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord, NBW,
                      HKV: tl.constexpr, S: tl.constexpr, QT: tl.constexpr,
                      BS: tl.constexpr, CB: tl.constexpr):

@@ -32,6 +32,7 @@ from torch import Tensor
 from nosa_layers.config import NOSAConfig
 from nosa_layers.selection import block_window_index, pool_to_blocks, topk_mask
 
+from ._common import UNSPECIALIZED
 from .layout import BlockLayout
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
@@ -66,7 +67,7 @@ def _topk_rows(key, valid, k):
     return gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=1) <= need[:, None]))
 
 
-@triton.jit(do_not_specialize=["NBW"])
+@triton.jit(do_not_specialize=UNSPECIALIZED["_select_kernel"])
 def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
                    BR: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr,
                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
