@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -300,10 +301,27 @@ class Trainer:
         good = ckpt.newest_intact_checkpoint(str(self.run_dir))
         return f"newest intact checkpoint: {good}" if good else "no checkpoint of this run was written"
 
-    @torch.no_grad()
+    @contextmanager
+    def _params_synced(self):
+        """With ``parallel.overlap_param_gather`` the distributed optimizer's updated parameters are
+        all-gathered lazily, by forward pre-hooks of the next training step; evaluation and
+        checkpointing first force that gather (megatron's rule) and restore the hooks after."""
+        hooked = [m for m in self.model if getattr(m, "use_forward_hook", False)]
+        for m in hooked:
+            m.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            for m in hooked:
+                m.enable_forward_pre_hook()
+
     def evaluate(self) -> float | None:
         if self.valid_loader is None or self.cfg.train.eval_iters == 0:
             return None
+        with self._params_synced(), torch.no_grad():
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         for m in self.model:
             m.eval()
         self.valid_loader.reset()
@@ -319,6 +337,10 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        with self._params_synced():
+            self._save()
+
+    def _save(self) -> None:
         if weights_nonfinite(self.model, self.env.device):
             raise NonFiniteError(f"the weights hold NaN/inf at step {self.step}: not saving a checkpoint "
                                  f"({self._newest_intact()})")

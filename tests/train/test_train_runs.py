@@ -132,3 +132,26 @@ def test_interleaved_pipeline_full_recompute_and_wandb_offline(tmp_path, data_ar
     assert summary["steps"] == [2, 2] and (run / "profile" / "trace.json").stat().st_size > 0
     assert {"attention_forward", "attention_backward", "nosa_selection", "nosa_index", "everything_else"} <= \
         summary["gpu_ms_per_step"].keys()
+
+
+def test_overlap_param_gather_syncs_before_eval_and_save(tmp_path, data_args):
+    """DP=2 with the distributed optimizer: gathering the updated parameters lazily in the next
+    step's forward (``overlap_param_gather``) trains and saves exactly as the eager gather does:
+    the checkpoints hold the weights of their step (what exports and the next stage read), because
+    checkpointing (and evaluation) force the gather first."""
+    import torch
+
+    from checkpoints_convert.common import load_megatron_tensors
+
+    # no validation: its forward would run the gather hooks before each save and hide a stale save
+    common = [*PRETRAIN, *data_args, "train.max_steps=4", "checkpoint.interval=2", "train.global_batch_size=4",
+              "parallel.overlap_grad_reduce=true", "train.eval_iters=0"]
+    eager, lazy = tmp_path / "eager", tmp_path / "lazy"
+    run_main([*common, f"run.dir={eager}"], nproc=2)
+    run_main([*common, f"run.dir={lazy}", "parallel.overlap_param_gather=true"], nproc=2)
+    assert losses(eager) == losses(lazy) and len(losses(eager)) == 4
+    for it in ("iter_0000002", "iter_0000004"):
+        a, b = (load_megatron_tensors(d / "checkpoints" / it) for d in (eager, lazy))
+        assert a.keys() == b.keys() and a
+        stale = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not stale, f"{it}: weights differ from the eager-gather run: {stale[:3]}"
