@@ -5,8 +5,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# Two workers (pytest-xdist), one test folder each at a time (see tests/conftest.py); the 15
+# slowest tests are listed at the end. NOSA_TEST_WORKERS=0 runs everything in one process.
 timeout "${NOSA_TEST_TIMEOUT:-1800}" .venv/bin/python -m pytest tests -m "not gpu and not multi_gpu" \
-  --timeout=900 -q "$@"
+  -n "${NOSA_TEST_WORKERS:-2}" --dist loadgroup --durations=15 --timeout=900 -q "$@"
 rc=$?
 if [ $rc -eq 5 ]; then
   echo "test.sh: pytest collected no tests (exit 5); treating as success"

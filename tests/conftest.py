@@ -7,6 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -23,3 +25,16 @@ def _deterministic_torch():
     torch.manual_seed(1234)
     yield
     torch.set_default_dtype(dtype)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Work groups for pytest-xdist's ``--dist loadgroup`` (``scripts/test.sh`` runs two workers):
+    one folder per worker, so each folder's session fixtures (tiny checkpoints, reference runs) are
+    built once; ``tests/train`` (the longest folder) is split by file to balance the workers."""
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
+        group = "/".join(parts[:2]) if parts[0] == "train" else parts[0]
+        item.add_marker(pytest.mark.xdist_group(group))

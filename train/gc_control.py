@@ -22,6 +22,7 @@ class GarbageCollection:
             raise ValueError(f"gc interval must be >= 0, got {interval}")
         self.interval = interval
         self._was_enabled = gc.isenabled()
+        self._frozen_before = gc.get_freeze_count()
 
     def __enter__(self) -> Self:
         if self.interval:
@@ -37,6 +38,7 @@ class GarbageCollection:
 
     def __exit__(self, *exc) -> None:
         if self.interval:
-            gc.unfreeze()
+            if not self._frozen_before:  # unfreeze only what this object froze (freezing is global)
+                gc.unfreeze()
             if self._was_enabled:
                 gc.enable()

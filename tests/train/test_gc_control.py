@@ -11,21 +11,24 @@ def test_manual_mode_disables_automatic_gc_and_collects_every_n_steps(monkeypatc
     calls = []
     real_collect = gc.collect
     assert gc.isenabled()
+    frozen = gc.get_freeze_count()  # the test runner itself may have frozen objects
     with GarbageCollection(3) as col:
         monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
-        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        assert not gc.isenabled() and gc.get_freeze_count() > frozen
         for step in range(1, 8):
             col.after_step(step)
         monkeypatch.setattr(gc, "collect", real_collect)
     assert len(calls) == 2  # steps 3 and 6
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0 if frozen == 0 else gc.get_freeze_count() >= frozen
 
 
 def test_interval_zero_leaves_python_gc_alone(monkeypatch):
     calls = []
+    frozen = gc.get_freeze_count()
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
     with GarbageCollection(0) as col:
-        assert gc.isenabled() and gc.get_freeze_count() == 0
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
         for step in range(1, 5):
             col.after_step(step)
     assert calls == [] and gc.isenabled()
