@@ -125,7 +125,14 @@ def make_tokens(args, vocab: int) -> torch.Tensor:
     if args.prompts:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.hf)
+        from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
+
+        if args.tokenizer:
+            tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        else:  # the export's tokenizer: transformers reads its config too (remote code for sparse exports)
+            ref = is_reference_config(json.loads((Path(args.hf) / "config.json").read_text()))
+            trust = not ref and trust_remote_code(Path(args.hf), args.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=trust)
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         rows = [torch.tensor(tok(ln)["input_ids"]) for ln in lines]
         n = min(len(r) for r in rows)

@@ -34,7 +34,7 @@ if $py -c "import checkpoints_convert.to_hf" 2>/dev/null; then
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 path = sys.argv[1]
-tok = AutoTokenizer.from_pretrained(path)
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # reads the config: nosa_llama
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
 prompt = "<|im_start|>user\nWhat is the signature of os.path.join?<|im_end|>\n<|im_start|>assistant\n"
 ids = tok(prompt, return_tensors="pt").input_ids
