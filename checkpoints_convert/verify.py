@@ -93,14 +93,19 @@ def trust_remote_code(hf_dir: Path, allowed: bool = False) -> bool:
     return True
 
 
+def is_reference_export(hf_dir: Path) -> bool:
+    """A released-NOSA-layout folder (its own modeling code needs CUDA kernels; we run ours)."""
+    from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
+
+    return is_reference_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+
+
 def load_hf_model(hf_dir: Path, allow_remote_code: bool = False):
     """The export in fp32, eval mode. A reference-format directory (released NOSA layout, whose own
     modeling code needs CUDA kernels) runs with the modeling code this project ships."""
     from transformers import AutoModelForCausalLM
 
-    from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
-
-    if is_reference_config(json.loads((Path(hf_dir) / "config.json").read_text())):
+    if is_reference_export(hf_dir):
         return shipped_model_class().from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=trust_remote_code(hf_dir, allow_remote_code),
                                                  dtype=torch.float32)
@@ -125,12 +130,10 @@ def make_tokens(args, vocab: int) -> torch.Tensor:
     if args.prompts:
         from transformers import AutoTokenizer
 
-        from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
-
         if args.tokenizer:
             tok = AutoTokenizer.from_pretrained(args.tokenizer)
         else:  # the export's tokenizer: transformers reads its config too (remote code for sparse exports)
-            ref = is_reference_config(json.loads((Path(args.hf) / "config.json").read_text()))
+            ref = is_reference_export(Path(args.hf))
             trust = not ref and trust_remote_code(Path(args.hf), args.trust_remote_code)
             tok = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=trust)
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "python_function")  # the last with profile.with_stack
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
-              "cudaMemcpy", "cudaStreamWaitEvent")
+# host calls that wait for the GPU (cudaMemcpyAsync to pageable host memory blocks too)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
 
 
 def _events(trace: dict) -> list[dict]:
@@ -83,7 +84,7 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
             entry[2] = g
     sync = defaultdict(float)
     for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and any(e["name"].startswith(c) for c in SYNC_CALLS):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in SYNC_CALLS:
             sync[e["name"]] += e["dur"] / 1e3
     allocs = defaultdict(lambda: [0, 0.0])
     for e in events:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import signal
 
 import torch
-import torch.distributed as dist
+
+from train.metrics import max_over_ranks
 
 
 class StopSignal:
@@ -35,10 +36,7 @@ class StopSignal:
         """The signal name if any rank got one (collective: every rank calls this at the same step)."""
         if not self._previous:
             return None
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag.item()) == 0:
+        if max_over_ranks(0.0 if self.received is None else 1.0, self.device) == 0.0:
             return None
         return self.received or "a signal on another rank"
 

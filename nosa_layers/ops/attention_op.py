@@ -68,16 +68,20 @@ def heads_per_program(G: int, qt: int, rows: int) -> int:
     return hp
 
 
+HEAD_DIMS = (16, 32, 64, 128, 256)
+BLOCK_SIZES = (16, 32, 64)
+
+
 def supports_attention(head_dim: int, block: int) -> bool:
     """Whether the attention kernels cover this head dim and block size."""
-    return head_dim in (16, 32, 64, 128, 256) and block in (16, 32, 64)
+    return head_dim in HEAD_DIMS and block in BLOCK_SIZES
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, block: int) -> None:
     D = q.shape[-1]
-    if D not in (16, 32, 64, 128, 256):
+    if D not in HEAD_DIMS:
         raise ValueError(f"nosa_layers.ops: head dim must be a power of two in 16..256, got {D}")
-    if block not in (16, 32, 64):
+    if block not in BLOCK_SIZES:
         raise ValueError(f"nosa_layers.ops: block_size must be 16, 32 or 64, got {block}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("nosa_layers.ops: q, k, v need a contiguous last dimension")
