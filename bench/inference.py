@@ -9,7 +9,7 @@ score equal). Rows:
   NOSA through the Triton kernels when ``nosa_layers`` is importable on a GPU, else the reference;
 * decode: batch 1 / 4 at 4K / 16K context (one prompt prefilled, its cache repeated to the batch),
   tokens/s over ``--steps`` greedy steps after 2 warm-up steps;
-* offload (16K context): the largest batch whose peak device memory stays under ``--mem-limit-gib``
+* offload (16K context, ``--long-context N`` for another): the largest batch whose peak device memory stays under ``--mem-limit-gib``
   with the whole KV cache on the device vs with the offloaded cache (blocks in pinned host memory,
   the selection's blocks in ``topk`` device slots; host memory bounded by ``--host-mem-limit-gib``),
   found from the measured per-sequence slope (batch 1 and 2) and checked at the predicted batch;
@@ -20,7 +20,7 @@ Every row records its error instead of stopping the table. Writes ``inference.js
 ``inference.md`` into ``--out`` (temp name, then rename).
 
 Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
-       [--steps 32] [--only prefill,decode,offload] [--layers N] [--kv-heads N]
+       [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
 
@@ -90,7 +90,7 @@ class Bench:
         self.shape = model_shape(args)
         self.geo = tiny_geometry() if args.quick else NOSAConfig()
         self.ctx = [256, 512] if args.quick else [4096, 16384]
-        self.long = self.ctx[-1]
+        self.long = args.long_context or self.ctx[-1]
         self.rows: list = []
         self.tmp = Path(tempfile.mkdtemp(prefix="nosa_bench_"))
 
@@ -379,6 +379,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
     p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
     p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
+    p.add_argument("--long-context", type=int, default=None,
+                   help="context of the offload rows (default: 16384; 512 with --quick)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
     args = p.parse_args(argv)
