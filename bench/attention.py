@@ -13,9 +13,6 @@ One process, one GPU, identical inputs. For every shape (T, HQ) with Hkv=2, D=12
   one KV group's heads (``_tiles64``: the same with 64-token tiles of one head, the earlier layout);
   reports the selection time, the index build time and the union inflation.
 * ``--packed``: selection + index + forward + backward per token with 1, 8 and 64 documents per sample.
-* every "ours" row also times the backward with dQ summed by atomics in the dK/dV kernel
-  (``bwd_atomic_ms``; the training default unless megatron's ``deterministic_mode``) and its
-  largest gradient difference from the two-pass backward, relative to the gradient's max.
 
 Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s (fwd = 4 x D x HQ
 x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
@@ -172,19 +169,8 @@ def ours(T, HQ, sel, keys, dense_ms, kind, cfg, inputs, extra=None, qt=None):
     tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
     o2 = sparse_attention(qg, kg, vg, idx, bias=bias)
     tb_nodb = bench(lambda: torch.autograd.grad(o2, (qg, kg, vg), do, retain_graph=True))
-    # the training default (megatron deterministic_mode off): dQ summed with atomics in the dK/dV kernel
-    oa = sparse_attention(qg, kg, vg, idx, bias=bg, deterministic=False)
-    ga = torch.autograd.grad(oa, (qg, kg, vg, bg), do, retain_graph=True)
-    gd = torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True)
-    atomic_rel = {n: round(((a.float() - d.float()).abs().max() / d.float().abs().max()).item(), 6)
-                  for n, a, d in zip(("dq", "dk", "dv", "db"), ga, gd)}
-    tb_atomic = bench(lambda: torch.autograd.grad(oa, (qg, kg, vg, bg), do, retain_graph=True))
-    df, dbw = dense_ms.get((T, HQ), (float("nan"), float("nan")))
-    dens = 4.0 * HQ * keys * D / (2.0 * HQ * T * T * D)
     infl = union_inflation(idx, sel)
-    _row(kind, T, HQ, keys, tf[0], tb[0], dense_ms, bwd_nodb_ms=tb_nodb[0], bwd_atomic_ms=tb_atomic[0],
-         bwd_atomic_x_ideal=tb_atomic[0] / (dens * dbw), atomic_vs_two_pass_rel=atomic_rel,
-         fwd_p20_p80=tf[1:], bwd_p20_p80=tb[1:],
+    _row(kind, T, HQ, keys, tf[0], tb[0], dense_ms, bwd_nodb_ms=tb_nodb[0], fwd_p20_p80=tf[1:], bwd_p20_p80=tb[1:],
          index_ms=t_index, first_call_s=round(ct, 2), qt=idx.qt, inflation=round(infl["inflation"], 3),
          bitmask_fill=round(infl["bitmask_fill"], 3), **(extra or {}))
     return o.detach()
@@ -371,7 +357,7 @@ def packed_documents(T, HQ):
 
         def step():
             prep = prepare_selection(qg, kg, bg, cfg, cu, backend="triton")
-            o = sparse_attention(qg, kg, vg, prep.index, bias=bg, deterministic=False)
+            o = sparse_attention(qg, kg, vg, prep.index, bias=bg)
             torch.autograd.grad(o, (qg, kg, vg, bg), do)
 
         step()
@@ -448,7 +434,7 @@ def table():
             continue
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         notes = []
-        for key in ("qt", "bwd_atomic_ms", "bwd_atomic_x_ideal", "bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s", "max_abs_diff_vs_ours"):
+        for key in ("qt", "bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s", "max_abs_diff_vs_ours"):
             if r.get(key) is not None:
                 notes.append(f"{key}={r[key]:.3g}" if isinstance(r[key], float) else f"{key}={r[key]}")
         lines.append(f"| {r['kind']} | {r['T']} | {r['HQ']} | {r['density']:.3f} | {f(r['fwd_ms'])} | {f(r['bwd_ms'])} | "

@@ -97,7 +97,7 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
                    cu_seqlens: Tensor | None = None, backend: str = "reference",
                    attn_bias: Tensor | None | str = BIAS_FROM_SCORE,
                    softmax_scale: float | None = None,
-                   selected: Tensor | PreparedSelection | None = None, deterministic: bool = True) -> Tensor:
+                   selected: Tensor | PreparedSelection | None = None) -> Tensor:
     """NOSA sparse attention (training / prefill path).
 
     Args:
@@ -115,8 +115,6 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         selected: optional precomputed ``select_blocks`` result ``[B, Hkv, T, nb]`` (e.g. selected
             once for a KV group whose query heads span tensor-parallel ranks), or a
             ``prepare_selection`` result (the selection plus the backend's index); skips selection.
-        deterministic: ``False`` lets the Triton backward sum dq with atomics (faster; the last
-            bits of dq vary between runs). The reference backend is always deterministic.
 
     Returns ``[B, T, Hq, D]`` in q's dtype; differentiable in q, k, v and the bias. The selection
     itself is not differentiable (it runs on detached tensors).
@@ -138,8 +136,7 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         index = selected.index
         if index is None:  # a reference-backend preparation handed to the Triton backend
             index = ops.build_sparse_index(selected.selected, cfg, q.shape[1], cu_seqlens, num_q_heads=q.shape[2])
-        return ops.sparse_attention(q, k, v, index, bias=bias, softmax_scale=softmax_scale,
-                                    deterministic=deterministic)
+        return ops.sparse_attention(q, k, v, index, bias=bias, softmax_scale=softmax_scale)
 
     sel = selected.selected
     outs = []

@@ -137,8 +137,7 @@ class NOSACoreAttention(_CausalCoreAttention):
         if self.record_selection:
             self.last_selection = prepared.selected
         out = nosa_attention(q, k, v, evict_score, self.cfg, cu_seqlens=cu, backend=self.backend, attn_bias=evict_bias,
-                             softmax_scale=self.softmax_scale, selected=prepared,
-                             deterministic=self.config.deterministic_mode)
+                             softmax_scale=self.softmax_scale, selected=prepared)
         return _from_bthd(out, packed)
 
     def prepare(self, query: Tensor, key: Tensor, evict_score: Optional[Tensor],

@@ -152,18 +152,16 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])
-def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, DQA, Blocks, InvPtr, QStart, Word,
+def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
                      PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
-                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, s_ab, s_at, s_ah, qk_scale, sm_scale,
+                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                     D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, FUSE_DQ: tl.constexpr):
+                     D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
     """dK, dV, db: one program per piece of the inverse list of one (KV block, KV head); it walks
     its entries x head packs with K, V, b and fp32 accumulators resident; db is the row sum of dS^T
     (no atomics). A piece of a split list writes fp32 partials ``WDK/WDV [slot, BS, D]``,
-    ``WDB [slot, BS]`` (unscaled) for ``_dkdv_reduce_kernel``; programs past the last piece idle.
-    ``FUSE_DQ``: also adds ``sm_scale * dS @ K`` of every entry to the fp32 ``DQA [B, T, Hq, D]``
-    with atomics (no separate dQ pass; the summation order, hence the last bits, varies by run)."""
+    ``WDB [slot, BS]`` (unscaled) for ``_dkdv_reduce_kernel``; programs past the last piece idle."""
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
@@ -204,8 +202,6 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, D
     lbase = LSE + bk * s_lb + (h * G) * s_lh
     dbase = Delta + bk * s_lb + (h * G) * s_lh
     loff = hh * s_lh + r
-    abase = DQA + bk * s_ab + (h * G) * s_ah
-    aoff = (r * s_at + hh * s_ah)[:, None] + offs_d[None, :]  # [M, D]
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
     db = tl.zeros([BS], tl.float32)
@@ -233,10 +229,6 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, D
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
         if NEED_DB:
             db += tl.sum(dsT, 1)
-        if FUSE_DQ:
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale
-            tl.atomic_add(abase + (qs.to(tl.int64) * s_at + pk * HP * s_ah) + aoff, dq, mask=rvalid[:, None],
-                          sem="relaxed")
     if live:
         if slot < 0:
             _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,

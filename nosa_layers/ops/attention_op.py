@@ -110,10 +110,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     return o, lse
 
 
-def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool,
-                       deterministic: bool = True):
-    """dq, dk, dv, db (db ``None`` unless ``need_db``). ``deterministic=False`` computes dQ inside
-    the dK/dV kernel with fp32 atomics (5 matmuls per entry instead of 7; last bits vary by run)."""
+def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -132,19 +129,15 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         return dq, dk, dv, db
     bias_arg = q if bias is None else bias
     launch = launch_config(q.device)
-    if deterministic:
-        cfg = launch["dq"]
-        hp = heads_per_program(G, idx.qt, cfg["rows"])
-        _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
-            q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
-            idx.n_tiles, idx.cap,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-            *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        dqa = None
-    else:
-        dqa = torch.zeros(B, T, Hq, D, dtype=torch.float32, device=q.device)
+    cfg = launch["dq"]
+    hp = heads_per_program(G, idx.qt, cfg["rows"])
+    _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
+        q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
+        idx.n_tiles, idx.cap,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     dbs = db.stride() if need_db else (0, 0, 0)
@@ -154,39 +147,34 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     wdv = torch.empty_like(wdk)
     wdb = torch.empty(n_ws, BS, dtype=torch.float32, device=q.device)
     _bwd_dkdv_kernel[(idx.max_pieces,)](
-        q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, wdk if dqa is None else dqa,
-        idx.layout.blocks, idx.inv_ptr,
+        q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.layout.blocks, idx.inv_ptr,
         idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, *((0, 0, 0) if dqa is None else dqa.stride()[:3]),
-        scale * LOG2E, scale,
+        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
         HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
-        FUSE_DQ=dqa is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](
         wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],
         *v.stride()[:3], *dbs, scale, HKV=Hkv, BS=BS, D=D, NEED_DB=need_db, num_warps=4)
-    if dqa is not None:
-        dq.copy_(dqa)
     return dq, dk, dv, db
 
 
 class _NosaSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, idx, scale, deterministic):
+    def forward(ctx, q, k, v, bias, idx, scale):
         o, lse = attention_forward(q, k, v, bias, idx, scale)
         ctx.save_for_backward(q, k, v, bias, o, lse)
-        ctx.idx, ctx.scale, ctx.has_bias, ctx.deterministic = idx, scale, bias is not None, deterministic
+        ctx.idx, ctx.scale, ctx.has_bias = idx, scale, bias is not None
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, o, lse = ctx.saved_tensors
         need_db = ctx.has_bias and ctx.needs_input_grad[3]
-        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db,
-                                            ctx.deterministic)
+        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db)
         if db is not None:
             db = db.to(bias.dtype)
-        return dq, dk, dv, db, None, None, None
+        return dq, dk, dv, db, None, None
 
 
 def _prep(x: Tensor) -> Tensor:
@@ -196,16 +184,14 @@ def _prep(x: Tensor) -> Tensor:
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, index: SparseIndex, bias: Tensor | None = None,
-                     softmax_scale: float | None = None, deterministic: bool = True) -> Tensor:
+                     softmax_scale: float | None = None) -> Tensor:
     """Block-sparse attention over the selection that ``index`` (``build_sparse_index``) encodes.
 
     q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, bias ``[B, T, Hkv]`` (additive logit bias per key,
-    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias.
-    ``deterministic=False``: a faster backward whose dq sums with fp32 atomics (last bits vary
-    between runs; out, dk, dv and the bias gradient stay bitwise reproducible)."""
+    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias."""
     check_device(q, k, v, bias)
     _check_shapes(q, k, v, index.block)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if bias is not None and bias.dtype != torch.float32 and bias.dtype != q.dtype:
         bias = bias.float()
-    return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale), bool(deterministic))
+    return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale))

@@ -16,7 +16,7 @@ from nosa_layers.ops import topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program
 from nosa_layers.ops.sparse_index import query_tile
 
-FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA", "DQA"}
+FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
 FLOATS = {"qk_scale", "sm_scale"}
 INT_ARGS = {"T", "H", "K1", "K2", "NBW"}  # upper-case scalars
@@ -43,11 +43,9 @@ def cases(arch: str, G: int):
     qt, _ = query_tile(G, BS, cfg["tile"]["rows"])
     word = "*i64" if qt > 32 else "*i32"
     common = dict(HKV=2, G=G, QT=qt, BS=BS, D=D, HAS_BIAS=True)
-    for name, fn, extra in (("fwd", ak._fwd_kernel, {}), ("dq", ak._bwd_dq_kernel, {}),
-                            ("dkdv", ak._bwd_dkdv_kernel, dict(NEED_DB=True, FUSE_DQ=False)),
-                            ("dkdv_atomic_dq", ak._bwd_dkdv_kernel, dict(NEED_DB=True, FUSE_DQ=True))):
-        c = cfg[name.split("_")[0]]
-        const = dict(common, HP=heads_per_program(G, qt, c["rows"]), **extra)
+    for name, fn in (("fwd", ak._fwd_kernel), ("dq", ak._bwd_dq_kernel), ("dkdv", ak._bwd_dkdv_kernel)):
+        c = cfg[name]
+        const = dict(common, HP=heads_per_program(G, qt, c["rows"]), **({"NEED_DB": True} if name == "dkdv" else {}))
         yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
     yield "dkdv_reduce", ak._dkdv_reduce_kernel, dict(HKV=2, BS=BS, D=D, NEED_DB=True), {}, 4, 3
     yield "delta", ak._bwd_delta_kernel, dict(BM=64, D=D), {}, 4, 3

@@ -13,7 +13,7 @@ import pytest
 from tests.ops.conftest import HAS_TRITON
 
 SHARED_PER_BLOCK = {"sm80": 166912, "sm90": 232448}  # bytes of shared memory one program may use
-KERNELS = {"fwd", "dq", "dkdv", "dkdv_atomic_dq", "dkdv_reduce", "delta", "pack_lists", "inv_count", "scan", "inv_fill", "compress",
+KERNELS = {"fwd", "dq", "dkdv", "dkdv_reduce", "delta", "pack_lists", "inv_count", "scan", "inv_fill", "compress",
            "sel_lse", "sel_block", "topk_nb64", "topk_nb512"}
 
 
