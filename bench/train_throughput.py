@@ -4,7 +4,10 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 
 * ``nosa_1gpu``:  1B-shaped NOSA CPT (recipe nosa_1b_cpt: 28 layers, 16 / 2 heads, 16K tokens,
   LongRoPE, selective recompute, Triton kernels), one GPU;
-* ``dense_1gpu``: the same model with dense attention (PyTorch SDPA, flash / cuDNN, EOD packing);
+* ``dense_1gpu``: the same model with dense attention (PyTorch SDPA, flash / cuDNN, EOD packing:
+  causal attention across the documents of a sample, as Megatron-LM pretraining does by default);
+* ``dense_doc_1gpu``: dense attention on NOSA's document packing (THD: no attention across
+  documents, one SDPA call per document), the like-for-like masking of the NOSA run;
 * ``nosa_tp2``:   the NOSA run at tensor parallel 2 on two GPUs (skipped with fewer GPUs), whose
   loss curve is compared with ``nosa_1gpu`` step by step (same data, same CPU-initialised weights);
 * a ``_nr`` suffix (``nosa_1gpu_nr``, ``dense_1gpu_nr``): the same run without activation recompute.
@@ -50,6 +53,8 @@ def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
         return common, 1
     if name == "dense_1gpu":
         return [*common, "attention=dense", "data.packing=eod", "train.locality_interval=0"], 1
+    if name == "dense_doc_1gpu":
+        return [*common, "attention=dense", "train.locality_interval=0"], 1
     if name == "nosa_tp2":
         return [*common, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], 2
     raise ValueError(f"unknown run {name!r}")
@@ -148,6 +153,9 @@ def main() -> None:
         n, d = by.get(f"nosa_1gpu{suffix}", {}), by.get(f"dense_1gpu{suffix}", {})
         if "tokens_per_s" in n and "tokens_per_s" in d:
             env[f"nosa_over_dense{suffix}"] = n["tokens_per_s"] / d["tokens_per_s"]
+        dd = by.get(f"dense_doc_1gpu{suffix}", {})
+        if "tokens_per_s" in n and "tokens_per_s" in dd:
+            env[f"nosa_over_dense_doc{suffix}"] = n["tokens_per_s"] / dd["tokens_per_s"]
     (Path(a.out) / "train_throughput.json").write_text(json.dumps({"env": env, "results": results}, indent=2))
     print("\n| run | GPUs | tokens/s (total/time) | median-step tokens/s | p90/median | slowest s | MFU | "
           "peak GiB | gamma | losses (first, last) |")
