@@ -4,7 +4,8 @@ Data flow of one layer (``s`` tokens, ``b`` sequences, per-rank head counts)::
 
     NOSAMegatronSelfAttention.get_query_key_value_tensors  q [s,b,Hq/tp,D], k/v [s,b,Hkv_local,D], pre-RoPE
       -> eviction head on ALL heads (gathered over TP)      score/bias [b,s,Hkv_local] (this rank's heads)
-    megatron applies RoPE (LongRoPE attention factor as RoPE ``mscale``)
+      -> packed THD (sync-free path): RoPE here             q/k [T,1,H,D] at per-document positions
+    otherwise megatron applies RoPE (LongRoPE attention factor as RoPE ``mscale`` in both cases)
     NOSACoreAttention(q, k, v, ...)                         -> nosa_attention(...)  [s,b,Hq/tp*D]
 
 The eviction outputs travel from this module to the core attention through
@@ -12,8 +13,15 @@ The eviction outputs travel from this module to the core attention through
 recompute, through checkpointed keyword tensors (``evict_score`` / ``evict_bias``). Under selective
 recompute the selection (and the Triton index) is computed once before the checkpoint and handed
 over as ``prepared``, so the recompute does not select again. The megatron-core internals used
-here (``_checkpointed_attention_forward``, ``_yarn_concentration_factor``) are checked by
-``tests/megatron/test_megatron_hooks.py``.
+here (``_checkpointed_attention_forward``, ``_yarn_concentration_factor``,
+``_apply_rotary_pos_emb_bshd``) are checked by ``tests/megatron/test_megatron_hooks.py``.
+
+Packed RoPE: megatron's THD RoPE syncs with the host (``cu_seqlens.tolist()``/``.item()``) for q
+and k in every layer. :meth:`NOSAMegatronSelfAttention.forward` instead hands megatron
+``rotary_pos_emb=None`` and rotates q/k itself with megatron's ``_apply_rotary_pos_emb_bshd`` and
+per-token angles ``freqs[pos]`` (positions computed on the device once per step, cached on the
+``PackedSeqParams``): the same math per token, so bitwise equal. Conditions (else megatron's
+path): THD, CP=1, unfused RoPE, no padded ``cu_seqlens``, no inference context.
 """
 
 from __future__ import annotations
