@@ -4,7 +4,8 @@ Data flow of one layer (``s`` tokens, ``b`` sequences, per-rank head counts)::
 
     NOSAMegatronSelfAttention.get_query_key_value_tensors  q [s,b,Hq/tp,D], k/v [s,b,Hkv_local,D], pre-RoPE
       -> eviction head on ALL heads (gathered over TP)      score/bias [b,s,Hkv_local] (this rank's heads)
-    megatron applies RoPE (LongRoPE attention factor as RoPE ``mscale``)
+      -> packed THD (sync-free path): RoPE here             q/k [T,1,H,D] at per-document positions
+    otherwise megatron applies RoPE (LongRoPE attention factor as RoPE ``mscale`` in both cases)
     NOSACoreAttention(q, k, v, ...)                         -> nosa_attention(...)  [s,b,Hq/tp*D]
 
 The eviction outputs travel from this module to the core attention through
@@ -12,8 +13,15 @@ The eviction outputs travel from this module to the core attention through
 recompute, through checkpointed keyword tensors (``evict_score`` / ``evict_bias``). Under selective
 recompute the selection (and the Triton index) is computed once before the checkpoint and handed
 over as ``prepared``, so the recompute does not select again. The megatron-core internals used
-here (``_checkpointed_attention_forward``, ``_yarn_concentration_factor``) are checked by
-``tests/megatron/test_megatron_hooks.py``.
+here (``_checkpointed_attention_forward``, ``_yarn_concentration_factor``,
+``_apply_rotary_pos_emb_bshd``) are checked by ``tests/megatron/test_megatron_hooks.py``.
+
+Packed RoPE: megatron's THD RoPE syncs with the host (``cu_seqlens.tolist()``/``.item()``) for q
+and k in every layer. :meth:`NOSAMegatronSelfAttention.forward` instead hands megatron
+``rotary_pos_emb=None`` and rotates q/k itself with megatron's ``_apply_rotary_pos_emb_bshd`` and
+per-token angles ``freqs[pos]`` (positions computed on the device once per step, cached on the
+``PackedSeqParams``): the same math per token, so bitwise equal. Conditions (else megatron's
+path): THD, CP=1, unfused RoPE, no padded ``cu_seqlens``, no inference context.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -30,6 +39,7 @@ from torch import Tensor
 from nosa_layers import EvictionOutput, build_eviction_head
 from nosa_layers.megatron.core_attention import NOSACoreAttention
 from nosa_layers.megatron.heads import gather_heads, replicate_grad, tp_head_layout
+from nosa_layers.rope.packed import document_positions
 
 
 @dataclass
@@ -47,6 +57,23 @@ def eviction_head_builder(name: str, num_q_heads: int, num_kv_heads: int, head_d
     return head.to(dtype)
 
 
+def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """Per-token RoPE angles ``[T, 1, 1, D]`` of a packed row from megatron's ``[max_s, 1, 1, D]``.
+
+    The positions of megatron's THD RoPE (CP=1): per document, except when ``max_s == T``, where
+    megatron takes token t's angles from ``freqs[t]`` (with ``max_s`` = the longest document, as
+    ``get_rotary_seq_len`` gives, that is a single document, so both agree). The positions are
+    computed once per ``cu_seqlens`` and cached on ``packed_seq_params`` (shared by all layers).
+    """
+    if freqs.size(0) == num_tokens:
+        return freqs
+    cache = packed_seq_params.__dict__.setdefault("_nosa_doc_positions", {})
+    hit = cache.get(id(cu_seqlens))
+    if hit is None or hit[0] is not cu_seqlens or hit[1].numel() != num_tokens:
+        hit = cache[id(cu_seqlens)] = (cu_seqlens, document_positions(cu_seqlens, num_tokens))
+    return freqs[hit[1]]
+
+
 class NOSAMegatronSelfAttention(SelfAttention):
     """megatron ``SelfAttention`` + NOSA eviction head + LongRoPE attention factor.
 
@@ -55,7 +82,13 @@ class NOSAMegatronSelfAttention(SelfAttention):
     all TP ranks; inputs (pre-RoPE v, and q/k for heads with ``reads_qk``) all-gathered over TP; the head runs on all
     KV heads identically on every rank; its output's gradient is all-reduced over TP
     (:func:`replicate_grad`) so the replicated parameters receive identical, complete gradients.
+
+    Packed (THD) RoPE: megatron's ``_apply_rotary_pos_emb_thd`` syncs with the host twice per layer
+    (``.tolist()``/``.item()`` on ``cu_seqlens``); when :meth:`_sync_free_rope_applies`, this layer
+    applies the same RoPE itself from device-side per-document positions (bitwise equal).
     """
+
+    sync_free_rope: bool = True  # False: packed RoPE always through megatron's per-document loop
 
     def __init__(self, config, submodules: NOSAMegatronSelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_comm_type: Optional[str] = None,
@@ -71,6 +104,7 @@ class NOSAMegatronSelfAttention(SelfAttention):
             self._yarn_concentration_factor = float(rope_attention_factor)
         self.tp_group_, self.layout = tp_head_layout(
             self.pg_collection, config.num_attention_heads, config.num_query_groups)
+        self._pending_rope = None  # ((q_freqs, k_freqs), packed_seq_params) during a sync-free forward
         self.eviction_head = None
         if getattr(submodules, "eviction_head", None) is not None:
             spec = submodules.eviction_head
@@ -78,15 +112,56 @@ class NOSAMegatronSelfAttention(SelfAttention):
             if not any(True for _ in self.eviction_head.parameters()) and not self.eviction_head.has_score:
                 self.eviction_head = None  # InfLLM-V2 ("none" head): nothing to run
 
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        """megatron's forward; packed RoPE moves into :meth:`get_query_key_value_tensors` when it can."""
+        rope = kwargs.get("rotary_pos_emb")
+        if args or not self._sync_free_rope_applies(rope, kwargs):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        self._pending_rope = (rope if isinstance(rope, tuple) else (rope, rope), kwargs["packed_seq_params"])
+        try:
+            return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
+        finally:
+            self._pending_rope = None
+
+    def _sync_free_rope_applies(self, rope, kwargs: dict) -> bool:
+        """Packed THD training/eval forward whose RoPE megatron would apply per document (CP=1, unfused, unpadded)."""
+        psp, cfg = kwargs.get("packed_seq_params"), self.config
+        if not (self.sync_free_rope and rope is not None and psp is not None and psp.qkv_format == "thd"):
+            return False
+        no_rope = bool(cfg.no_rope_freq) and cfg.no_rope_freq[self.layer_number - 1]
+        unpadded = all(pad is None or pad is cu for pad, cu in ((psp.cu_seqlens_q_padded, psp.cu_seqlens_q),
+                                                                (psp.cu_seqlens_kv_padded, psp.cu_seqlens_kv)))
+        return (kwargs.get("inference_context") is None and kwargs.get("inference_params") is None
+                and not cfg.apply_rope_fusion and not cfg.flash_decode and not no_rope and unpadded
+                and self.pg_collection.cp.size() == 1)
+
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
                                     split_qkv=True):
         out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
                                                   split_qkv=split_qkv)
-        if self.eviction_head is None or not isinstance(out, tuple) or len(out) < 3:
+        if not isinstance(out, tuple) or len(out) < 3:
+            if self._pending_rope is not None:
+                raise RuntimeError("sync-free packed RoPE needs split q/k/v (split_qkv=True)")
             return out
         query, key, value = out[0], out[1], out[2]
-        self.core_attention.pending_eviction = self._eviction(query, key, value)
+        if self.eviction_head is not None:
+            self.core_attention.pending_eviction = self._eviction(query, key, value)
+        if self._pending_rope is not None:
+            out = (*self._packed_rope(query, key), *out[2:])
         return out
+
+    def _packed_rope(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE on packed q ``[T, 1, Hq/tp, D]`` and k ``[T, 1, Hkv_local, D]`` at per-document positions."""
+        (q_freqs, k_freqs), psp = self._pending_rope
+
+        def rope(x: Tensor, freqs: Optional[Tensor], cu: Tensor) -> Tensor:
+            if freqs is None:
+                return x
+            return _apply_rotary_pos_emb_bshd(x, packed_rope_freqs(freqs, psp, cu, x.size(0)),
+                                              rotary_interleaved=self.config.rotary_interleaved,
+                                              mscale=self._yarn_concentration_factor)
+
+        return rope(query, q_freqs, psp.cu_seqlens_q), rope(key, k_freqs, psp.cu_seqlens_kv)
 
     def _eviction(self, query: Tensor, key: Tensor, value: Tensor) -> EvictionOutput:
         """Eviction score/bias of this rank's KV heads, ``[b, s, Hkv_local]`` fp32 (from pre-RoPE q/k/v)."""

@@ -84,3 +84,6 @@ CASES: Dict[str, Case] = {
 PACKED_DOCS = [96, 112, 48]
 MICRO_BATCH = 2
 GLOBAL_BATCH = 4
+
+# Sync-free packed RoPE check: odd lengths, a 1-token document, longest (99) < SEQ and < LongRoPE's 128.
+ROPE_DOCS = [37, 1, 99, 55, 63, 1]

@@ -3,7 +3,8 @@
 ``--role ref`` (1 process): TP=PP=DP=1 reference of every case (initial weights saved, one
 training step: loss, grads, grad norm, updated weights, NOSA selections) plus the single-process
 checks (core attention vs ``nosa_attention``, megatron layer vs the plain reference layer, muP
-forward vs MiniCPM formulas, megatron LongRoPE vs the pure LongRoPE tables).
+forward vs MiniCPM formulas, megatron LongRoPE vs the pure LongRoPE tables, sync-free packed RoPE
+vs megatron's).
 ``--role par`` (2 processes): every case in each of its layouts (tp2, tp2_sp, pp2, dp2), starting
 from the reference weights. Each rank writes what it owns to ``OUT/<case>/<layout>/rank<r>.pt``.
 """
@@ -34,7 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cases import CASES, GLOBAL_BATCH, LAYOUTS, MICRO_BATCH, PACKED_DOCS, SEQ  # noqa: E402
+from _cases import CASES, GLOBAL_BATCH, LAYOUTS, MICRO_BATCH, PACKED_DOCS, ROPE_DOCS, SEQ  # noqa: E402
 
 from nosa_layers.megatron.core_attention import NOSACoreAttention  # noqa: E402
 from nosa_layers.megatron.model import build_model  # noqa: E402
@@ -386,6 +387,54 @@ def check_longrope(out: dict) -> None:
     out["longrope_megatron"] = {"abs": worst}
 
 
+def check_sync_free_rope(out: dict) -> None:
+    """Packed THD logits and gradients with the sync-free RoPE vs megatron's per-document RoPE."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from nosa_layers.megatron.self_attention import NOSAMegatronSelfAttention
+
+    thd = rope_utils._apply_rotary_pos_emb_thd
+    calls = {"thd": 0}
+
+    def counted_thd(*args, **kwargs):
+        calls["thd"] += 1
+        return thd(*args, **kwargs)
+
+    for case_name in ("packed", "longrope"):
+        case = CASES[case_name]
+        setup(LAYOUTS["ref"].parallel)
+        model = build_model(case.model, case.attn, seq_length=SEQ, use_te=False)
+        perturb_eviction(model, case.seed)
+        mscale = model.decoder.layers[0].self_attention._yarn_concentration_factor
+        for docs_name, docs in (("docs", ROPE_DOCS), ("one_doc", [SEQ])):
+            cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
+            tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
+            pos = torch.cat([torch.arange(n) for n in docs])[None]
+            w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(6))
+            res = {}
+            for sync_free in (True, False):
+                NOSAMegatronSelfAttention.sync_free_rope = sync_free
+                model.zero_grad(set_to_none=True)
+                psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                      max_seqlen_q=max(docs), max_seqlen_kv=max(docs))
+                calls["thd"] = 0
+                rope_utils._apply_rotary_pos_emb_thd = counted_thd
+                try:
+                    logits = model(tok, pos, None, packed_seq_params=psp)
+                    (logits.float() * w).sum().backward()
+                finally:
+                    rope_utils._apply_rotary_pos_emb_thd = thd
+                    NOSAMegatronSelfAttention.sync_free_rope = True
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                res[sync_free] = (logits.detach().clone(), grads, calls["thd"])
+            (l_new, g_new, thd_new), (l_ref, g_ref, thd_ref) = res[True], res[False]
+            out[f"sync_free_rope/{case_name}/{docs_name}"] = {
+                "logits_equal": torch.equal(l_new, l_ref), "max_logit_diff": (l_new - l_ref).abs().max().item(),
+                "grads_equal": g_new.keys() == g_ref.keys() and all(torch.equal(g_new[n], g_ref[n]) for n in g_ref),
+                "grads": len(g_ref), "thd_calls_new": thd_new, "thd_calls_megatron": thd_ref,
+                "layers": case.model.num_layers, "mscale": mscale}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["ref", "par"], required=True)
@@ -411,7 +460,8 @@ def main() -> None:
                 print(summary[f"{case_name}/{layout}"], file=sys.stderr, flush=True)
             dist.barrier()
     if args.role == "ref":
-        for check in (check_core_attention, check_layer_vs_reference, check_mup, check_longrope):
+        for check in (check_core_attention, check_layer_vs_reference, check_mup, check_longrope,
+                      check_sync_free_rope):
             try:
                 check(summary)
             except Exception:

@@ -1,6 +1,6 @@
 """The private megatron-core seams ``nosa_layers/megatron/self_attention.py`` relies on.
 
-megatron-core 0.19 has no public seam for three things NOSA needs, so the NOSA layer uses:
+megatron-core 0.19 has no public seam for four things NOSA needs, so the NOSA layer uses:
 
 * ``Attention._checkpointed_attention_forward`` (overridden): under selective recompute it is the
   only place where the eviction score/bias can enter the checkpoint as tensor keyword arguments
@@ -8,7 +8,10 @@ megatron-core 0.19 has no public seam for three things NOSA needs, so the NOSA l
 * ``Attention._yarn_concentration_factor`` (set): the RoPE ``mscale`` that carries LongRoPE's
   attention factor into ``apply_rotary_pos_emb``;
 * the ``pending_eviction`` hand-off: ``get_query_key_value_tensors`` (overridden) computes the
-  eviction outputs, which relies on ``Attention.forward`` calling it before the core attention.
+  eviction outputs, which relies on ``Attention.forward`` calling it before the core attention;
+* ``rope_utils._apply_rotary_pos_emb_bshd`` (called): the sync-free packed RoPE passes
+  ``rotary_pos_emb=None`` to ``Attention.forward`` (which then applies no RoPE) and applies this
+  function itself, the one megatron's THD RoPE applies per document (hence bitwise equal).
 
 A megatron-core upgrade that changes any of them fails here with the hook's name, instead of
 silently training without the eviction bias or the LongRoPE factor.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import types
 
 from tests.megatron.conftest import REPO
 from tests.subproc import run_logged
@@ -29,10 +33,13 @@ QKV = "get_query_key_value_tensors"
 CHECKPOINTED_PARAMS = ["self", "query", "key", "value", "attention_mask", "rotary_pos_emb", "attn_mask_type",
                        "attention_bias", "packed_seq_params", "core_attention_extra_kwargs"]
 QKV_PARAMS = ["self", "hidden_states", "key_value_states", "output_gate", "split_qkv"]
+BSHD = "_apply_rotary_pos_emb_bshd"
+BSHD_PARAMS = ["t", "freqs", "rotary_interleaved", "mscale"]  # the ones the NOSA layer passes
+FORWARD_KWARGS = ["rotary_pos_emb", "packed_seq_params", "inference_context", "inference_params"]
 
 
-def hook_problems(attention_cls: type, self_attention_cls: type) -> list[str]:
-    """One line per hook of ``Attention`` / ``SelfAttention`` that is missing or changed."""
+def hook_problems(attention_cls: type, self_attention_cls: type, rope_utils) -> list[str]:
+    """One line per hook of ``Attention`` / ``SelfAttention`` / ``rope_utils`` that is missing or changed."""
     problems = []
 
     def need(ok: bool, hook: str, what: str) -> None:
@@ -60,14 +67,24 @@ def hook_problems(attention_cls: type, self_attention_cls: type) -> list[str]:
     first = {name: forward.find(f"self.{name}") for name in (QKV, "core_attention", CHECKPOINTED)}
     need(-1 < first[QKV] < min(first["core_attention"], first[CHECKPOINTED]), f"pending_eviction ({QKV})",
          "Attention.forward no longer computes q/k/v before running the core attention")
+
+    bshd, thd = getattr(rope_utils, BSHD, None), getattr(rope_utils, "_apply_rotary_pos_emb_thd", None)
+    need(set(BSHD_PARAMS) <= set(params(bshd)), BSHD, f"parameters {params(bshd)}, expected {BSHD_PARAMS}")
+    need(thd is not None and f"{BSHD}(" in inspect.getsource(thd), BSHD,
+         "megatron's THD RoPE no longer applies it per document")
+    need(set(FORWARD_KWARGS) <= set(params(attention_cls.forward)), BSHD,
+         f"Attention.forward parameters {params(attention_cls.forward)} lack one of {FORWARD_KWARGS}")
+    need("if rotary_pos_emb is not None" in forward, BSHD,
+         "Attention.forward no longer skips RoPE when rotary_pos_emb is None")
     return problems
 
 
 SCRIPT = """
 import json
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.attention import Attention, SelfAttention
 from tests.megatron.test_megatron_hooks import hook_problems
-print("HOOKS", json.dumps(hook_problems(Attention, SelfAttention)))
+print("HOOKS", json.dumps(hook_problems(Attention, SelfAttention, rope_utils)))
 """
 
 
@@ -98,6 +115,7 @@ def test_a_changed_hook_is_named():
         def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
             return hidden_states
 
-    problems = "\n".join(hook_problems(Attention, SelfAttention))
-    for hook in (CHECKPOINTED, YARN, f"pending_eviction ({QKV})"):
+    rope_utils = types.SimpleNamespace(_apply_rotary_pos_emb_bshd=lambda t, freqs, interleaved=False: t)
+    problems = "\n".join(hook_problems(Attention, SelfAttention, rope_utils))
+    for hook in (CHECKPOINTED, YARN, f"pending_eviction ({QKV})", BSHD):
         assert f"megatron-core hook {hook}:" in problems, problems
