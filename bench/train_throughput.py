@@ -18,7 +18,7 @@ of the GPU), peak memory, losses; with ``--profile-step N`` also the GPU time pe
 (attention forward / backward, NOSA selection and index, eviction head, the rest) from
 ``profile.*`` of the trainer. Usage::
 
-    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--layers 28] [--seq 16384]
+    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28] [--seq 16384]
         [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
         [--extra key=value ...]
 """
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
-    common = ["recipe=nosa_1b_cpt", f"data.paths=[{a.data}]", f"data.tokenizer={a.tokenizer}",
+    common = [f"recipe={a.recipe}", f"data.paths=[{a.data}]", f"data.tokenizer={a.tokenizer}",
               f"train.max_steps={a.steps}", "train.global_batch_size=2", "train.micro_batch_size=1",
               f"train.seq_length={a.seq}", "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1",
               "optim.warmup_steps=2", "checkpoint.save=false", "checkpoint.resume=none", "logging.plot=false",
@@ -115,6 +115,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--recipe", default="nosa_1b_cpt", help="e.g. nosa_8b_cpt with --extra parallel=single")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seq", type=int, default=16384, help="tokens per sequence (global batch: 2 sequences)")
     p.add_argument("--profile-step", type=int, default=0, help="profile this step and the next (0: off)")
