@@ -9,8 +9,9 @@ made relative. When the framework itself is installed and the tensors are on a G
 runs its Triton kernels (one packed ``nosa_attention(..., cu_seqlens, backend="triton")`` call per
 layer for the whole batch); otherwise everything is PyTorch. ``nosa_block_cache.py`` (shipped with
 this file) is the KV cache: 64-token blocks, a batched decode step that recomputes the reference
-selection from incrementally kept state, captured as a CUDA graph on GPUs, and an offloaded mode
-(blocks in pinned host memory, the selection's blocks in GPU slots; ``nosa_uva.py`` moves them).
+selection from incrementally kept state (``nosa_decode_select.py``), captured as a CUDA graph on GPUs
+(``nosa_decode_graph.py``), and an offloaded mode (blocks in pinned host memory, the selection's
+blocks in GPU slots; ``nosa_uva.py`` moves them).
 
 Weight names follow the public ``openbmb/NOSA-*`` checkpoints: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``self_attn.A``, ``self_attn.delta.weight`` (Locret ablation: ``self_attn.fc1/fc2``), ``mlp.{gate,up,down}_proj``.
@@ -47,9 +48,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .configuration_nosa import NOSALlamaConfig, nosa_settings
-from .nosa_block_cache import DecodeGraph, LayerSpec, NOSABlockCache
+from .nosa_block_cache import LayerSpec, NOSABlockCache
 from .nosa_config import NOSAConfig
 from .nosa_decode import nosa_decode_step
+from .nosa_decode_graph import DecodeGraph
 from .nosa_dispatch import nosa_attention, resolve_backend
 from .nosa_eviction import build_eviction_head
 from .nosa_reference import block_sparse_attention

@@ -18,34 +18,32 @@ independent of the context length and with no host synchronisation in the GPU-re
 new key/value/score are written at each sequence's own length, a window that the token completes is
 added to ``kc``/``wsc``, the selection of the reference (``nosa_selection.select_rows`` for one row)
 is recomputed from ``kc``/``wsc`` for all sequences at once, and the token attends to the gathered
-selected blocks. The offloaded mode adds one host synchronisation per layer: the blocks the step
-selects that are not resident are copied host -> device (one gathered, non-blocking copy), and the
-new token is copied device -> host.
+selected blocks (that math: ``nosa_decode_select.py``; the step's CUDA graph: ``nosa_decode_graph.py``).
+The offloaded mode adds one host synchronisation per layer: the blocks the step selects that are not
+resident are copied host -> device (one gathered, non-blocking copy), and the new token is copied
+device -> host.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
 from .nosa_config import NOSAConfig
-from .nosa_selection import (
-    block_window_index,
-    compressed_keys,
-    pool_to_blocks,
-    topk_mask,
-    window_scores,
-)
+from .nosa_decode_select import attend, decode_masks, select_decode_batched
+from .nosa_selection import block_window_index, compressed_keys, window_scores
 from .nosa_uva import available as uva_available
 from .nosa_uva import fetch_rows as uva_fetch_rows
 from .nosa_uva import store_tokens as uva_store_tokens
 
-NEG_INF = float("-inf")
-POS_INF = float("inf")
+if TYPE_CHECKING:  # the graph module imports this one
+    from .nosa_decode_graph import DecodeGraph
+
 CAPACITY_MARGIN = 1024  # tokens allocated past the prompt before the cache grows (doubling)
 
 
@@ -605,105 +603,3 @@ class NOSABlockCache(Cache):
                 if t is not None:
                     host += t.numel() * t.element_size()
         return {"device": dev, "host": host}
-
-
-def decode_masks(pos: Tensor, cfg: NOSAConfig, NB: int, NW: int) -> dict:
-    """What the batched selection derives from the positions alone (shared by all layers of a step):
-    ``hidden [B, 1, NW]`` (windows not complete yet), ``forced`` / ``future [B, 1, NB]``, ``qb [B, 1]``."""
-    dev = pos.device
-    n = pos + 1
-    nw = torch.where(n >= cfg.kernel_size, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor") + 1, 0)
-    hidden = (torch.arange(NW, device=dev)[None, :] >= nw[:, None])[:, None]
-    blk = torch.arange(NB, device=dev)[None, :]
-    qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
-    forced = ((blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb)))[:, None]
-    return {"hidden": hidden, "forced": forced, "future": (blk > qb)[:, None], "qb": qb}
-
-
-@torch.no_grad()
-def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor, cfg: NOSAConfig,
-                          index: Tensor, softmax_scale: float, masks: dict | None = None) -> tuple[Tensor, Tensor]:
-    """The reference selection (``select_rows``) of one new token per sequence, batched.
-
-    q ``[B, Hkv, G, D]`` post-RoPE; ``kc [B, Hkv, NW, D]`` compressed keys and ``wsc [B, Hkv, NW]``
-    window score means of capacity ``NW`` windows, of which the first ``num_windows(pos + 1)`` are
-    valid per sequence; ``pos [B]`` the token positions; ``index`` = ``block_window_index(cfg, NB, NW)``.
-    Returns ``(blocks [B, Hkv, K] long, ok [B, Hkv, K] bool)`` with ``K = min(topk, NB)``: the
-    selected block indices (``ok`` False on padding entries of sequences with fewer blocks).
-    """
-    NW, NB = kc.shape[2], index.shape[0]
-    m = masks if masks is not None else decode_masks(pos, cfg, NB, NW)
-    hidden, forced, future, qb = m["hidden"], m["forced"], m["future"], m["qb"]
-    logits = torch.matmul(q.to(kc.dtype), kc.transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW]
-    logits = logits.masked_fill(hidden[:, :, None], NEG_INF)
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)
-    b_qa = pool_to_blocks(s_qa, index)  # [B, Hkv, NB]
-    b_qa = b_qa.masked_fill(forced, POS_INF).masked_fill(future, NEG_INF)
-    K = min(cfg.topk, NB)
-    if wsc is None:
-        ranked = b_qa
-    else:
-        qa = topk_mask(b_qa, min(cfg.query_aware_blocks, NB))
-        b_qg = pool_to_blocks(wsc.masked_fill(hidden, NEG_INF), index)
-        ranked = b_qg.masked_fill(forced | qa, POS_INF).masked_fill(future, NEG_INF)
-    blocks = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :K]
-    return blocks, blocks <= qb[:, :, None]
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, ok: Tensor, scale: float) -> Tensor:
-    """One query row per (sequence, query head): ``q [B, Hkv, G, D]``, ``k, v [B, Hkv, S, D]``,
-    ``bias [B, Hkv, S]`` or None, ``ok [B, Hkv, S]`` bool (key allowed). The softmax runs in at least
-    fp32; returns ``[B, Hkv, G, D]`` in that dtype."""
-    dt = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale
-    if bias is not None:
-        logits = logits + bias[:, :, None, :]
-    logits = logits.masked_fill(~ok[:, :, None, :], NEG_INF)
-    return torch.matmul(torch.softmax(logits, dim=-1), v.to(dt))
-
-
-class DecodeGraph:
-    """A CUDA graph of one batched decode step over a GPU-resident :class:`NOSABlockCache`.
-
-    ``body(emb [B, 1, H], (cos, sin)) -> hidden [B, 1, H]`` runs every layer's decode step. The first
-    step after the cache's buffers were (re)allocated runs eagerly on a side stream (the warm-up), the
-    next one is captured (positions = the cache's lengths, advanced inside the graph by the new tokens'
-    validity) and every later one replays it after copying the step's inputs into static buffers.
-    The cache's ``version`` changes when it reallocates (growth, beam reordering): a new graph is made.
-    """
-
-    def __init__(self, cache: NOSABlockCache) -> None:
-        self.version = cache.version
-        self.batch = cache.batch
-        self.stream = torch.cuda.Stream()
-        self.graph = None
-        self.warm = False
-        self.static: dict = {}
-        self.out: Tensor | None = None
-
-    def step(self, cache: NOSABlockCache, body, emb: Tensor, cos: Tensor, sin: Tensor, valid_new: Tensor) -> Tensor:
-        cur = torch.cuda.current_stream()
-        if not self.warm:
-            self.stream.wait_stream(cur)
-            with torch.cuda.stream(self.stream):
-                cache.set_pos(cache.lens.clone())
-                out = body(emb, (cos, sin))
-                cache.lens += valid_new[:, 0].long()
-            cur.wait_stream(self.stream)
-            self.warm = True
-            return out
-        if self.graph is None:
-            self.static = {"emb": emb.clone(), "cos": cos.clone(), "sin": sin.clone(), "valid": valid_new.clone()}
-            cur.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
-                cache.set_pos(cache.lens.clone())
-                self.out = body(self.static["emb"], (self.static["cos"], self.static["sin"]))
-                cache.lens += self.static["valid"][:, 0].long()
-            self.graph = graph
-        else:
-            for name, t in (("emb", emb), ("cos", cos), ("sin", sin), ("valid", valid_new)):
-                self.static[name].copy_(t)
-        self.graph.replay()
-        return self.out.clone()

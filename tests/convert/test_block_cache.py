@@ -94,7 +94,7 @@ def _run(model, cache, ids, mask, new_tokens, chunk=None):
 @pytest.mark.parametrize("G,seed", [(1, 0), (4, 1), (8, 2)])
 def test_batched_decode_selection_equals_select_rows(export_dirs, G, seed):
     """``select_decode_batched`` on capacity-sized state = ``select_rows`` on each sequence's prefix."""
-    mod = _shipped(_load(export_dirs["nosa"]), "nosa_block_cache")
+    mod = _shipped(_load(export_dirs["nosa"]), "nosa_decode_select")
     g = torch.Generator().manual_seed(seed)
     cfg = tiny_geometry()
     B, Hkv, D, cap = 3, 2, 8, 256
