@@ -82,10 +82,8 @@ class NOSAMegatronSelfAttention(SelfAttention):
     all TP ranks; inputs (pre-RoPE v, and q/k for heads with ``reads_qk``) all-gathered over TP; the head runs on all
     KV heads identically on every rank; its output's gradient is all-reduced over TP
     (:func:`replicate_grad`) so the replicated parameters receive identical, complete gradients.
-
-    Packed (THD) RoPE: megatron's ``_apply_rotary_pos_emb_thd`` syncs with the host twice per layer
-    (``.tolist()``/``.item()`` on ``cu_seqlens``); when :meth:`_sync_free_rope_applies`, this layer
-    applies the same RoPE itself from device-side per-document positions (bitwise equal).
+    Packed (THD) RoPE is applied here without host syncs when :meth:`_sync_free_rope_applies`
+    (module docstring).
     """
 
     sync_free_rope: bool = True  # False: packed RoPE always through megatron's per-document loop
