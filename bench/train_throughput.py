@@ -151,12 +151,11 @@ def main() -> None:
         env["tp2_vs_1gpu_max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(a1[:n], a2[:n]))
         env["tp2_vs_1gpu_steps_compared"] = n
     for suffix in ("", "_nr"):
-        n, d = by.get(f"nosa_1gpu{suffix}", {}), by.get(f"dense_1gpu{suffix}", {})
-        if "tokens_per_s" in n and "tokens_per_s" in d:
-            env[f"nosa_over_dense{suffix}"] = n["tokens_per_s"] / d["tokens_per_s"]
-        dd = by.get(f"dense_doc_1gpu{suffix}", {})
-        if "tokens_per_s" in n and "tokens_per_s" in dd:
-            env[f"nosa_over_dense_doc{suffix}"] = n["tokens_per_s"] / dd["tokens_per_s"]
+        n = by.get(f"nosa_1gpu{suffix}", {})
+        for base, ratio in (("dense_1gpu", "nosa_over_dense"), ("dense_doc_1gpu", "nosa_over_dense_doc")):
+            d = by.get(f"{base}{suffix}", {})
+            if "tokens_per_s" in n and "tokens_per_s" in d:
+                env[f"{ratio}{suffix}"] = n["tokens_per_s"] / d["tokens_per_s"]
     (Path(a.out) / "train_throughput.json").write_text(json.dumps({"env": env, "results": results}, indent=2))
     print("\n| run | GPUs | tokens/s (total/time) | median-step tokens/s | p90/median | slowest s | MFU | "
           "peak GiB | gamma | losses (first, last) |")

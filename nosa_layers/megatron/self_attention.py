@@ -58,20 +58,14 @@ def eviction_head_builder(name: str, num_q_heads: int, num_kv_heads: int, head_d
 
 
 def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
-    """Per-token RoPE angles ``[T, 1, 1, D]`` of a packed row from megatron's ``[max_s, 1, 1, D]``.
-
-    The positions of megatron's THD RoPE (CP=1): per document, except when ``max_s == T``, where
-    megatron takes token t's angles from ``freqs[t]`` (with ``max_s`` = the longest document, as
-    ``get_rotary_seq_len`` gives, that is a single document, so both agree). The positions are
-    computed once per ``cu_seqlens`` and cached on ``packed_seq_params`` (shared by all layers).
-    """
-    if freqs.size(0) == num_tokens:
-        return freqs
+    """Per-token RoPE angles ``[T, 1, 1, D]`` of a packed row from megatron's ``[max_s, 1, 1, D]``:
+    ``freqs[position within the document]``, as megatron's THD RoPE applies them (CP=1). The
+    positions are computed once per ``cu_seqlens`` and cached on ``packed_seq_params`` (all layers
+    of a step share it; the cache keeps ``cu_seqlens`` alive, so its ``id`` stays its own)."""
     cache = packed_seq_params.__dict__.setdefault("_nosa_doc_positions", {})
-    hit = cache.get(id(cu_seqlens))
-    if hit is None or hit[0] is not cu_seqlens or hit[1].numel() != num_tokens:
-        hit = cache[id(cu_seqlens)] = (cu_seqlens, document_positions(cu_seqlens, num_tokens))
-    return freqs[hit[1]]
+    if id(cu_seqlens) not in cache:
+        cache[id(cu_seqlens)] = (cu_seqlens, document_positions(cu_seqlens, num_tokens))
+    return freqs[cache[id(cu_seqlens)][1]]
 
 
 class NOSAMegatronSelfAttention(SelfAttention):

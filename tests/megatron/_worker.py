@@ -134,18 +134,23 @@ def make_batches(case, seed: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
 
 
+def packed_row(docs: list[int]) -> tuple[PackedSeqParams, torch.Tensor]:
+    """THD params of one packed row of ``docs`` (lengths) and its per-document positions ``[1, sum]``."""
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(docs), max_seqlen_kv=max(docs))
+    return psp, torch.cat([torch.arange(n) for n in docs])[None]
+
+
 def forward_step_factory(case, parallel):
     def forward_step(data_iterator, model):
         tok, lab, mask = next(data_iterator)
         b, t = tok.shape
         if case.packed:
             assert sum(PACKED_DOCS) == SEQ
-            cu = torch.tensor([0] + list(torch.tensor(PACKED_DOCS).cumsum(0).tolist()), dtype=torch.int32)
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                  max_seqlen_q=max(PACKED_DOCS), max_seqlen_kv=max(PACKED_DOCS))
+            psp, pos = packed_row(PACKED_DOCS)
             tok, lab, mask = tok.reshape(1, -1), lab.reshape(1, -1), mask.reshape(1, -1)
             assert b == 1, "packed case uses micro-batch 1"
-            pos = torch.cat([torch.arange(n) for n in PACKED_DOCS])[None]
         else:
             psp = None
             pos = torch.arange(t)[None].expand(b, t)
@@ -407,16 +412,13 @@ def check_sync_free_rope(out: dict) -> None:
         perturb_eviction(model, case.seed)
         mscale = model.decoder.layers[0].self_attention._yarn_concentration_factor
         for docs_name, docs in (("docs", ROPE_DOCS), ("one_doc", [SEQ])):
-            cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
             tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
-            pos = torch.cat([torch.arange(n) for n in docs])[None]
             w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(6))
             res = {}
             for sync_free in (True, False):
                 NOSAMegatronSelfAttention.sync_free_rope = sync_free
                 model.zero_grad(set_to_none=True)
-                psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                      max_seqlen_q=max(docs), max_seqlen_kv=max(docs))
+                psp, pos = packed_row(docs)  # a fresh PackedSeqParams: no cached positions
                 calls["thd"] = 0
                 rope_utils._apply_rotary_pos_emb_thd = counted_thd
                 try:
