@@ -19,7 +19,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
-       [--no-flex] [--tiles64]
+       [--no-flex] [--tiles64] [--dkdv-sweep]
 """
 
 from __future__ import annotations
@@ -286,6 +286,47 @@ def sweep(T, HQ, dense_ms):
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
+DKDV_CANDIDATES = [dict(blocks=1, rows=64, num_warps=4, num_stages=2)] + [
+    dict(blocks=2, rows=r, num_warps=w, num_stages=s) for r, w, s in
+    ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (64, 4, 3), (32, 8, 3))]
+
+
+def dkdv_sweep(T, HQ, dense_ms):
+    """dK/dV key groups of 1 or 2 KV blocks under several launch configs: backward time (with db)
+    on the P1 lists and on real NOSA selections (iid and smooth inputs), and the largest gradient
+    difference against the one-block default (same inputs, same dO)."""
+    cfg = NOSAConfig()
+    live = config()
+    _, p1_sel, p1_keys = p1_lists(T, seed=1)
+    cases = [("p1", p1_sel, p1_keys, make_inputs(T, HQ))]
+    for smooth in (0, 1):
+        q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
+        sel = select_blocks_triton(q, k, bias, cfg)
+        cases.append(("smooth" if smooth else "iid", sel, useful_keys(sel, cfg.block_size), (q, k, v, bias)))
+    for name, sel, keys, (q, k, v, bias) in cases:
+        qg, kg, vg, bg = (x.clone().requires_grad_(True) for x in (q, k, v, bias))
+        do = torch.randn_like(q)
+        ref = None
+        old = live["dkdv"]
+        for cand in DKDV_CANDIDATES:
+            live["dkdv"] = dict(old, **cand)
+            try:
+                idx = index_for(sel, cfg, T, HQ)
+                o = sparse_attention(qg, kg, vg, idx, bias=bg)
+                grads = torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True)
+                if ref is None:
+                    ref = grads
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref))
+                tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
+                fl = 4.0 * HQ * keys * D
+                dens = fl / (2.0 * HQ * T * T * D)
+                emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, bwd_ms=tb,
+                     bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]), max_grad_diff_vs_first=diff)
+            except Exception as e:  # noqa: BLE001
+                emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
+        live["dkdv"] = old
+
+
 def sweep_selection(T, HQ):
     """Pick the fastest launch config of each selection scoring kernel (block_scores_triton time)."""
     q, k, _, _ = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
@@ -452,6 +493,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at the first shape")
     ap.add_argument("--packed", action="store_true", help="1 / 8 / 64 documents per sample at every shape")
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
+    ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -467,6 +509,12 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
+    if args.dkdv_sweep:
+        for T, HQ in shapes:
+            dkdv_sweep(T, HQ, dense_ms)
+        with open(os.path.join(args.out, "attention_dkdv_sweep.json"), "w") as fh:
+            json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+        return
     if args.sweep:
         sweep(*shapes[0], dense_ms)
     if args.profile:

@@ -157,13 +157,15 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                      s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                     D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
-    """dK, dV, db: one program per piece of the inverse list of one (KV block, KV head); it walks
-    its entries x head packs with K, V, b and fp32 accumulators resident; db is the row sum of dS^T
-    (no atomics). A piece of a split list writes fp32 partials ``WDK/WDV [slot, BS, D]``,
-    ``WDB [slot, BS]`` (unscaled) for ``_dkdv_reduce_kernel``; programs past the last piece idle."""
+                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
+    """dK, dV, db: one program per piece of the inverse list of one (key group of ``KB`` KV blocks,
+    KV head); it walks its entries x head packs with the group's ``N = KB * BS`` keys, their values,
+    bias and fp32 accumulators resident; db is the row sum of dS^T (no atomics). A piece of a split
+    list writes fp32 partials ``WDK/WDV [slot, N, D]``, ``WDB [slot, N]`` (unscaled) for
+    ``_dkdv_reduce_kernel``; programs past the last piece idle."""
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * QT
+    N: tl.constexpr = KB * BS
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
     pid = tl.program_id(0)
     live = pid < tl.load(PiecePtr + n_lists)
@@ -185,16 +187,16 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     ks = tl.load(Blocks + c * 4 + 1)
     de = tl.load(Blocks + c * 4 + 3)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BS)
+    offs_n = tl.arange(0, N)
     ktok = ks + offs_n
-    kvalid = ktok < de
+    kvalid = ktok < de  # the group's last blocks may lie past its document's end
     kp = ktok.to(tl.int64)
     k = tl.load(K + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     v = tl.load(V + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     if HAS_BIAS:
         bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32) * 1.4426950408889634
     else:
-        bias = tl.zeros([BS], tl.float32)
+        bias = tl.zeros([N], tl.float32)
     qbase = Q + bk * s_qb + (h * G) * s_qh
     qoff = offs_d[:, None] + (r * s_qt + hh * s_qh)[None, :]  # [D, M]
     dobase = DO + bk * s_ob + (h * G) * s_oh
@@ -202,14 +204,23 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     lbase = LSE + bk * s_lb + (h * G) * s_lh
     dbase = Delta + bk * s_lb + (h * G) * s_lh
     loff = hh * s_lh + r
-    dk = tl.zeros([BS, D], tl.float32)
-    dv = tl.zeros([BS, D], tl.float32)
-    db = tl.zeros([BS], tl.float32)
+    dk = tl.zeros([N, D], tl.float32)
+    dv = tl.zeros([N, D], tl.float32)
+    db = tl.zeros([N], tl.float32)
     for it in range(e0 * NP, e1 * NP):
         e = it // NP
         pk = it % NP
         qs = tl.load(QStart + e)
-        word = tl.load(Word + e)
+        word = tl.load(Word + e * KB)  # the word of key n is that of block n // BS of the group
+        full = word == FULL
+        if KB > 1:
+            wkey = tl.where(offs_n < BS, word, 0)
+            for u in tl.static_range(1, KB):
+                wu = tl.load(Word + e * KB + u)
+                full &= wu == FULL
+                wkey = tl.where((offs_n >= u * BS) & (offs_n < (u + 1) * BS), wu, wkey)
+        else:
+            wkey = tl.full([N], 0, word.dtype) + word
         tok = qs + r
         rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
         qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)
@@ -219,9 +230,9 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
         delta = tl.load(dbase + lo_ + loff, mask=rvalid, other=0.0)
         sT = tl.dot(k, qT) * qk_scale + bias[:, None]
         pT = tl.math.exp2(sT - lse[None, :])
-        if (word != FULL) | (qs < ks + BS):
-            bit = ((word >> r.to(word.dtype)) & 1) != 0
-            allowed = bit[None, :] & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
+        if (full == 0) | (qs < ks + N):
+            bit = ((wkey[:, None] >> r[None, :].to(wkey.dtype)) & 1) != 0
+            allowed = bit & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
             pT = tl.where(allowed, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
@@ -234,11 +245,11 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
             _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                         s_db_b, s_db_t, s_db_h, D, NEED_DB)
         else:
-            tile_off = slot.to(tl.int64) * (BS * D) + offs_n[:, None] * D + offs_d[None, :]
+            tile_off = slot.to(tl.int64) * (N * D) + offs_n[:, None] * D + offs_d[None, :]
             tl.store(WDK + tile_off, dk)
             tl.store(WDV + tile_off, dv)
             if NEED_DB:
-                tl.store(WDB + slot.to(tl.int64) * BS + offs_n, db)
+                tl.store(WDB + slot.to(tl.int64) * N + offs_n, db)
 
 
 @triton.jit
@@ -255,9 +266,10 @@ def _store_dkdv(DK, DV, DB, dk, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_v
 
 @triton.jit
 def _dkdv_reduce_kernel(WDK, WDV, WDB, DK, DV, DB, Blocks, PiecePtr, SlotPtr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                        s_db_b, s_db_t, s_db_h, sm_scale, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                        s_db_b, s_db_t, s_db_h, sm_scale, HKV: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
                         NEED_DB: tl.constexpr):
-    """dK, dV, db of a split inverse list: the sum of its pieces' fp32 partials, in slot order."""
+    """dK, dV, db of a split inverse list (``N`` keys of a key group): the sum of its pieces' fp32
+    partials, in slot order."""
     lst = tl.program_id(0)
     s0 = tl.load(SlotPtr + lst)
     if s0 >= 0:
@@ -267,21 +279,21 @@ def _dkdv_reduce_kernel(WDK, WDV, WDB, DK, DV, DB, Blocks, PiecePtr, SlotPtr, s_
         bk = tl.load(Blocks + c * 4 + 0).to(tl.int64)
         ks = tl.load(Blocks + c * 4 + 1)
         de = tl.load(Blocks + c * 4 + 3)
-        offs_n = tl.arange(0, BS)
+        offs_n = tl.arange(0, N)
         offs_d = tl.arange(0, D)
         ktok = ks + offs_n
         tile_off = offs_n[:, None] * D + offs_d[None, :]
-        dk = tl.zeros([BS, D], tl.float32)
-        dv = tl.zeros([BS, D], tl.float32)
-        db = tl.zeros([BS], tl.float32)
-        wdk = WDK + s0.to(tl.int64) * (BS * D) + tile_off
-        wdv = WDV + s0.to(tl.int64) * (BS * D) + tile_off
-        wdb = WDB + s0.to(tl.int64) * BS + offs_n
+        dk = tl.zeros([N, D], tl.float32)
+        dv = tl.zeros([N, D], tl.float32)
+        db = tl.zeros([N], tl.float32)
+        wdk = WDK + s0.to(tl.int64) * (N * D) + tile_off
+        wdv = WDV + s0.to(tl.int64) * (N * D) + tile_off
+        wdb = WDB + s0.to(tl.int64) * N + offs_n
         for i in range(0, n):
-            dk += tl.load(wdk + i * (BS * D))
-            dv += tl.load(wdv + i * (BS * D))
+            dk += tl.load(wdk + i * (N * D))
+            dv += tl.load(wdv + i * (N * D))
             if NEED_DB:
-                db += tl.load(wdb + i * BS)
+                db += tl.load(wdb + i * N)
         _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, ktok.to(tl.int64), ktok < de, s_kb, s_kt, s_kh,
                     s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, D, NEED_DB)
 

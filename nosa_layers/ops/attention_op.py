@@ -13,9 +13,11 @@ from .sparse_index import SparseIndex, largest_divisor
 # Launch parameters per GPU architecture (compute capability major version; the interpreter uses
 # sm90's). ``tile.rows``: rows of a query tile (``qt`` tokens x the heads of a KV group, see
 # ``sparse_index.query_tile``); per kernel: ``rows`` (M of its programs: heads packed per program =
-# rows // qt, at most G), warps, pipeline stages; dK/dV: ``CHUNK`` units of work per list piece (a
-# unit = 64 query rows x one KV block; an entry is qt x G rows) and
-# ``SLOTS`` fp32 partials (64 KiB each at D = 128) for the pieces of split lists. sm80 (A100 /
+# rows // qt, at most G), warps, pipeline stages; dK/dV: ``blocks`` KV blocks per key group (keys
+# resident in one program, see ``sparse_index``), ``CHUNK`` units of work per list piece (a unit =
+# 64 query rows x one KV block; an entry is qt x G rows x ``blocks``) and ``SLOTS`` one-block fp32
+# partials (64 KiB each at D = 128; a group's partial takes ``blocks`` of them) for the pieces of
+# split lists. sm80 (A100 /
 # A800, 164 KB shared memory per SM) keeps every kernel under 100 KB of shared memory; ``test_arch``
 # compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
 CONFIG = {
@@ -23,13 +25,13 @@ CONFIG = {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
     "sm80": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
 }
 
@@ -142,20 +144,21 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     dbs = db.stride() if need_db else (0, 0, 0)
     db_arg = dk if db is None else db
+    N = idx.kb * BS  # keys of a dK/dV key group
     n_ws = max(min(idx.max_slots, idx.max_pieces), 1)
-    wdk = torch.empty(n_ws, BS, D, dtype=torch.float32, device=q.device)
+    wdk = torch.empty(n_ws, N, D, dtype=torch.float32, device=q.device)
     wdv = torch.empty_like(wdk)
-    wdb = torch.empty(n_ws, BS, dtype=torch.float32, device=q.device)
+    wdb = torch.empty(n_ws, N, dtype=torch.float32, device=q.device)
     _bwd_dkdv_kernel[(idx.max_pieces,)](
         q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.layout.blocks, idx.inv_ptr,
         idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
         *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](
         wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],
-        *v.stride()[:3], *dbs, scale, HKV=Hkv, BS=BS, D=D, NEED_DB=need_db, num_warps=4)
+        *v.stride()[:3], *dbs, scale, HKV=Hkv, N=N, D=D, NEED_DB=need_db, num_warps=4)
     return dq, dk, dv, db
 
 

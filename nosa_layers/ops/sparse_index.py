@@ -13,9 +13,14 @@ Forward lists, per (tile, KV head) ``w = tile * Hkv + h``: ``fwd_count[w]`` bloc
 ``fwd_word[w, :]`` (bit ``r`` set <=> row ``r`` of the tile selected the block), padded to ``cap``
 entries (no compaction across lists, hence no host sync for sizes).
 
-Inverse lists, per (KV block, KV head) ``l = block * Hkv + h``: ``inv_ptr[l] .. inv_ptr[l+1]`` index
-``inv_qs`` (first token of each query tile that selected the block, ascending) and ``inv_word``.
-dK/dV work: each list is cut into pieces of at most ``chunk`` entries (``piece_ptr``,
+Inverse lists, per key group and KV head. A key group is ``kb`` (1 or 2) adjacent KV blocks of one
+document, from a block whose index in its document is a multiple of ``kb`` (the last group of a
+document may hold fewer real blocks): one dK/dV program keeps all its keys resident, so every query
+tile it loads feeds ``kb * block`` keys. List ``l = block * Hkv + h`` of a group's first block:
+``inv_ptr[l] .. inv_ptr[l+1]`` index ``inv_qs`` (first token of each query tile that selected any
+block of the group, ascending) and ``inv_word`` (``[entries, kb]``: the tile's word of each block of
+the group, 0 where it did not select it); the lists of the other blocks of a group are empty and get
+no dK/dV program. dK/dV work: each list is cut into pieces of at most ``chunk`` entries (``piece_ptr``,
 ``piece_list``: the list of each piece); the pieces of a split list write fp32 partials to
 consecutive slots from ``slot_ptr[l]`` (``-1``: one program does the whole list), at most
 ``max_slots`` slots in all (lists past that budget stay whole). Everything is ordered, so every
@@ -50,13 +55,14 @@ class SparseIndex:
     fwd_word: Tensor      # int32 (qt <= 32) / int64 [n_tiles * Hkv, cap]
     inv_ptr: Tensor       # int32 [n_lists + 1], n_lists = n_blocks * Hkv
     inv_qs: Tensor        # int32 [n_tiles * Hkv * cap] (capacity; inv_ptr[-1] used)
-    inv_word: Tensor      # like fwd_word
+    inv_word: Tensor      # like fwd_word, [n_tiles * Hkv * cap, kb]
     chunk: int            # entries per dK/dV piece
     piece_ptr: Tensor     # int32 [n_lists + 1]
     piece_list: Tensor    # int32 [max_pieces]
     slot_ptr: Tensor      # int32 [n_lists]
     max_pieces: int       # grid bound of the dK/dV kernel
     max_slots: int        # fp32 partial slots the dK/dV workspace holds
+    kb: int = 1           # KV blocks per key group (keys resident in one dK/dV program: kb * block)
 
     @property
     def n_lists(self) -> int:
@@ -100,44 +106,61 @@ def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_
 
 
 @triton.jit
-def _inverse_scan(Blocks, c, S: tl.constexpr, BS: tl.constexpr):
+def _inverse_scan(Blocks, c, S: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr):
     """Column of KV block ``c`` in the dense words: the tiles ``[i0, i1)`` of its document from its
-    own block on and the column ``j`` (the block's index in its document)."""
+    own block on, the column ``j`` (the block's index in its document) and whether the block
+    starts a key group of ``KB`` blocks."""
     ks = tl.load(Blocks + c * 4 + 1)
     ds = tl.load(Blocks + c * 4 + 2)
     de = tl.load(Blocks + c * 4 + 3)
     j = (ks - ds) // BS
     nb_doc = (de - ds + BS - 1) // BS
-    return c * S, (c - j + nb_doc) * S, j
+    return c * S, (c - j + nb_doc) * S, j, (j % KB) == 0
+
+
+@triton.jit
+def _group_word(Words, i, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, u: tl.constexpr):
+    """Words of tiles ``i`` for block ``j + u`` of a key group starting at block ``c`` (column ``j``):
+    0 for tiles before that block (causal; their dense word rows stop at their own block)."""
+    return tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j + u, mask=im & (i >= (c + u) * S), other=0)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_count_kernel"])
 def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.constexpr,
-                      BS: tl.constexpr, CB: tl.constexpr):
+                      BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
+    """Entries of the inverse list of each (key group, KV head); -1 for blocks inside a group."""
     c = tl.program_id(0)
     h = tl.program_id(1)
-    i0, i1, j = _inverse_scan(Blocks, c, S, BS)
+    i0, i1, j, lead = _inverse_scan(Blocks, c, S, BS, KB)
     cnt = 0
-    for t0 in range(i0, i1, CB):
-        i = t0 + tl.arange(0, CB)
-        wd = tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j, mask=i < i1, other=0)
-        cnt += tl.sum((wd != 0).to(tl.int32), axis=0)
+    if lead:
+        for t0 in range(i0, i1, CB):
+            i = t0 + tl.arange(0, CB)
+            im = i < i1
+            any_ = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0) != 0
+            for u in tl.static_range(1, KB):
+                any_ |= _group_word(Words, i, im, c, h, j, NBW, HKV, S, u) != 0
+            cnt += tl.sum(any_.to(tl.int32), axis=0)
+    else:
+        cnt = -1
     tl.store(InvCount + c * HKV + h, cnt)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_scan_kernel"])
 def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, CH: tl.constexpr):
     """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
-    the split lists (lists are split in order while the slot budget lasts)."""
+    the split lists (lists are split in order while the slot budget lasts). A count of -1 marks a
+    block inside a key group: an empty list without a piece."""
     carry_e = 0
     carry_p = 0
     carry_s = 0
     for l0 in range(0, n_lists, CH):
         idx = l0 + tl.arange(0, CH)
         ok = idx < n_lists
-        cnt = tl.load(InvCount + idx, mask=ok, other=0)
+        raw = tl.load(InvCount + idx, mask=ok, other=0)
+        cnt = tl.maximum(raw, 0)
         tl.store(InvPtr + idx, carry_e + tl.cumsum(cnt, axis=0) - cnt, mask=ok)
-        pieces = tl.where(ok, tl.maximum((cnt + chunk - 1) // chunk, 1), 0)
+        pieces = tl.where(ok & (raw >= 0), tl.maximum((cnt + chunk - 1) // chunk, 1), 0)
         need = tl.where(pieces > 1, pieces, 0)
         s_end = carry_s + tl.cumsum(need, axis=0)
         split = (need > 0) & (s_end <= max_slots)
@@ -154,23 +177,27 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_fill_kernel"])
 def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord, NBW,
                      HKV: tl.constexpr, S: tl.constexpr, QT: tl.constexpr,
-                     BS: tl.constexpr, CB: tl.constexpr):
+                     BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     lst = c * HKV + h
-    i0, i1, j = _inverse_scan(Blocks, c, S, BS)
+    i0, i1, j, lead = _inverse_scan(Blocks, c, S, BS, KB)
     base = tl.load(InvPtr + lst)
     n = 0
-    for t0 in range(i0, i1, CB):
-        i = t0 + tl.arange(0, CB)
-        im = i < i1
-        wd = tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j, mask=im, other=0)
-        nz = (wd != 0) & im
-        pos = base + n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
-        qs = tl.load(Blocks + (i // S) * 4 + 1, mask=nz, other=0) + (i % S) * QT
-        tl.store(InvQs + pos, qs, mask=nz)
-        tl.store(InvWord + pos, wd, mask=nz)
-        n += tl.sum(nz.to(tl.int32), axis=0)
+    if lead:
+        for t0 in range(i0, i1, CB):
+            i = t0 + tl.arange(0, CB)
+            im = i < i1
+            nz = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0) != 0
+            for u in tl.static_range(1, KB):
+                nz |= _group_word(Words, i, im, c, h, j, NBW, HKV, S, u) != 0
+            pos = base + n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
+            qs = tl.load(Blocks + (i // S) * 4 + 1, mask=nz, other=0) + (i % S) * QT
+            tl.store(InvQs + pos, qs, mask=nz)
+            for u in tl.static_range(KB):
+                tl.store(InvWord + pos.to(tl.int64) * KB + u, _group_word(Words, i, im, c, h, j, NBW, HKV, S, u),
+                         mask=nz)
+            n += tl.sum(nz.to(tl.int32), axis=0)
     p0 = tl.load(PiecePtr + lst)
     p1 = tl.load(PiecePtr + lst + 1)
     for q0 in range(p0, p1, CB):
@@ -198,7 +225,7 @@ def query_tile(G: int, block: int, rows: int = 64) -> tuple[int, int]:
 
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
-                       chunk: int | None = None, max_slots: int | None = None) -> SparseIndex:
+                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
     ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
     heads.
@@ -206,8 +233,8 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     The query tile follows ``query_tile`` (``qt`` overrides it); ``row_budget``: most blocks any one
     row selects (``cfg.topk`` for NOSA selections), which bounds the forward lists at
     ``qt * row_budget`` entries instead of ``nb``; ``chunk`` (dK/dV piece length in list entries;
-    default: the launch configuration's ``CHUNK`` 64-row units of work) and ``max_slots`` override
-    the launch configuration."""
+    default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``max_slots``
+    and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration."""
     from .attention_op import launch_config
 
     check_device(selected)
@@ -225,9 +252,12 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     S = bs // qt
     n_tiles = layout.n_blocks * S
     n_lists = layout.n_blocks * Hkv
+    kb = launch["dkdv"]["blocks"] if kb is None else kb
+    if kb not in (1, 2):
+        raise ValueError(f"a dK/dV key group holds 1 or 2 KV blocks, got {kb}")
     cap = max(1, min(nbw, qt * row_budget) if row_budget else nbw)
-    chunk = max(1, chunk or launch["dkdv"]["CHUNK"] * 64 // (qt * G))  # an entry is qt x G rows of work
-    max_slots = launch["dkdv"]["SLOTS"] if max_slots is None else max_slots
+    chunk = max(1, chunk or launch["dkdv"]["CHUNK"] * 64 // (qt * G * kb))  # entry: qt x G rows, kb blocks
+    max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
     dev = selected.device
     wdt = torch.int64 if qt > 32 else torch.int32
     i32 = dict(dtype=torch.int32, device=dev)
@@ -240,7 +270,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     nnz_cap = n_tiles * Hkv * cap
     max_pieces = n_lists + -(-nnz_cap // chunk)
     inv_qs = torch.empty(max(nnz_cap, 1), **i32)
-    inv_word = torch.empty(max(nnz_cap, 1), dtype=wdt, device=dev)
+    inv_word = torch.empty(max(nnz_cap, 1), kb, dtype=wdt, device=dev)
     piece_list = torch.empty(max(max_pieces, 1), **i32)
     if n_tiles:
         sel = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
@@ -248,15 +278,16 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         inv_count = torch.empty(n_lists, **i32)
         _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, *sel.stride()[:3],
                                            cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
-        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, CB=128)
+        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
+                                                  CB=128)
         _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, CH=1024)
         _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
-                                                 inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, CB=128)
+                                                 inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb, CB=128)
     else:
         inv_ptr.zero_()
         piece_ptr.zero_()
     return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
-                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots)
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb)
 
 
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:

@@ -16,8 +16,8 @@ from tests.ops.conftest import fp32_tol
 from tests.ops.helpers import reference_grads
 
 
-def _run(dev, B, T, Hq, Hkv, D, dtype=torch.float32, cu=None, bias=True, seed=0, **index_kw):
-    cfg = tiny_cfg()
+def _run(dev, B, T, Hq, Hkv, D, dtype=torch.float32, cu=None, bias=True, seed=0, cfg=None, **index_kw):
+    cfg = cfg or tiny_cfg()
     q, k, v, s = (x.to(dev) for x in random_qkvs(B, T, Hq, Hkv, D, dtype=torch.float32, seed=seed))
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     sel = select_blocks(q, k, s, cfg, cu_seqlens=cu_t)  # the reference selection, fed to both
@@ -72,6 +72,16 @@ def test_split_inverse_lists(dev, chunk, slots):
     budget running out part-way (later lists stay whole) or absent, equals the reference."""
     _all_close(*_run(dev, 1, 150, 8, 2, 16, cu=[0, 37, 37, 150], seed=13, chunk=chunk, max_slots=slots),
                fp32_tol(dev))
+
+
+@pytest.mark.parametrize("kb", [1, 2], ids=lambda x: f"kb{x}")
+def test_dkdv_key_groups(dev, kb):
+    """dK/dV over key groups of one or two KV blocks (documents with odd and even block counts, a
+    group cut by its document's end, split lists with a slot budget; 3 of up to 9 blocks per row, so
+    a tile often selects one block of a pair and not the other) equals the reference."""
+    cfg = tiny_cfg(topk=3, local_blocks=1, select_blocks=1)
+    _all_close(*_run(dev, 1, 200, 8, 2, 16, cu=[0, 37, 37, 101, 200], seed=29 + kb, cfg=cfg, kb=kb, chunk=2,
+                     max_slots=5), fp32_tol(dev))
 
 
 def test_fp16_and_no_bias(dev):

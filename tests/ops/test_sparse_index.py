@@ -21,8 +21,10 @@ def _random_selection(B, Hkv, T, spans, bs, g, p=0.3):
     return sel
 
 
-def _brute_force(sel, spans, bs, qt):
-    """{(b, tile start, h): [(key start, word)]} and {(b, key start, h): [(tile start, word)]}."""
+def _brute_force(sel, spans, bs, qt, kb=1):
+    """{(b, tile start, h): [(key start, word)]} and {(b, key start, h): [(tile start, words)]}: the
+    inverse list of a key group of ``kb`` blocks (first block index a multiple of ``kb``) holds the
+    tiles that selected any of its blocks, with one word per block."""
     fwd, inv = {}, {}
     B, Hkv = sel.shape[:2]
     for b in range(B):
@@ -33,23 +35,29 @@ def _brute_force(sel, spans, bs, qt):
                         word = sum(int(sel[b, h, t, m]) << (t - q0) for t in range(q0, min(q0 + qt, e)))
                         if word:
                             fwd.setdefault((b, q0, h), []).append((s + m * bs, word))
-                            inv.setdefault((b, s + m * bs, h), []).append((q0, word))
+                    for g in range(0, (q0 - s) // bs + 1, kb):
+                        words = tuple(sum(int(sel[b, h, t, m]) << (t - q0) for t in range(q0, min(q0 + qt, e)))
+                                      if m <= (q0 - s) // bs else 0 for m in range(g, g + kb))
+                        if any(words):
+                            inv.setdefault((b, s + g * bs, h), []).append((q0, words))
     return fwd, inv
 
 
-@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots", [
-    pytest.param(2, 70, 2, None, 4, 3, 100, id="B2-qt4"),
-    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, id="varlen-slot-budget"),
-    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, id="qt1-whole-lists"),
+@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots,kb", [
+    pytest.param(2, 70, 2, None, 4, 3, 100, 1, id="B2-qt4"),
+    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, 1, id="varlen-slot-budget"),
+    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, 1, id="qt1-whole-lists"),
+    pytest.param(1, 150, 2, [0, 37, 37, 101, 150], 4, 2, 5, 2, id="key-pairs-varlen"),
+    pytest.param(2, 83, 1, None, 16, 1000, 0, 2, id="key-pairs-B2-qt16"),
 ])
-def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots):
+def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb):
     cfg = tiny_cfg()
     bs = cfg.block_size
     spans = [(0, T)] if cu is None else [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
     sel = _random_selection(B, Hkv, T, spans, bs, torch.Generator().manual_seed(T + qt))
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
-    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots)
-    fwd, inv = _brute_force(sel, spans, bs, qt)
+    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots, kb=kb)
+    fwd, inv = _brute_force(sel, spans, bs, qt, kb)
     blocks = idx.layout.blocks.cpu().tolist()
     count, ks, word = idx.fwd_count.cpu(), idx.fwd_ks.cpu(), idx.fwd_word.cpu()
     S = bs // qt
@@ -63,12 +71,17 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots):
     ptr, qs, iw = idx.inv_ptr.cpu(), idx.inv_qs.cpu(), idx.inv_word.cpu()
     pieces, plist, slot = idx.piece_ptr.cpu(), idx.piece_list.cpu(), idx.slot_ptr.cpu()
     used_slots = []
+    lead = [(k0 - d0) // bs % kb == 0 for _, k0, d0, _ in blocks]
     for c, (b, k0, _, _) in enumerate(blocks):
         for h in range(Hkv):
             lst = c * Hkv + h
-            got = [(int(qs[e]), int(iw[e]) & ((1 << qt) - 1)) for e in range(int(ptr[lst]), int(ptr[lst + 1]))]
-            assert got == inv.get((b, k0, h), []), (c, h)
+            got = [(int(qs[e]), tuple(int(w) & ((1 << qt) - 1) for w in iw[e]))
+                   for e in range(int(ptr[lst]), int(ptr[lst + 1]))]
+            assert got == (inv.get((b, k0, h), []) if lead[c] else []), (c, h)
             n_pieces = int(pieces[lst + 1] - pieces[lst])
+            if not lead[c]:  # inside a key group: its group's program covers it
+                assert n_pieces == 0 and int(slot[lst]) < 0
+                continue
             assert plist[int(pieces[lst]):int(pieces[lst + 1])].tolist() == [lst] * n_pieces
             if int(slot[lst]) >= 0:
                 assert n_pieces == -(-len(got) // chunk) > 1
