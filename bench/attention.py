@@ -286,9 +286,9 @@ def sweep(T, HQ, dense_ms):
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
-DKDV_CANDIDATES = [dict(blocks=1, rows=64, num_warps=4, num_stages=2)] + [
-    dict(blocks=2, rows=r, num_warps=w, num_stages=s) for r, w, s in
-    ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (64, 4, 3), (32, 8, 3))]
+DKDV_CANDIDATES = [dict(blocks=b, split=sp, rows=r, num_warps=w, num_stages=s) for b, sp, r, w, s in (
+    (1, False, 64, 4, 2), (1, False, 32, 8, 3), (1, False, 64, 8, 3), (2, False, 32, 8, 3), (2, False, 32, 8, 4),
+    (2, False, 16, 8, 3), (2, True, 32, 8, 3), (2, True, 64, 8, 2), (2, True, 32, 8, 2), (2, True, 16, 8, 3))]
 
 
 def dkdv_sweep(T, HQ, dense_ms):
@@ -320,7 +320,7 @@ def dkdv_sweep(T, HQ, dense_ms):
                 tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
                 fl = 4.0 * HQ * keys * D
                 dens = fl / (2.0 * HQ * T * T * D)
-                emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, bwd_ms=tb,
+                emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, bwd_ms=tb, inv_entries=int(idx.inv_ptr[-1]),
                      bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]), max_grad_diff_vs_first=diff)
             except Exception as e:  # noqa: BLE001
                 emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
