@@ -286,9 +286,8 @@ def sweep(T, HQ, dense_ms):
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
-DKDV_CANDIDATES = [dict(blocks=b, split=sp, rows=r, num_warps=w, num_stages=s) for b, sp, r, w, s in (
-    (1, False, 64, 4, 2), (1, False, 32, 8, 3), (1, False, 64, 8, 3), (2, False, 32, 8, 3), (2, False, 32, 8, 4),
-    (2, False, 16, 8, 3), (2, True, 32, 8, 3), (2, True, 64, 8, 2), (2, True, 32, 8, 2), (2, True, 16, 8, 3))]
+DKDV_CANDIDATES = [dict(blocks=b, rows=r, num_warps=w, num_stages=s) for b, r, w, s in (
+    (1, 64, 4, 2), (1, 64, 8, 3), (2, 32, 8, 4), (2, 32, 8, 3), (2, 64, 8, 2))]
 
 
 def dkdv_sweep(T, HQ, dense_ms):

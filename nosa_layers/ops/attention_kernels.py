@@ -151,59 +151,18 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
              mask=rvalid[:, None])
 
 
-@triton.jit
-def _key_group(K, V, Bias, bk, h, k0, de, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
-               NK: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``NK`` keys from token ``k0`` of KV head ``h``, batch row ``bk``: tokens, validity (inside the
-    document), int64 positions, K and V ``[NK, D]`` and the bias (log2 domain) ``[NK]``."""
-    offs_d = tl.arange(0, D)
-    ktok = k0 + tl.arange(0, NK)
-    kvalid = ktok < de  # a group's last blocks may lie past its document's end
-    kp = ktok.to(tl.int64)
-    k = tl.load(K + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-    v = tl.load(V + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32) * 1.4426950408889634
-    else:
-        bias = tl.zeros([NK], tl.float32)
-    return ktok, kvalid, kp, k, v, bias
-
-
-@triton.jit
-def _dkdv_step(dk, dv, db, k, v, bias, ktok, kvalid, wkey, masked, qT, do, lse, delta, tok, r, qk_scale,
-               NEED_DB: tl.constexpr):
-    """One query tile x head pack against resident keys: P^T, dS^T recomputed, accumulated into
-    dK, dV ``[NK, D]`` and db ``[NK]``; ``wkey`` ``[NK]``: the tile's word of each key's block,
-    applied with the causal and document masks when ``masked``."""
-    sT = tl.dot(k, qT) * qk_scale + bias[:, None]
-    pT = tl.math.exp2(sT - lse[None, :])
-    if masked:
-        bit = ((wkey[:, None] >> r[None, :].to(wkey.dtype)) & 1) != 0
-        pT = tl.where(bit & (ktok[:, None] <= tok[None, :]) & kvalid[:, None], pT, 0.0)
-    dv += tl.dot(pT.to(do.dtype), do)
-    dpT = tl.dot(v, tl.trans(do))
-    dsT = pT * (dpT - delta[None, :])
-    dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
-    if NEED_DB:
-        db += tl.sum(dsT, 1)
-    return dk, dv, db
-
-
 @triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])
 def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
                      PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                      s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                     KB: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     NEED_DB: tl.constexpr):
+                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
     """dK, dV, db: one program per piece of the inverse list of one (key group of ``KB`` KV blocks,
     KV head); it walks its entries x head packs with the group's ``N = KB * BS`` keys, their values,
-    bias and fp32 accumulators resident, so each loaded query tile feeds N keys; db is the row sum of
-    dS^T (no atomics). ``SPLIT`` (KB = 2): the two blocks are separate ``BS``-key operands and an
-    entry skips the block its tile did not select (no masked-out work); otherwise one ``N``-key
-    operand. A piece of a split list writes fp32 partials ``WDK/WDV [slot, N, D]``, ``WDB [slot, N]``
-    (unscaled) for ``_dkdv_reduce_kernel``; programs past the last piece idle."""
+    bias and fp32 accumulators resident; db is the row sum of dS^T (no atomics). A piece of a split
+    list writes fp32 partials ``WDK/WDV [slot, N, D]``, ``WDB [slot, N]`` (unscaled) for
+    ``_dkdv_reduce_kernel``; programs past the last piece idle."""
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * QT
     N: tl.constexpr = KB * BS
@@ -228,20 +187,16 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     ks = tl.load(Blocks + c * 4 + 1)
     de = tl.load(Blocks + c * 4 + 3)
     offs_d = tl.arange(0, D)
-    if SPLIT:
-        ktok0, kvalid0, kp0, k0, v0, bias0 = _key_group(K, V, Bias, bk, h, ks, de, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, BS, D, HAS_BIAS)
-        ktok1, kvalid1, kp1, k1, v1, bias1 = _key_group(K, V, Bias, bk, h, ks + BS, de, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, BS, D, HAS_BIAS)
-        dk0 = tl.zeros([BS, D], tl.float32)
-        dv0 = tl.zeros([BS, D], tl.float32)
-        db0 = tl.zeros([BS], tl.float32)
-        dk1 = tl.zeros([BS, D], tl.float32)
-        dv1 = tl.zeros([BS, D], tl.float32)
-        db1 = tl.zeros([BS], tl.float32)
+    offs_n = tl.arange(0, N)
+    ktok = ks + offs_n
+    kvalid = ktok < de  # the group's last blocks may lie past its document's end
+    kp = ktok.to(tl.int64)
+    k = tl.load(K + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    v = tl.load(V + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32) * 1.4426950408889634
     else:
-        ktok, kvalid, kp, k, v, bias = _key_group(K, V, Bias, bk, h, ks, de, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, N, D, HAS_BIAS)
-        dk = tl.zeros([N, D], tl.float32)
-        dv = tl.zeros([N, D], tl.float32)
-        db = tl.zeros([N], tl.float32)
+        bias = tl.zeros([N], tl.float32)
     qbase = Q + bk * s_qb + (h * G) * s_qh
     qoff = offs_d[:, None] + (r * s_qt + hh * s_qh)[None, :]  # [D, M]
     dobase = DO + bk * s_ob + (h * G) * s_oh
@@ -249,10 +204,23 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     lbase = LSE + bk * s_lb + (h * G) * s_lh
     dbase = Delta + bk * s_lb + (h * G) * s_lh
     loff = hh * s_lh + r
+    dk = tl.zeros([N, D], tl.float32)
+    dv = tl.zeros([N, D], tl.float32)
+    db = tl.zeros([N], tl.float32)
     for it in range(e0 * NP, e1 * NP):
         e = it // NP
         pk = it % NP
         qs = tl.load(QStart + e)
+        word = tl.load(Word + e * KB)  # the word of key n is that of block n // BS of the group
+        full = word == FULL
+        if KB > 1:
+            wkey = tl.where(offs_n < BS, word, 0)
+            for u in tl.static_range(1, KB):
+                wu = tl.load(Word + e * KB + u)
+                full &= wu == FULL
+                wkey = tl.where((offs_n >= u * BS) & (offs_n < (u + 1) * BS), wu, wkey)
+        else:
+            wkey = tl.full([N], 0, word.dtype) + word
         tok = qs + r
         rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
         qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)
@@ -260,54 +228,28 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
         lo_ = pk * HP * s_lh + qs
         lse = tl.load(lbase + lo_ + loff, mask=rvalid, other=float("inf"))
         delta = tl.load(dbase + lo_ + loff, mask=rvalid, other=0.0)
-        if SPLIT:
-            w0 = tl.load(Word + e * 2)
-            w1 = tl.load(Word + e * 2 + 1)
-            if w0 != 0:
-                dk0, dv0, db0 = _dkdv_step(dk0, dv0, db0, k0, v0, bias0, ktok0, kvalid0, tl.full([BS], 0, w0.dtype) + w0,
-                                           (w0 != FULL) | (qs < ks + BS), qT, do, lse, delta, tok, r, qk_scale,
-                                           NEED_DB)
-            if w1 != 0:
-                dk1, dv1, db1 = _dkdv_step(dk1, dv1, db1, k1, v1, bias1, ktok1, kvalid1, tl.full([BS], 0, w1.dtype) + w1,
-                                           (w1 != FULL) | (qs < ks + N), qT, do, lse, delta, tok, r, qk_scale,
-                                           NEED_DB)
-        else:
-            word = tl.load(Word + e * KB)  # the word of key n is that of block n // BS of the group
-            full = word == FULL
-            wkey = tl.full([N], 0, word.dtype) + word
-            for u in tl.static_range(1, KB):
-                wu = tl.load(Word + e * KB + u)
-                full &= wu == FULL
-                wkey = tl.where(tl.arange(0, N) >= u * BS, wu, wkey)
-            dk, dv, db = _dkdv_step(dk, dv, db, k, v, bias, ktok, kvalid, wkey, (full == 0) | (qs < ks + N), qT, do,
-                                    lse, delta, tok, r, qk_scale, NEED_DB)
-    if live:
-        if SPLIT:
-            _write_dkdv(DK, DV, DB, WDK, WDV, WDB, slot, 0, dk0, dv0, db0, sm_scale, bk, h, kp0, kvalid0, s_kb, s_kt,
-                        s_kh, s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, BS, N, D, NEED_DB)
-            _write_dkdv(DK, DV, DB, WDK, WDV, WDB, slot, BS, dk1, dv1, db1, sm_scale, bk, h, kp1, kvalid1, s_kb, s_kt,
-                        s_kh, s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, BS, N, D, NEED_DB)
-        else:
-            _write_dkdv(DK, DV, DB, WDK, WDV, WDB, slot, 0, dk, dv, db, sm_scale, bk, h, kp, kvalid, s_kb, s_kt,
-                        s_kh, s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, N, N, D, NEED_DB)
-
-
-@triton.jit
-def _write_dkdv(DK, DV, DB, WDK, WDV, WDB, slot, n0, dk, dv, db, sm_scale, bk, h, kp, kvalid, s_kb, s_kt, s_kh,
-                s_vb, s_vt, s_vh, s_db_b, s_db_t, s_db_h, NK: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-                NEED_DB: tl.constexpr):
-    """``NK`` keys' results: to dK, dV, db directly (``slot < 0``) or as rows ``n0 .. n0 + NK`` of
-    the fp32 partial ``slot`` (``N`` rows, unscaled)."""
-    if slot < 0:
-        _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                    s_db_b, s_db_t, s_db_h, D, NEED_DB)
-    else:
-        offs_n = n0 + tl.arange(0, NK)
-        tile_off = slot.to(tl.int64) * (N * D) + offs_n[:, None] * D + tl.arange(0, D)[None, :]
-        tl.store(WDK + tile_off, dk)
-        tl.store(WDV + tile_off, dv)
+        sT = tl.dot(k, qT) * qk_scale + bias[:, None]
+        pT = tl.math.exp2(sT - lse[None, :])
+        if (full == 0) | (qs < ks + N):
+            bit = ((wkey[:, None] >> r[None, :].to(wkey.dtype)) & 1) != 0
+            allowed = bit & (ktok[:, None] <= tok[None, :]) & kvalid[:, None]
+            pT = tl.where(allowed, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
         if NEED_DB:
-            tl.store(WDB + slot.to(tl.int64) * N + offs_n, db)
+            db += tl.sum(dsT, 1)
+    if live:
+        if slot < 0:
+            _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                        s_db_b, s_db_t, s_db_h, D, NEED_DB)
+        else:
+            tile_off = slot.to(tl.int64) * (N * D) + offs_n[:, None] * D + offs_d[None, :]
+            tl.store(WDK + tile_off, dk)
+            tl.store(WDV + tile_off, dv)
+            if NEED_DB:
+                tl.store(WDB + slot.to(tl.int64) * N + offs_n, db)
 
 
 @triton.jit

@@ -14,25 +14,25 @@ from .sparse_index import SparseIndex, largest_divisor
 # sm90's). ``tile.rows``: rows of a query tile (``qt`` tokens x the heads of a KV group, see
 # ``sparse_index.query_tile``); per kernel: ``rows`` (M of its programs: heads packed per program =
 # rows // qt, at most G), warps, pipeline stages; dK/dV: ``blocks`` KV blocks per key group (keys
-# resident in one program, see ``sparse_index``; ``split``: two blocks as separate operands, skipping
-# the one an entry did not select), ``CHUNK`` units of work per list piece (a unit =
+# resident in one program, see ``sparse_index``), ``CHUNK`` units of work per list piece (a unit =
 # 64 query rows x one KV block; an entry is qt x G rows x ``blocks``) and ``SLOTS`` one-block fp32
 # partials (64 KiB each at D = 128; a group's partial takes ``blocks`` of them) for the pieces of
-# split lists. sm80 (A100 /
-# A800, 164 KB shared memory per SM) keeps every kernel under 100 KB of shared memory; ``test_arch``
-# compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
+# split lists. Two-block groups on sm90 (bench/attention.py --dkdv-sweep: 14-22% faster backward
+# than one block on the H200; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
+# 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
+# kernel under 100 KB of shared memory; ``test_arch`` compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1, split=False),
+        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK=1024, SLOTS=512, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1, split=False),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
 }
 
@@ -155,8 +155,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
         *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, SPLIT=idx.kb == 2 and cfg["split"], D=D,
-        HAS_BIAS=bias is not None, NEED_DB=need_db,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](
         wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],

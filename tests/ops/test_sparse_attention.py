@@ -74,15 +74,11 @@ def test_split_inverse_lists(dev, chunk, slots):
                fp32_tol(dev))
 
 
-@pytest.mark.parametrize("kb,split", [(1, False), (2, False), (2, True)], ids=["kb1", "kb2", "kb2-split"])
-def test_dkdv_key_groups(dev, kb, split, monkeypatch):
-    """dK/dV over key groups of one or two KV blocks, as one operand or two (documents with odd and
-    even block counts, a group cut by its document's end, split lists with a slot budget; 3 of up to
-    9 blocks per row, so a tile often selects one block of a pair and not the other) equals the
-    reference."""
-    from nosa_layers.ops.attention_op import launch_config
-
-    monkeypatch.setitem(launch_config(dev)["dkdv"], "split", split)
+@pytest.mark.parametrize("kb", [1, 2], ids=lambda x: f"kb{x}")
+def test_dkdv_key_groups(dev, kb):
+    """dK/dV over key groups of one or two KV blocks (documents with odd and even block counts, a
+    group cut by its document's end, split lists with a slot budget; 3 of up to 9 blocks per row, so
+    a tile often selects one block of a pair and not the other) equals the reference."""
     cfg = tiny_cfg(topk=3, local_blocks=1, select_blocks=1)
     _all_close(*_run(dev, 1, 200, 8, 2, 16, cu=[0, 37, 37, 101, 200], seed=29 + kb, cfg=cfg, kb=kb, chunk=2,
                      max_slots=5), fp32_tol(dev))

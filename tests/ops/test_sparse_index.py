@@ -118,13 +118,15 @@ def test_union_inflation_counts_union_blocks_and_bitmask_fill(dev):
 
 
 def test_dkdv_pieces_hold_the_same_work_for_every_query_tile(dev):
-    """The default dK/dV piece is CHUNK units of 64 query rows: an entry of a qt-token tile of a
-    G-head group is qt x G rows, so 64-token tiles get pieces G times shorter than 8-token ones."""
+    """The default dK/dV piece is CHUNK units of 64 query rows x one KV block: an entry of a qt-token
+    tile of a G-head group is qt x G rows x kb blocks, so 64-token tiles get pieces G times shorter
+    than 8-token ones, and two-block key groups pieces half as long."""
     from nosa_layers.ops.attention_op import launch_config
 
     cfg = tiny_cfg()
     sel = _random_selection(1, 2, 40, [(0, 40)], cfg.block_size, torch.Generator().manual_seed(3)).to(dev)
     units = launch_config(dev)["dkdv"]["CHUNK"]
     for qt in (16, 4):
-        idx = build_sparse_index(sel, cfg, 40, num_q_heads=16, qt=qt)  # G = 8
-        assert idx.chunk == units * 64 // (qt * 8)
+        for kb in (1, 2):
+            idx = build_sparse_index(sel, cfg, 40, num_q_heads=16, qt=qt, kb=kb)  # G = 8
+            assert idx.chunk == units * 64 // (qt * 8 * kb)
