@@ -19,7 +19,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
-       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep]
+       [--no-flex] [--tiles64] [--dkdv-sweep]
 """
 
 from __future__ import annotations
@@ -290,52 +290,18 @@ DKDV_CANDIDATES = [dict(blocks=b, rows=r, num_warps=w, num_stages=s) for b, r, w
     (1, 64, 4, 2), (1, 64, 8, 3), (2, 32, 8, 4), (2, 32, 8, 3), (2, 64, 8, 2))]
 
 
-FWD_CANDIDATES = [dict(unroll=u, num_warps=w, num_stages=s) for u, w, s in (
-    (1, 4, 2), (2, 4, 2), (2, 4, 3), (2, 8, 2), (2, 8, 3))]
-
-
-def _sweep_cases(T, HQ):
-    """(name, selection, useful keys, inputs) of the P1 lists and real NOSA selections (iid, smooth)."""
+def dkdv_sweep(T, HQ, dense_ms):
+    """dK/dV key groups of 1 or 2 KV blocks under several launch configs: backward time (with db)
+    on the P1 lists and on real NOSA selections (iid and smooth inputs), and the largest gradient
+    difference against the one-block default (same inputs, same dO)."""
     cfg = NOSAConfig()
+    live = config()
     _, p1_sel, p1_keys = p1_lists(T, seed=1)
     cases = [("p1", p1_sel, p1_keys, make_inputs(T, HQ))]
     for smooth in (0, 1):
         q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
         sel = select_blocks_triton(q, k, bias, cfg)
         cases.append(("smooth" if smooth else "iid", sel, useful_keys(sel, cfg.block_size), (q, k, v, bias)))
-    return cfg, cases
-
-
-def fwd_sweep(T, HQ, dense_ms):
-    """Forward launch configs, one or two list entries per online-softmax step: forward time on the
-    P1 lists and real NOSA selections, and the largest output difference against the first."""
-    cfg, cases = _sweep_cases(T, HQ)
-    live = config()
-    for name, sel, keys, (q, k, v, bias) in cases:
-        idx = index_for(sel, cfg, T, HQ)
-        ref = None
-        old = live["fwd"]
-        for cand in FWD_CANDIDATES:
-            live["fwd"] = dict(old, **cand)
-            try:
-                o = sparse_attention(q, k, v, idx, bias=bias)
-                ref = o if ref is None else ref
-                tf = bench(lambda: sparse_attention(q, k, v, idx, bias=bias))[0]
-                dens = 4.0 * HQ * keys * D / (2.0 * HQ * T * T * D)
-                emit(kind="fwd_sweep", case=name, T=T, HQ=HQ, cfg=cand, fwd_ms=tf,
-                     fwd_x_ideal=tf / (dens * dense_ms[(T, HQ)][0]),
-                     max_out_diff_vs_first=(o.float() - ref.float()).abs().max().item())
-            except Exception as e:  # noqa: BLE001
-                emit(kind="fwd_sweep", case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
-        live["fwd"] = old
-
-
-def dkdv_sweep(T, HQ, dense_ms):
-    """dK/dV key groups of 1 or 2 KV blocks under several launch configs: backward time (with db)
-    on the P1 lists and on real NOSA selections (iid and smooth inputs), and the largest gradient
-    difference against the one-block default (same inputs, same dO)."""
-    cfg, cases = _sweep_cases(T, HQ)
-    live = config()
     for name, sel, keys, (q, k, v, bias) in cases:
         qg, kg, vg, bg = (x.clone().requires_grad_(True) for x in (q, k, v, bias))
         do = torch.randn_like(q)
@@ -527,7 +493,6 @@ def main():
     ap.add_argument("--packed", action="store_true", help="1 / 8 / 64 documents per sample at every shape")
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
-    ap.add_argument("--fwd-sweep", action="store_true", help="only the forward unroll sweep at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -543,13 +508,10 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep or args.fwd_sweep:
+    if args.dkdv_sweep:
         for T, HQ in shapes:
-            if args.fwd_sweep:
-                fwd_sweep(T, HQ, dense_ms)
-            if args.dkdv_sweep:
-                dkdv_sweep(T, HQ, dense_ms)
-        with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
+            dkdv_sweep(T, HQ, dense_ms)
+        with open(os.path.join(args.out, "attention_dkdv_sweep.json"), "w") as fh:
             json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
         return
     if args.sweep:

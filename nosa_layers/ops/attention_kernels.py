@@ -62,21 +62,14 @@ def _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh, 
 
 @triton.jit
 def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt, kdiag, de, tok, r,
-               qk_scale, FULL: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr, valid=None):
-    """List entry ``e`` of a query-side program: masked scores (log2 domain) ``[M, BS]`` and the
-    K and V tiles ``[BS, D]``. ``valid`` (scalar, optional): whether the entry exists; scores of a
-    missing one are all -inf."""
+               qk_scale, FULL: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """List entry ``e`` of a query-side program: masked scores (log2 domain) ``[M, BS]``, the
+    K and V tiles ``[BS, D]`` and whether a mask was applied."""
     offs_n = tl.arange(0, BS)
-    if valid is None:
-        ks = tl.load(KStart + e)
-        word = tl.load(Word + e)
-        ktok = ks + offs_n
-        kvalid = ktok < de
-    else:
-        ks = tl.load(KStart + e, mask=valid, other=0)
-        word = tl.load(Word + e, mask=valid, other=0)  # word 0: every row masked
-        ktok = ks + offs_n
-        kvalid = (ktok < de) & valid
+    ks = tl.load(KStart + e)
+    word = tl.load(Word + e)
+    ktok = ks + offs_n
+    kvalid = ktok < de
     k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
     v = tl.load(vbase + ks.to(tl.int64) * s_vt + voff, mask=kvalid[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -94,10 +87,8 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                D: tl.constexpr, HAS_BIAS: tl.constexpr, UNROLL: tl.constexpr):
-    """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list,
-    ``UNROLL`` (1 or 2) entries per step (two: one running-max update and accumulator rescale for
-    2 x BS keys; a missing last entry is masked)."""
+                D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list."""
     S: tl.constexpr = BS // QT
     M: tl.constexpr = HP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
@@ -110,32 +101,16 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     n = tl.minimum(tl.load(Count + w), cap)
-    if UNROLL == 2:
-        for e in range(0, n, 2):
-            s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
-                                 kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
-            s1, k1, v1 = _key_block(q, w * cap + e + 1, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt,
-                                    s_bt, kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS, e + 1 < n)
-            m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s1, 1)))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            p1 = tl.math.exp2(s1 - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p1, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            acc = tl.dot(p1.to(v1.dtype), v1, acc)
-            m_i = m_new
-    else:
-        for e in range(0, n):
-            s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
-                                 kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+    for e in range(0, n):
+        s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
+                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     tl.store(O + b * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],

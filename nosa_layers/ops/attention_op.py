@@ -24,13 +24,13 @@ from .sparse_index import SparseIndex, largest_divisor
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, unroll=1),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
         "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK=1024, SLOTS=512, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, unroll=1),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
         "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
@@ -109,7 +109,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
                           HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
-                          UNROLL=cfg["unroll"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 

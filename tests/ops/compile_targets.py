@@ -46,8 +46,7 @@ def cases(arch: str, G: int):
     for name, fn in (("fwd", ak._fwd_kernel), ("dq", ak._bwd_dq_kernel), ("dkdv", ak._bwd_dkdv_kernel)):
         c = cfg[name]
         const = dict(common, HP=heads_per_program(G, qt, c["rows"]),
-                     **({"NEED_DB": True, "KB": c["blocks"]} if name == "dkdv" else {}),
-                     **({"UNROLL": c["unroll"]} if name == "fwd" else {}))
+                     **({"NEED_DB": True, "KB": c["blocks"]} if name == "dkdv" else {}))
         yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
     kb = cfg["dkdv"]["blocks"]
     yield "dkdv_reduce", ak._dkdv_reduce_kernel, dict(HKV=2, N=kb * BS, D=D, NEED_DB=True), {}, 4, 3

@@ -84,18 +84,6 @@ def test_dkdv_key_groups(dev, kb):
                      max_slots=5), fp32_tol(dev))
 
 
-@pytest.mark.parametrize("unroll", [1, 2], ids=lambda x: f"unroll{x}")
-def test_forward_unroll(dev, unroll, monkeypatch):
-    """The forward taking one or two list entries per online-softmax step (odd and even list
-    lengths: 3 of up to 9 blocks per row, packed documents) equals the reference."""
-    from nosa_layers.ops.attention_op import launch_config
-
-    monkeypatch.setitem(launch_config(dev)["fwd"], "unroll", unroll)
-    cfg = tiny_cfg(topk=3, local_blocks=1, select_blocks=1)
-    got, ref = _run(dev, 1, 200, 8, 2, 16, cu=[0, 37, 37, 101, 200], seed=41 + unroll, cfg=cfg)
-    _close(got[0], ref[0], fp32_tol(dev), "out")
-
-
 def test_fp16_and_no_bias(dev):
     got, ref = _run(dev, 1, 90, 8, 1, 16, dtype=torch.float16, seed=3)
     _close(got[0], ref[0], 5e-3, "out")
