@@ -7,7 +7,8 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 * ``dense_1gpu``: the same model with dense attention (PyTorch SDPA, flash / cuDNN, EOD packing:
   causal attention across the documents of a sample, as Megatron-LM pretraining does by default);
 * ``dense_doc_1gpu``: dense attention on NOSA's document packing (THD: no attention across
-  documents, one SDPA call per document), the like-for-like masking of the NOSA run;
+  documents; one variable-length FlashAttention-2 call per layer), the like-for-like masking of
+  the NOSA run;
 * ``nosa_tp2``:   the NOSA run at tensor parallel 2 on two GPUs (skipped with fewer GPUs), whose
   loss curve is compared with ``nosa_1gpu`` step by step (same data, same CPU-initialised weights);
 * a ``_nr`` suffix (``nosa_1gpu_nr``, ``dense_1gpu_nr``): the same run without activation recompute.

@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from nosa_layers import EvictionOutput, NOSAConfig, PreparedSelection, nosa_attention, prepare_selection
+from nosa_layers.megatron.dense_varlen import causal_varlen_attention, varlen_supported
 from nosa_layers.megatron.heads import gather_group_queries, tp_head_layout
 from nosa_layers.selection import document_spans
 
@@ -67,7 +68,8 @@ class _CausalCoreAttention(MegatronModule):
 
 class DenseCoreAttention(_CausalCoreAttention):
     """Causal softmax attention (PyTorch SDPA, GQA), documents isolated for packed sequences:
-    the local-spec stand-in for ``TEDotProductAttention``."""
+    the local-spec stand-in for ``TEDotProductAttention``. Packed documents on a GPU run as one
+    variable-length FlashAttention call (``dense_varlen``); elsewhere one SDPA call per document."""
 
     context_parallel_fix = "use the Transformer Engine spec for context_parallel > 1"
 
@@ -83,6 +85,8 @@ class DenseCoreAttention(_CausalCoreAttention):
             raise ValueError("DenseCoreAttention does not take attention_bias")
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
+        if packed and varlen_supported(query, key):
+            return causal_varlen_attention(query, key, value, cu, self.softmax_scale).flatten(-2)
         q, k, v = (_to_bthd(x, packed).transpose(1, 2) for x in (query, key, value))  # [b, h, s, D]
         outs = []
         for s, e in document_spans(cu, q.shape[2]):
