@@ -17,8 +17,8 @@ from .sparse_index import SparseIndex, largest_divisor
 # resident in one program, see ``sparse_index``), ``CHUNK`` units of work per list piece (a unit =
 # 64 query rows x one KV block; an entry is qt x G rows x ``blocks``) and ``SLOTS`` one-block fp32
 # partials (64 KiB each at D = 128; a group's partial takes ``blocks`` of them) for the pieces of
-# split lists. Two-block groups on sm90 (bench/attention.py --dkdv-sweep: 14-22% faster backward
-# than one block on the H200; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
+# split lists. Two-block groups on sm90 (bench/attention.py --dkdv-sweep on the H200: backward up to
+# 22% faster than one block; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
 # 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
 # kernel under 100 KB of shared memory; ``test_arch`` compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
 CONFIG = {
