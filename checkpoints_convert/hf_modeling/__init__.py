@@ -105,6 +105,9 @@ def reference_sources() -> dict:
               "# Do not edit: the framework's reference is the single source of the NOSA math.\n")
     files = {name: (HERE / name).read_text() for name in (MODELING_FILE, CONFIG_FILE, *MODELING_HELPERS)}
     for name in SHIPPED:
+        if f"nosa_{name}.py" in files:
+            raise RuntimeError(f"export file name clash: nosa_layers/{name}.py would ship as nosa_{name}.py, "
+                               f"the name of a modeling file of checkpoints_convert/hf_modeling; rename one")
         src = (pkg / f"{name}.py").read_text() + (extra_eviction_heads() if name == "eviction" else "")
         files[f"nosa_{name}.py"] = header.format(name=name) + rewrite_reference_source(src)
     return files

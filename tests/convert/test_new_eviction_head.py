@@ -125,3 +125,14 @@ def test_new_head_converts_and_exports_with_no_other_edit(key_gate_head, tmp_pat
     assert cfg["nosa_config"]["eviction_head"] == NAME
     shipped = (tmp_path / "export" / "nosa_eviction.py").read_text()
     assert "class KeyGateHead(EvictionHead):" in shipped and f"register_eviction_head({NAME!r})(KeyGateHead)" in shipped
+
+
+def test_a_shipped_module_may_not_take_a_modeling_helpers_name(monkeypatch):
+    """Reference modules ship as ``nosa_<module>.py`` next to helpers named ``nosa_*.py``: a module
+    whose copy would overwrite a helper is refused instead of silently replacing it."""
+    from checkpoints_convert import hf_modeling
+
+    assert not {f"nosa_{m}.py" for m in hf_modeling.SHIPPED} & set(hf_modeling.MODELING_HELPERS)
+    monkeypatch.setattr(hf_modeling, "SHIPPED", (*hf_modeling.SHIPPED, "decode_select"))
+    with pytest.raises(RuntimeError, match="name clash: nosa_layers/decode_select.py"):
+        hf_modeling.reference_sources()
