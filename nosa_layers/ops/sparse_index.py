@@ -125,6 +125,15 @@ def _group_word(Words, i, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, 
     return tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j + u, mask=im & (i >= (c + u) * S), other=0)
 
 
+@triton.jit
+def _group_selected(Words, i, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, KB: tl.constexpr):
+    """Whether tiles ``i`` selected any block of the key group starting at block ``c``."""
+    nz = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0) != 0
+    for u in tl.static_range(1, KB):
+        nz |= _group_word(Words, i, im, c, h, j, NBW, HKV, S, u) != 0
+    return nz
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_count_kernel"])
 def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.constexpr,
                       BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
@@ -136,11 +145,7 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.con
     if lead:
         for t0 in range(i0, i1, CB):
             i = t0 + tl.arange(0, CB)
-            im = i < i1
-            any_ = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0) != 0
-            for u in tl.static_range(1, KB):
-                any_ |= _group_word(Words, i, im, c, h, j, NBW, HKV, S, u) != 0
-            cnt += tl.sum(any_.to(tl.int32), axis=0)
+            cnt += tl.sum(_group_selected(Words, i, i < i1, c, h, j, NBW, HKV, S, KB).to(tl.int32), axis=0)
     else:
         cnt = -1
     tl.store(InvCount + c * HKV + h, cnt)
@@ -188,9 +193,7 @@ def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
         for t0 in range(i0, i1, CB):
             i = t0 + tl.arange(0, CB)
             im = i < i1
-            nz = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0) != 0
-            for u in tl.static_range(1, KB):
-                nz |= _group_word(Words, i, im, c, h, j, NBW, HKV, S, u) != 0
+            nz = _group_selected(Words, i, im, c, h, j, NBW, HKV, S, KB)
             pos = base + n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
             qs = tl.load(Blocks + (i // S) * 4 + 1, mask=nz, other=0) + (i % S) * QT
             tl.store(InvQs + pos, qs, mask=nz)
