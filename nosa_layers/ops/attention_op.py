@@ -20,7 +20,8 @@ from .sparse_index import SparseIndex, largest_divisor
 # split lists. Two-block groups on sm90 (bench/attention.py --dkdv-sweep on the H200: backward up to
 # 22% faster than one block; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
 # 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
-# kernel under 100 KB of shared memory; ``test_arch`` compiles every kernel for both targets. Override for experiments (bench/attention.py --sweep).
+# kernel under 100 KB of shared memory; ``test_arch`` compiles every kernel for both targets.
+# Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
