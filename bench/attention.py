@@ -19,7 +19,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
-       [--no-flex] [--tiles64] [--dkdv-sweep]
+       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep]
 """
 
 from __future__ import annotations
@@ -286,44 +286,55 @@ def sweep(T, HQ, dense_ms):
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
-DKDV_CANDIDATES = [dict(blocks=b, rows=r, num_warps=w, num_stages=s) for b, r, w, s in (
+DKDV_CANDIDATES = [dict(dkdv=dict(blocks=b, rows=r, num_warps=w, num_stages=s)) for b, r, w, s in (
     (1, 64, 4, 2), (1, 64, 8, 3), (2, 32, 8, 4), (2, 32, 8, 3), (2, 64, 8, 2))]
 
 
-def dkdv_sweep(T, HQ, dense_ms):
-    """dK/dV key groups of 1 or 2 KV blocks under several launch configs: backward time (with db)
-    on the P1 lists and on real NOSA selections (iid and smooth inputs), and the largest gradient
-    difference against the one-block default (same inputs, same dO)."""
+# forward / dQ list entries of 1 or 2 KV blocks (both kernels take the launch config's warps / stages)
+FWD_CANDIDATES = [dict(fwd=dict(blocks=b, num_warps=w, num_stages=s), dq=dict(num_warps=w, num_stages=s))
+                  for b, w, s in ((1, 4, 2), (2, 4, 2), (2, 8, 2), (2, 4, 3), (2, 8, 3))]
+
+
+def _sweep_cases(T, HQ):
+    """(name, selection, useful keys, inputs) of the P1 lists and real NOSA selections (iid, smooth)."""
     cfg = NOSAConfig()
-    live = config()
     _, p1_sel, p1_keys = p1_lists(T, seed=1)
     cases = [("p1", p1_sel, p1_keys, make_inputs(T, HQ))]
     for smooth in (0, 1):
         q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
         sel = select_blocks_triton(q, k, bias, cfg)
         cases.append(("smooth" if smooth else "iid", sel, useful_keys(sel, cfg.block_size), (q, k, v, bias)))
+    return cfg, cases
+
+
+def config_sweep(kind, candidates, T, HQ, dense_ms):
+    """Forward and backward (with db) time of each candidate launch config (``{kernel: overrides}``)
+    on the P1 lists and real NOSA selections, and the largest output / gradient difference against
+    the first candidate (same inputs, same dO)."""
+    cfg, cases = _sweep_cases(T, HQ)
+    live = config()
     for name, sel, keys, (q, k, v, bias) in cases:
         qg, kg, vg, bg = (x.clone().requires_grad_(True) for x in (q, k, v, bias))
         do = torch.randn_like(q)
         ref = None
-        old = live["dkdv"]
-        for cand in DKDV_CANDIDATES:
-            live["dkdv"] = dict(old, **cand)
+        old = {kernel: live[kernel] for kernel in candidates[0]}
+        dens = 4.0 * HQ * keys * D / (2.0 * HQ * T * T * D)
+        for cand in candidates:
+            live.update({kernel: dict(old[kernel], **over) for kernel, over in cand.items()})
             try:
                 idx = index_for(sel, cfg, T, HQ)
                 o = sparse_attention(qg, kg, vg, idx, bias=bg)
-                grads = torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True)
-                if ref is None:
-                    ref = grads
-                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref))
+                outs = (o, *torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
+                ref = outs if ref is None else ref
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
+                tf = bench(lambda: sparse_attention(qg, kg, vg, idx, bias=bg))[0]
                 tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
-                fl = 4.0 * HQ * keys * D
-                dens = fl / (2.0 * HQ * T * T * D)
-                emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, bwd_ms=tb, inv_entries=int(idx.inv_ptr[-1]),
-                     bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]), max_grad_diff_vs_first=diff)
+                emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, fwd_ms=tf, bwd_ms=tb,
+                     fwd_x_ideal=tf / (dens * dense_ms[(T, HQ)][0]), bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]),
+                     fwd_entries=int(idx.fwd_count.sum()), inv_entries=int(idx.inv_ptr[-1]), max_diff_vs_first=diff)
             except Exception as e:  # noqa: BLE001
-                emit(kind="dkdv_sweep", case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
-        live["dkdv"] = old
+                emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
+        live.update(old)
 
 
 def sweep_selection(T, HQ):
@@ -493,6 +504,7 @@ def main():
     ap.add_argument("--packed", action="store_true", help="1 / 8 / 64 documents per sample at every shape")
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
+    ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ key-group sweep at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -508,10 +520,13 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep:
+    if args.dkdv_sweep or args.fwd_sweep:
         for T, HQ in shapes:
-            dkdv_sweep(T, HQ, dense_ms)
-        with open(os.path.join(args.out, "attention_dkdv_sweep.json"), "w") as fh:
+            if args.fwd_sweep:
+                config_sweep("fwd_sweep", FWD_CANDIDATES, T, HQ, dense_ms)
+            if args.dkdv_sweep:
+                config_sweep("dkdv_sweep", DKDV_CANDIDATES, T, HQ, dense_ms)
+        with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
             json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
         return
     if args.sweep:
