@@ -396,8 +396,6 @@ def check_sync_free_rope(out: dict) -> None:
     """Packed THD logits and gradients with the sync-free RoPE vs megatron's per-document RoPE."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from nosa_layers.megatron.self_attention import NOSAMegatronSelfAttention
-
     thd = rope_utils._apply_rotary_pos_emb_thd
     calls = {"thd": 0}
 
@@ -406,35 +404,47 @@ def check_sync_free_rope(out: dict) -> None:
         return thd(*args, **kwargs)
 
     for case_name in ("packed", "longrope"):
-        case = CASES[case_name]
-        setup(LAYOUTS["ref"].parallel)
-        model = build_model(case.model, case.attn, seq_length=SEQ, use_te=False)
-        perturb_eviction(model, case.seed)
-        mscale = model.decoder.layers[0].self_attention._yarn_concentration_factor
         for docs_name, docs in (("docs", ROPE_DOCS), ("one_doc", [SEQ])):
-            tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
-            w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(6))
-            res = {}
-            for sync_free in (True, False):
-                NOSAMegatronSelfAttention.sync_free_rope = sync_free
-                model.zero_grad(set_to_none=True)
-                psp, pos = packed_row(docs)  # a fresh PackedSeqParams: no cached positions
-                calls["thd"] = 0
-                rope_utils._apply_rotary_pos_emb_thd = counted_thd
-                try:
-                    logits = model(tok, pos, None, packed_seq_params=psp)
-                    (logits.float() * w).sum().backward()
-                finally:
-                    rope_utils._apply_rotary_pos_emb_thd = thd
-                    NOSAMegatronSelfAttention.sync_free_rope = True
-                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-                res[sync_free] = (logits.detach().clone(), grads, calls["thd"])
-            (l_new, g_new, thd_new), (l_ref, g_ref, thd_ref) = res[True], res[False]
-            out[f"sync_free_rope/{case_name}/{docs_name}"] = {
-                "logits_equal": torch.equal(l_new, l_ref), "max_logit_diff": (l_new - l_ref).abs().max().item(),
-                "grads_equal": g_new.keys() == g_ref.keys() and all(torch.equal(g_new[n], g_ref[n]) for n in g_ref),
-                "grads": len(g_ref), "thd_calls_new": thd_new, "thd_calls_megatron": thd_ref,
-                "layers": case.model.num_layers, "mscale": mscale}
+            key = f"sync_free_rope/{case_name}/{docs_name}"
+            try:  # recorded per case so one failure does not hide the others
+                out[key] = _sync_free_rope_case(CASES[case_name], docs, calls, counted_thd, thd)
+            except Exception:
+                out[key] = traceback.format_exc()
+                print(out[key], file=sys.stderr, flush=True)
+
+
+def _sync_free_rope_case(case, docs, calls: dict, counted_thd, thd) -> dict:
+    """One packed row of ``docs`` through a fresh model of ``case``, sync-free RoPE on and off."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from nosa_layers.megatron.self_attention import NOSAMegatronSelfAttention
+
+    setup(LAYOUTS["ref"].parallel)
+    model = build_model(case.model, case.attn, seq_length=SEQ, use_te=False)
+    perturb_eviction(model, case.seed)
+    mscale = model.decoder.layers[0].self_attention._yarn_concentration_factor
+    tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
+    w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(6))
+    res = {}
+    for sync_free in (True, False):
+        NOSAMegatronSelfAttention.sync_free_rope = sync_free
+        model.zero_grad(set_to_none=True)
+        psp, pos = packed_row(docs)  # a fresh PackedSeqParams: no cached positions
+        calls["thd"] = 0
+        rope_utils._apply_rotary_pos_emb_thd = counted_thd
+        try:
+            logits = model(tok, pos, None, packed_seq_params=psp)
+            (logits.float() * w).sum().backward()
+        finally:
+            rope_utils._apply_rotary_pos_emb_thd = thd
+            NOSAMegatronSelfAttention.sync_free_rope = True
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        res[sync_free] = (logits.detach().clone(), grads, calls["thd"])
+    (l_new, g_new, thd_new), (l_ref, g_ref, thd_ref) = res[True], res[False]
+    return {"logits_equal": torch.equal(l_new, l_ref), "max_logit_diff": (l_new - l_ref).abs().max().item(),
+            "grads_equal": g_new.keys() == g_ref.keys() and all(torch.equal(g_new[n], g_ref[n]) for n in g_ref),
+            "grads": len(g_ref), "thd_calls_new": thd_new, "thd_calls_megatron": thd_ref,
+            "layers": case.model.num_layers, "mscale": mscale}
 
 
 def main() -> None:
