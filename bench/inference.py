@@ -11,7 +11,8 @@ score equal). Rows:
   tokens/s over ``--steps`` greedy steps after 2 warm-up steps;
 * offload (16K context, ``--long-context N`` for another): the largest batch whose peak device memory stays under ``--mem-limit-gib``
   with the whole KV cache on the device vs with the offloaded cache (blocks in pinned host memory,
-  the selection's blocks in ``topk`` device slots; host memory bounded by ``--host-mem-limit-gib``),
+  the selection's blocks in ``topk`` device slots, or ``--gpu-blocks N`` slots: fewer than ``topk``
+  read the blocks without a slot from the host every step; host memory bounded by ``--host-mem-limit-gib``),
   found from the measured per-sequence slope (batch 1 and 2) and checked at the predicted batch;
   decode tokens/s at each, and the host -> device bytes per generated token (first step = whole
   selections; steady state = the blocks a step adds).
@@ -21,6 +22,7 @@ Every row records its error instead of stopping the table. Writes ``inference.js
 
 Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
+       [--gpu-blocks N]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
 
@@ -158,6 +160,8 @@ class Bench:
     def prefilled_cache(self, model, n: int, batch: int, **cache_opts):
         """Cache of one prompt of ``n`` tokens repeated to ``batch`` sequences, and the next tokens."""
         kw = {}
+        if cache_opts.get("offload") and self.args.gpu_blocks:
+            cache_opts = {**cache_opts, "gpu_blocks": self.args.gpu_blocks}
         if hasattr(model, "new_cache"):
             kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, **cache_opts)
         out = model(self.prompt(n), use_cache=True, logits_to_keep=1, **kw)
@@ -294,7 +298,8 @@ class Bench:
     def offload_rows(self, model) -> None:
         found = {}
         for offload in (False, True):
-            mode = "offload" if offload else "gpu_kv"
+            slots = self.args.gpu_blocks
+            mode = "gpu_kv" if not offload else f"offload_{slots}slots" if slots else "offload"
 
             def search(offload=offload, mode=mode):
                 r = self.largest_batch(model, offload)
@@ -376,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model and contexts (CPU check of the script)")
     p.add_argument("--mem-limit-gib", type=float, default=12.0, help="device memory limit of the batch search")
     p.add_argument("--host-mem-limit-gib", type=float, default=48.0, help="pinned host memory limit (offload)")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="device slots per (sequence, layer, KV head) of the offloaded cache (default: topk)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
     p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
     p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
@@ -390,6 +397,9 @@ def main(argv=None) -> int:
         return 2
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
+    if args.gpu_blocks is not None and args.gpu_blocks < 1:
+        print(f"error: --gpu-blocks must be >= 1, got {args.gpu_blocks}", file=sys.stderr)
         return 2
     if min(args.mem_limit_gib, args.host_mem_limit_gib) <= 0 or min(args.steps, args.offload_steps) < 1:
         print("error: memory limits must be > 0 and step counts >= 1", file=sys.stderr)

@@ -105,7 +105,9 @@ class NOSABlockCache(Cache):
     ``reserve`` tokens per sequence are allocated up front (default: the prompt plus 1024; the
     cache doubles when full). ``offload=True`` keeps every block of the NOSA layers in pinned CPU memory and ``gpu_blocks``
     (default: the selection budget ``topk``) block slots per (sequence, KV head) on the GPU; dense
-    layers, scores and the selection state stay on the GPU. ``get_seq_length()`` is the number of
+    layers, scores and the selection state stay on the GPU. With fewer slots than ``topk``, the
+    selected blocks that find no free slot are read from the host store into the step's gathered
+    keys / values every step (more host-to-device traffic for a smaller device footprint). ``get_seq_length()`` is the number of
     attention-mask columns seen (padding included), as for transformers' own caches.
     """
 
@@ -121,8 +123,8 @@ class NOSABlockCache(Cache):
         if any(c.block_size != self.block_size for c in nosa):
             raise ValueError("all NOSA layers of one model must share block_size")
         self.gpu_blocks = gpu_blocks if gpu_blocks is not None else max((c.topk for c in nosa), default=0)
-        if offload and any(self.gpu_blocks < c.topk for c in nosa):
-            raise ValueError(f"gpu_blocks ({self.gpu_blocks}) must be >= the selection budget topk")
+        if offload and nosa and self.gpu_blocks < 1:
+            raise ValueError(f"gpu_blocks must be >= 1, got {self.gpu_blocks}")
         self.states: list[LayerState] = [LayerState(s) for s in specs]
         if fetch not in ("auto", "uva", "copy"):
             raise ValueError(f"fetch must be auto, uva or copy, got {fetch!r}")
@@ -490,8 +492,10 @@ class NOSABlockCache(Cache):
     def _fetch(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
                off: Tensor) -> tuple[Tensor, Tensor]:
         """Offloaded mode: bring the selected blocks into GPU slots (moving only those not resident),
-        write the new token (GPU slot and host store), return the gathered ``[B, Hkv, K, bs, D]``."""
-        B, Hkv = sel.shape[:2]
+        write the new token (GPU slot and host store), return the gathered ``[B, Hkv, K, bs, D]``.
+        With fewer slots ``C`` than selected blocks ``K``, the missing blocks beyond the free slots
+        (in selection order) are read from the host store straight into the gathered tensors."""
+        B, Hkv, K = sel.shape
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
@@ -504,8 +508,10 @@ class NOSABlockCache(Cache):
         in_sel[..., NB] = False
         keep = in_sel.gather(-1, st.slot_block[..., :C])
         free_first = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices
-        rank = (missing.long().cumsum(-1) - 1).clamp(min=0)
-        target = free_first.gather(-1, rank)
+        rank = missing.long().cumsum(-1) - 1
+        if C < K:  # only as many missing blocks as there are free slots get one
+            missing = missing & (rank < (~keep).sum(-1, keepdim=True))
+        target = free_first.gather(-1, rank.clamp(min=0, max=C - 1))
         old = st.slot_block.gather(-1, target)
         st.slot_of.scatter_(-1, torch.where(missing, old, NB), -1)
         st.slot_of.scatter_(-1, torch.where(missing, sel, NB), target)
@@ -526,14 +532,24 @@ class NOSABlockCache(Cache):
         if self.fetch != "uva":
             self._move_copy(st, src, dst, k1, v1)
         self.stats.d2h_bytes += 2 * k1.numel() * k1.element_size()
-        # the new token into its (now resident) block's slot
+        # the new token into its block's slot (resident unless it overflowed: then the host store has it)
         own = st.slot_of[bi, hi, blk[:, None]]
         gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
         gv = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])
+        if C < K:
+            resident = (own >= 0)[..., None]
+            own = own.clamp(min=0)
+            k1 = torch.where(resident, k1, gk[bi, hi, own, off[:, None]])
+            v1 = torch.where(resident, v1, gv[bi, hi, own, off[:, None]])
         gk[bi, hi, own, off[:, None]] = k1
         gv[bi, hi, own, off[:, None]] = v1
-        slots = st.slot_of.gather(-1, sel).clamp(min=0)
-        return gk[bi[..., None], hi[..., None], slots], gv[bi[..., None], hi[..., None], slots]
+        slots = st.slot_of.gather(-1, sel)
+        kb = gk[bi[..., None], hi[..., None], slots.clamp(min=0)]
+        vb = gv[bi[..., None], hi[..., None], slots.clamp(min=0)]
+        if C < K:  # selected blocks without a slot: from the host store into this step's copies
+            spill = torch.where(sel_ok & (slots < 0), (row * K + torch.arange(K, device=dev)), -1)
+            self._copy_rows(st, src, spill, kb.view(-1, *kb.shape[3:]), vb.view(-1, *vb.shape[3:]))
+        return kb, vb
 
     def _token_offsets(self, st: LayerState, pos: Tensor) -> Tensor:
         """Element offset ``[B * Hkv]`` of each sequence's new token in the host store."""
@@ -549,8 +565,7 @@ class NOSABlockCache(Cache):
         D = st.spec.head_dim
         uva_store_tokens(k1.reshape(-1, D).contiguous(), v1.reshape(-1, D).contiguous(), st.cpu_k, st.cpu_v,
                               self._token_offsets(st, self.pos))
-        uva_fetch_rows(st.cpu_k, st.cpu_v, st.gpu_k, st.gpu_v, src.reshape(-1), dst.reshape(-1))
-        self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
+        self._copy_rows(st, src, dst, st.gpu_k, st.gpu_v)
 
     def _move_copy(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
         """Host path: the new token goes device -> host, the missing blocks are gathered on the host
@@ -563,20 +578,36 @@ class NOSABlockCache(Cache):
         v_host.copy_(v1, non_blocking=True)
         off_host.copy_(self._token_offsets(st, self.pos), non_blocking=True)
         moving = dst >= 0
-        src, dst = src[moving], dst[moving]  # host sync: the copy list
-        src_host = src.cpu()
+        src, dst = src[moving], dst[moving]
+        src_host = src.cpu()  # host sync: the copy list, and the token copies above have landed
         D = st.spec.head_dim
         idx = off_host[:, None] + torch.arange(D)
         st.cpu_k.view(-1)[idx] = k_host.reshape(-1, D)
         st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
+        self._host_gather(st, src_host, dst, st.gpu_k, st.gpu_v)
+
+    def _copy_rows(self, st: LayerState, src: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor) -> None:
+        """Host-store rows ``src`` into rows ``dst`` of ``out_k / out_v [R, bs, D]`` (device) where
+        ``dst >= 0``: Triton kernels on the pinned store (``fetch=uva``) or a host gather + copy."""
+        if self.fetch == "uva":
+            uva_fetch_rows(st.cpu_k, st.cpu_v, out_k, out_v, src.reshape(-1), dst.reshape(-1))
+            self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
+            return
+        moving = dst >= 0
+        self._host_gather(st, src[moving].cpu(), dst[moving], out_k, out_v)  # host sync: the copy list
+
+    def _host_gather(self, st: LayerState, src_host: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor) -> None:
+        """Host path of :meth:`_copy_rows`: rows ``src_host`` (CPU) gathered into pinned staging and
+        copied to rows ``dst`` of ``out_k / out_v``."""
+        pin = torch.cuda.is_available()
         n = int(src_host.numel())
         if n:
             stage_k = torch.empty(n, *st.cpu_k.shape[1:], dtype=st.cpu_k.dtype, pin_memory=pin)
             stage_v = torch.empty_like(stage_k, pin_memory=pin)
             torch.index_select(st.cpu_k, 0, src_host, out=stage_k)
             torch.index_select(st.cpu_v, 0, src_host, out=stage_v)
-            st.gpu_k.index_copy_(0, dst, stage_k.to(dst.device, non_blocking=True))
-            st.gpu_v.index_copy_(0, dst, stage_v.to(dst.device, non_blocking=True))
+            out_k.index_copy_(0, dst, stage_k.to(dst.device, non_blocking=True))
+            out_v.index_copy_(0, dst, stage_v.to(dst.device, non_blocking=True))
             moved = 2 * stage_k.numel() * stage_k.element_size()
             self.stats.h2d_bytes += moved
             self._step_h2d += moved

@@ -154,14 +154,16 @@ def test_block_cache_decode_equals_reference_decode(export_dirs, kind):
 def test_offloaded_cache_equals_full_cache(export_dirs):
     """Offloaded (host store + GPU slots) vs GPU-resident block cache: identical logits and selections;
     the first step fetches whole selections, later steps only the blocks a selection adds. Both transfer
-    paths: host copies, and the Triton kernels on the host store (interpreter on CPU)."""
+    paths: host copies, and the Triton kernels on the host store (interpreter on CPU). With fewer slots
+    than the selection budget (4 of topk 7), the blocks without a slot are read from the host every step
+    and the results stay identical."""
     model = _load(export_dirs["nosa"])
     ids, mask = _batch([170, 130])
     new = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(6))
     full_logits, full_sels, _ = _run(model, model.new_cache(), ids, mask, new)
     topk = tiny_geometry().topk
     fetched = {}
-    for gpu_blocks, fetch in ((None, "copy"), (9, "copy"), (None, "uva")):
+    for gpu_blocks, fetch in ((None, "copy"), (9, "copy"), (None, "uva"), (4, "copy"), (4, "uva")):
         if fetch == "uva":
             pytest.importorskip("triton")
         cache = model.new_cache(offload=True, gpu_blocks=gpu_blocks, fetch=fetch)
@@ -175,9 +177,13 @@ def test_offloaded_cache_equals_full_cache(export_dirs):
             steps = st.per_step_h2d
             block_bytes = 2 * 16 * 8 * 8  # K and V of one 16-token block, D = 8, fp64
             assert steps[0] == 2 * 2 * 2 * topk * block_bytes  # layers x seqs x heads x whole selection
-            assert all(s < steps[0] for s in steps[1:]) and sum(steps[1:]) > 0
+            if gpu_blocks is None or gpu_blocks >= topk:
+                assert all(s < steps[0] for s in steps[1:]) and sum(steps[1:]) > 0
+            else:  # at least the selected blocks beyond the slots, every step
+                assert all(s >= 2 * 2 * 2 * (topk - gpu_blocks) * block_bytes for s in steps[1:])
             assert st.h2d_bytes == sum(steps) == st.fetched_blocks * block_bytes and st.decode_steps == 40
     assert fetched[(None, "uva")] == fetched[(None, "copy")] >= fetched[(9, "copy")]
+    assert fetched[(4, "uva")] == fetched[(4, "copy")] > fetched[(None, "copy")]
 
 
 def test_generate_batch_equals_single_prompts_and_beam_search(export_dirs):
@@ -227,7 +233,7 @@ def test_decode_config_default_is_block_cache_for_plain_forward(export_dirs):
 @pytest.mark.gpu
 def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
     """On a GPU: the CUDA-graph decode step and the offloaded cache (host copies; kernels on pinned host
-    memory inside the graph) give the eager GPU-resident logits."""
+    memory inside the graph; topk slots and fewer) give the eager GPU-resident logits."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = _load(export_dirs["nosa"], torch.float32).cuda()
@@ -237,7 +243,10 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
     runs = {}
     for name, opts, cache_kw in (("eager", {"cuda_graphs": False}, {}), ("graph", {}, {}),
                                  ("offload", {"cuda_graphs": False}, {"offload": True, "fetch": "copy"}),
-                                 ("offload_uva_graph", {}, {"offload": True, "fetch": "uva"})):
+                                 ("offload_uva_graph", {}, {"offload": True, "fetch": "uva"}),
+                                 ("offload_4slots", {"cuda_graphs": False},
+                                  {"offload": True, "fetch": "copy", "gpu_blocks": 4}),
+                                 ("offload_4slots_uva_graph", {}, {"offload": True, "fetch": "uva", "gpu_blocks": 4})):
         model.set_cache_options(**opts)
         with torch.no_grad():
             out = model(ids, attention_mask=mask, cache=model.new_cache(**cache_kw), use_cache=True)
@@ -251,6 +260,8 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
     torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
     assert torch.equal(runs["offload"], runs["eager"])
     torch.testing.assert_close(runs["offload_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(runs["offload_4slots"], runs["eager"])  # fewer slots than topk: blocks read from the host
+    torch.testing.assert_close(runs["offload_4slots_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
 
 
 def test_forward_with_cache_keeps_gradients(export_dirs):
