@@ -103,12 +103,13 @@ class NOSABlockCache(Cache):
     first forward with ``use_cache``) and passed back by ``generate``.
 
     ``reserve`` tokens per sequence are allocated up front (default: the prompt plus 1024; the
-    cache doubles when full). ``offload=True`` keeps every block of the NOSA layers in pinned CPU memory and ``gpu_blocks``
-    (default: the selection budget ``topk``) block slots per (sequence, KV head) on the GPU; dense
-    layers, scores and the selection state stay on the GPU. With fewer slots than ``topk``, the
-    selected blocks that find no free slot are read from the host store into the step's gathered
-    keys / values every step (more host-to-device traffic for a smaller device footprint). ``get_seq_length()`` is the number of
-    attention-mask columns seen (padding included), as for transformers' own caches.
+    cache doubles when full). ``offload=True`` keeps every block of the NOSA layers in pinned CPU
+    memory and ``gpu_blocks`` (default: the selection budget ``topk``) block slots per (sequence,
+    KV head) on the GPU; dense layers, scores and the selection state stay on the GPU. With fewer
+    slots than ``topk``, the selected blocks that find no free slot are read from the host store
+    into the step's gathered keys / values every step (more host-to-device traffic for a smaller
+    device footprint). ``get_seq_length()`` is the number of attention-mask columns seen (padding
+    included), as for transformers' own caches.
     """
 
     is_compileable = False
