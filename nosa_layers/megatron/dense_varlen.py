@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_LONGEST: list = [None, 0]  # (cu_seqlens the value was read from, longest document in tokens)
+_LONGEST: list = [None, -1, 0]  # (cu_seqlens read, its version, longest document in tokens)
 
 
 def varlen_supported(q: Tensor, k: Tensor) -> bool:
@@ -20,10 +20,10 @@ def varlen_supported(q: Tensor, k: Tensor) -> bool:
 
 def longest_document(cu_seqlens: Tensor) -> int:
     """Tokens of the longest document of ``cu_seqlens`` (one host read per distinct tensor: every
-    layer of a step passes the same one)."""
-    if _LONGEST[0] is not cu_seqlens:
-        _LONGEST[0], _LONGEST[1] = cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _LONGEST[1]
+    layer of a step passes the same one; an in-place change of the tensor is read again)."""
+    if _LONGEST[0] is not cu_seqlens or _LONGEST[1] != cu_seqlens._version:
+        _LONGEST[:] = cu_seqlens, cu_seqlens._version, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return _LONGEST[2]
 
 
 class _FlashVarlen(torch.autograd.Function):

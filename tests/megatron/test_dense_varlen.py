@@ -29,11 +29,13 @@ def test_refuses_cpu_and_fp32_with_a_clear_error():
 
 
 def test_longest_document_is_read_once_per_cu_seqlens(monkeypatch):
-    monkeypatch.setattr(dense_varlen, "_LONGEST", [None, 0])
+    monkeypatch.setattr(dense_varlen, "_LONGEST", [None, -1, 0])
     cu = torch.tensor([0, 3, 10, 12])
     assert longest_document(cu) == 7
-    cu[2] = 4  # same tensor object: the cached value stands (every layer of a step shares it)
-    assert longest_document(cu) == 7
+    dense_varlen._LONGEST[2] = 99  # the same unchanged tensor (every layer of a step): no new read
+    assert longest_document(cu) == 99
+    cu[2] = 4  # changed in place: read again
+    assert longest_document(cu) == 8
     assert longest_document(torch.tensor([0, 3, 40])) == 37
 
 
