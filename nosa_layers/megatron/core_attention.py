@@ -86,7 +86,10 @@ class DenseCoreAttention(_CausalCoreAttention):
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
         if packed and varlen_supported(query, key):
-            return causal_varlen_attention(query, key, value, cu, self.softmax_scale).flatten(-2)
+            longest = packed_seq_params.max_seqlen_q  # the trainer's batch carries it (no host sync)
+            if longest is None:
+                longest = int((cu[1:] - cu[:-1]).max())
+            return causal_varlen_attention(query, key, value, cu, longest, self.softmax_scale).flatten(-2)
         q, k, v = (_to_bthd(x, packed).transpose(1, 2) for x in (query, key, value))  # [b, h, s, D]
         outs = []
         for s, e in document_spans(cu, q.shape[2]):

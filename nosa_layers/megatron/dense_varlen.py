@@ -1,6 +1,6 @@
 """Causal dense attention of packed documents in one launch (CUDA): the FlashAttention-2
 variable-length kernels that PyTorch ships, with GQA. No attention across documents, no loop over
-documents, and no host sync beyond one per batch (the longest document, cached per ``cu_seqlens``).
+documents, no host sync (the longest document comes with the batch: ``PackedSeqParams.max_seqlen_q``).
 The per-document SDPA loop of ``DenseCoreAttention`` is the reference and the CPU path."""
 
 from __future__ import annotations
@@ -8,22 +8,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_LONGEST: list = [None, -1, 0]  # (cu_seqlens read, its version, longest document in tokens)
-
 
 def varlen_supported(q: Tensor, k: Tensor) -> bool:
     """Whether :func:`causal_varlen_attention` takes these tensors (CUDA, fp16 / bf16, head dim a
     multiple of 8 up to 256, query heads a multiple of the KV heads)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
             and q.shape[-1] <= 256 and q.shape[-2] % k.shape[-2] == 0)
-
-
-def longest_document(cu_seqlens: Tensor) -> int:
-    """Tokens of the longest document of ``cu_seqlens`` (one host read per distinct tensor: every
-    layer of a step passes the same one; an in-place change of the tensor is read again)."""
-    if _LONGEST[0] is not cu_seqlens or _LONGEST[1] != cu_seqlens._version:
-        _LONGEST[:] = cu_seqlens, cu_seqlens._version, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return _LONGEST[2]
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -44,14 +34,15 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def causal_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
+def causal_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                             softmax_scale: float | None = None) -> Tensor:
-    """q ``[t, Hq, D]``, k/v ``[t, Hkv, D]`` of documents packed at ``cu_seqlens`` ``[docs + 1]``:
-    causal attention inside each document, ``[t, Hq, D]``; differentiable in q, k, v."""
+    """q ``[t, Hq, D]``, k/v ``[t, Hkv, D]`` of documents packed at ``cu_seqlens`` ``[docs + 1]``, the
+    longest at most ``max_seqlen`` tokens: causal attention inside each document, ``[t, Hq, D]``;
+    differentiable in q, k, v."""
     if not varlen_supported(q, k):
         raise ValueError("causal_varlen_attention needs CUDA fp16/bf16 tensors, head dim a multiple of 8 "
                          f"up to 256 and query heads a multiple of KV heads; got {q.dtype} on {q.device}, "
                          f"shapes {tuple(q.shape)} / {tuple(k.shape)}")
     cu = cu_seqlens.to(torch.int32)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return _FlashVarlen.apply(q, k, v, cu, longest_document(cu_seqlens), softmax_scale)
+    return _FlashVarlen.apply(q, k, v, cu, int(max_seqlen), softmax_scale)

@@ -1,14 +1,12 @@
 """Variable-length dense attention of packed documents (``nosa_layers/megatron/dense_varlen.py``):
 on a GPU it equals the per-document SDPA loop (output and gradients, GQA, odd lengths, a
-one-token document); everywhere, it refuses what it cannot take and reads the longest document
-once per ``cu_seqlens``."""
+one-token document); everywhere, it refuses what it cannot take."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nosa_layers.megatron import dense_varlen
-from nosa_layers.megatron.dense_varlen import causal_varlen_attention, longest_document, varlen_supported
+from nosa_layers.megatron.dense_varlen import causal_varlen_attention, varlen_supported
 
 
 def _loop(q, k, v, cu):
@@ -25,18 +23,7 @@ def test_refuses_cpu_and_fp32_with_a_clear_error():
     q, k = torch.randn(10, 4, 64), torch.randn(10, 2, 64)
     assert not varlen_supported(q, k)
     with pytest.raises(ValueError, match="CUDA fp16/bf16"):
-        causal_varlen_attention(q, k, k, torch.tensor([0, 4, 10], dtype=torch.int32))
-
-
-def test_longest_document_is_read_once_per_cu_seqlens(monkeypatch):
-    monkeypatch.setattr(dense_varlen, "_LONGEST", [None, -1, 0])
-    cu = torch.tensor([0, 3, 10, 12])
-    assert longest_document(cu) == 7
-    dense_varlen._LONGEST[2] = 99  # the same unchanged tensor (every layer of a step): no new read
-    assert longest_document(cu) == 99
-    cu[2] = 4  # changed in place: read again
-    assert longest_document(cu) == 8
-    assert longest_document(torch.tensor([0, 3, 40])) == 37
+        causal_varlen_attention(q, k, k, torch.tensor([0, 4, 10], dtype=torch.int32), 6)
 
 
 @pytest.mark.gpu
@@ -50,7 +37,7 @@ def test_gpu_equals_the_per_document_loop(seed):
     t = sum(lens)
     q, k, v = (torch.randn(t, h, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
                for h in (8, 2, 2))
-    out = causal_varlen_attention(q, k, v, cu)
+    out = causal_varlen_attention(q, k, v, cu, max(lens))
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     qr, kr, vr = (x.detach().float().requires_grad_(True) for x in (q, k, v))
