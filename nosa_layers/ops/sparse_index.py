@@ -104,20 +104,15 @@ def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_
     WT: tl.constexpr = Words.dtype.element_ty
     n = 0
     for m0 in range(0, j + 1, NBC):
-        if FKB == 1:
-            cols = m0 + tl.arange(0, NBC)
-            cm = cols <= j
-            word = _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT)
-            tl.store(Words + w * NBW + cols, word, mask=cm)
-            nz = (word != 0) & cm
-        else:
-            cols = m0 + 2 * tl.arange(0, NBC // 2)  # first block of each pair (NBC is even)
-            cm = cols <= j
-            word = _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT)
+        cols = m0 + FKB * tl.arange(0, NBC // FKB)  # first block of each entry (NBC is even)
+        cm = cols <= j
+        word = _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT)
+        tl.store(Words + w * NBW + cols, word, mask=cm)
+        nz = (word != 0) & cm
+        if FKB == 2:
             word1 = _tile_words(Sel, b, h, qs, r, rmask, cols + 1, j, s_sb, s_sh, s_st, WT)
-            tl.store(Words + w * NBW + cols, word, mask=cm)
             tl.store(Words + w * NBW + cols + 1, word1, mask=cols + 1 <= j)
-            nz = ((word != 0) | (word1 != 0)) & cm
+            nz |= (word1 != 0) & cm
         pos = n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
         ok = nz & (pos < cap)
         tl.store(FwdKs + w * cap + pos, ds + cols * BS, mask=ok)
