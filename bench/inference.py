@@ -22,7 +22,7 @@ Every row records its error instead of stopping the table. Writes ``inference.js
 
 Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
-       [--gpu-blocks N]
+       [--gpu-blocks N] [--attention auto|triton|torch] [--profile]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
 
@@ -163,7 +163,8 @@ class Bench:
         if cache_opts.get("offload") and self.args.gpu_blocks:
             cache_opts = {**cache_opts, "gpu_blocks": self.args.gpu_blocks}
         if hasattr(model, "new_cache"):
-            kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, **cache_opts)
+            kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, attention=self.args.attention,
+                                                  **cache_opts)
         out = model(self.prompt(n), use_cache=True, logits_to_keep=1, **kw)
         cache = out_cache(out)
         if batch > 1:
@@ -189,6 +190,38 @@ class Bench:
         self.last_steps = per_step
         return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
                 "tok_per_s": round(B * steps / total, 1)}
+
+    @torch.no_grad()
+    def kernel_profile(self, model, cache, tok, steps: int = 3) -> dict:
+        """Device time per decode step by kernel (eager steps under ``torch.profiler``; the captured
+        graph replays the same kernels): the 20 largest, in ms per step."""
+        from torch.profiler import ProfilerActivity, profile
+
+        graphs = model.model.cache_options.get("cuda_graphs", True)
+        model.set_cache_options(cuda_graphs=False)
+        name = cache_kw(model)
+        try:
+            for _ in range(2):
+                out = model(tok, use_cache=True, **{name: cache})
+                cache, tok = out_cache(out), out.logits[:, -1:].argmax(-1)
+            self.sync()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                for _ in range(steps):
+                    out = model(tok, use_cache=True, **{name: cache})
+                    cache, tok = out_cache(out), out.logits[:, -1:].argmax(-1)
+                self.sync()
+        finally:
+            model.set_cache_options(cuda_graphs=graphs)
+        rows = []
+        for ev in prof.key_averages():
+            t = (getattr(ev, "self_device_time_total", 0) or 0) if self.dev.type == "cuda" else ev.self_cpu_time_total
+            if t > 0:
+                rows.append((ev.key[:90], round(t / 1e3 / steps, 3), ev.count // steps))
+        rows.sort(key=lambda r: -r[1])
+        total = sum(r[1] for r in rows)
+        return {"profile_total_ms_per_step": round(total, 3),
+                "profile_top": [{"name": n, "ms_per_step": ms, "calls_per_step": c} for n, ms, c in rows[:20]]}
 
     @torch.no_grad()
     def graph_check(self, model, steps: int = 6) -> dict:
@@ -239,7 +272,9 @@ class Bench:
             host_cap = int(self.args.host_mem_limit_gib * GIB) // max(1, p2["host"] - p1["host"])
             guess = min(guess, host_cap)
         guess = max(1, int(guess))
-        info = {"per_seq_device_mib": round(slope / 2**20, 1), "base_device_gib": round((p1["peak_bytes"] - slope) / GIB, 2),
+        info = {"per_seq_device_mib": round(slope / 2**20, 1),
+                "per_seq_cache_mib": round((p2["device"] - p1["device"]) / 2**20, 1),  # the rest: step buffers
+                "base_device_gib": round((p1["peak_bytes"] - slope) / GIB, 2),
                 "host_batch_cap": host_cap, "predicted": guess}
         for _ in range(4):
             try:
@@ -281,7 +316,9 @@ class Bench:
                 for B in (1, 4):
                     def dec(n=n, B=B):
                         cache, tok = self.prefilled_cache(model, n, B)
-                        return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
+                        path = {"attention": cache.attention} if hasattr(cache, "attention") else {}
+                        return {"model": kind, "context": n, **path,
+                                **self.decode_rate(model, cache, tok, self.args.steps)}
                     self.row(f"decode {kind} ctx{n} b{B}", dec)
             if kind == "nosa" and self.dev.type == "cuda":
                 self.row("check nosa decode: graph / offload vs eager", lambda: self.graph_check(model))
@@ -317,7 +354,7 @@ class Bench:
                 blocks0 = cache.fetched_blocks()
                 r = self.decode_rate(model, cache, tok, self.args.offload_steps, warm=1)
                 out = {"model": "nosa", "mode": mode, "context": self.long, **r,
-                       "first_step_ms": first["step_ms"]}
+                       "first_step_ms": first["step_ms"], "attention": cache.attention}
                 if offload:
                     block_bytes = 2 * self.geo.block_size * self.shape.kv_channels * 2
                     steady = (cache.fetched_blocks() - blocks0) / (self.args.offload_steps + 1)
@@ -330,6 +367,10 @@ class Bench:
                         "fetched_blocks_per_step_per_head": round(
                             steady / (B * self.shape.num_kv_heads * self.shape.num_layers), 2),
                     })
+                if self.args.profile:
+                    out.update(self.kernel_profile(model, cache, tok))
+                    for r in out["profile_top"]:
+                        log(f"  {r['ms_per_step']:9.3f} ms x{r['calls_per_step']:<5d} {r['name']}")
                 return out
 
             self.row(f"decode nosa {mode} ctx{self.long} max batch", rate)
@@ -355,7 +396,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib", "per_seq_device_mib",
-           "first_step_h2d_mib", "h2d_bytes_per_token", "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
+           "per_seq_cache_mib", "first_step_h2d_mib", "h2d_bytes_per_token", "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
            "attention", "max_abs_logit_diff", "offload_max_abs_logit_diff", "error")
 
 
@@ -388,6 +429,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
     p.add_argument("--long-context", type=int, default=None,
                    help="context of the offload rows (default: 16384; 512 with --quick)")
+    p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
+                   help="NOSA decode attention over the selected blocks: the Triton kernel reading them in "
+                        "place, or gathered copies + PyTorch (auto: triton on CUDA)")
+    p.add_argument("--profile", action="store_true",
+                   help="offload rows: also the device time per decode step by kernel (top 20)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
     args = p.parse_args(argv)

@@ -28,7 +28,8 @@ MODEL_CLASS = "NOSALlamaForCausalLM"
 CONFIG_CLASS = "NOSALlamaConfig"
 AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
 # modules of this folder shipped with the modeling file (they import the reference copies relatively)
-MODELING_HELPERS = ("nosa_block_cache.py", "nosa_decode_select.py", "nosa_decode_graph.py", "nosa_uva.py")
+MODELING_HELPERS = ("nosa_block_cache.py", "nosa_decode_select.py", "nosa_decode_attn.py", "nosa_decode_graph.py",
+                    "nosa_uva.py")
 # reference modules shipped next to the modeling file (the single source of NOSA math)
 SHIPPED = ("config", "eviction", "selection", "reference", "dispatch", "decode")
 

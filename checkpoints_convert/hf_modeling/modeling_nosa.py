@@ -10,8 +10,9 @@ runs its Triton kernels (one packed ``nosa_attention(..., cu_seqlens, backend="t
 layer for the whole batch); otherwise everything is PyTorch. ``nosa_block_cache.py`` (shipped with
 this file) is the KV cache: 64-token blocks, a batched decode step that recomputes the reference
 selection from incrementally kept state (``nosa_decode_select.py``), captured as a CUDA graph on GPUs
-(``nosa_decode_graph.py``), and an offloaded mode (blocks in pinned host memory, the selection's
-blocks in GPU slots; ``nosa_uva.py`` moves them).
+(``nosa_decode_graph.py``), with the token's attention over its selected blocks read in place by a
+Triton kernel on GPUs (``nosa_decode_attn.py``), and an offloaded mode (blocks in pinned host memory,
+the selection's blocks in GPU slots; ``nosa_uva.py`` moves them).
 
 Weight names follow the public ``openbmb/NOSA-*`` checkpoints: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``self_attn.A``, ``self_attn.delta.weight`` (Locret ablation: ``self_attn.fc1/fc2``), ``mlp.{gate,up,down}_proj``.
@@ -394,20 +395,22 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 for a in (layer.self_attn for layer in self.layers)]
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                  reserve: int | None = None, fetch: str = "auto"):
+                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto"):
         """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
         memory, ``gpu_blocks`` slots per sequence and KV head on the GPU; ``reserve`` tokens per sequence
         allocated up front; ``fetch``: how offloaded blocks move, ``uva`` = Triton kernels reading pinned host
         memory directly (no host synchronisation, CUDA-graph friendly), ``copy`` = gathered on the host and
-        copied, ``auto`` = ``uva`` when Triton and CUDA are there), or with ``dynamic=True``
-        transformers' ``DynamicCache`` (the slow reference decode path)."""
+        copied, ``auto`` = ``uva`` when Triton and CUDA are there; ``attention``: the decode attention over
+        the selected blocks, ``triton`` = a kernel reading them in place, ``torch`` = gathered copies,
+        ``auto`` = ``triton`` on CUDA when installed), or with ``dynamic=True`` transformers'
+        ``DynamicCache`` (the slow reference decode path)."""
         if dynamic:
             try:
                 return DynamicCache(config=self.config)
             except TypeError:
                 return DynamicCache()
         return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks, reserve=reserve,
-                              fetch=fetch)
+                              fetch=fetch, attention=attention)
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
@@ -500,17 +503,17 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
         return False  # forward() makes a NOSABlockCache; generate() takes it from the outputs
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                  reserve: int | None = None, fetch: str = "auto"):
+                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto"):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
         return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve,
-                                    fetch=fetch)
+                                    fetch=fetch, attention=attention)
 
     def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                          cuda_graphs: bool = True, fetch: str = "auto") -> None:
+                          cuda_graphs: bool = True, fetch: str = "auto", attention: str = "auto") -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
         ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
         self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,
-                                    "cuda_graphs": cuda_graphs, "fetch": fetch}
+                                    "cuda_graphs": cuda_graphs, "fetch": fetch, "attention": attention}
 
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""

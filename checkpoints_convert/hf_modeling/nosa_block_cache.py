@@ -27,6 +27,7 @@ device -> host.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from .nosa_config import NOSAConfig
+from .nosa_decode_attn import available as attn_kernel_available
+from .nosa_decode_attn import decode_attention
+from .nosa_decode_attn import supported as attn_kernel_supported
 from .nosa_decode_select import attend, decode_masks, select_decode_batched
 from .nosa_selection import block_window_index, compressed_keys, window_scores
 from .nosa_uva import available as uva_available
@@ -108,14 +112,17 @@ class NOSABlockCache(Cache):
     KV head) on the GPU; dense layers, scores and the selection state stay on the GPU. With fewer
     slots than ``topk``, the selected blocks that find no free slot are read from the host store
     into the step's gathered keys / values every step (more host-to-device traffic for a smaller
-    device footprint). ``get_seq_length()`` is the number of attention-mask columns seen (padding
+    device footprint). ``attention``: how a decode step's token attends to its selected blocks,
+    ``triton`` = the kernel of ``nosa_decode_attn.py`` reading the blocks in place (slots, or the
+    pinned host store for blocks without a slot), ``torch`` = gathered copies and ``attend``,
+    ``auto`` = ``triton`` on a CUDA device when Triton is installed. ``get_seq_length()`` is the number of attention-mask columns seen (padding
     included), as for transformers' own caches.
     """
 
     is_compileable = False
 
     def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None,
-                 reserve: int | None = None, fetch: str = "auto") -> None:
+                 reserve: int | None = None, fetch: str = "auto", attention: str = "auto") -> None:
         super().__init__(layers=[])
         self.specs = specs
         self.offload = offload
@@ -129,6 +136,11 @@ class NOSABlockCache(Cache):
         self.states: list[LayerState] = [LayerState(s) for s in specs]
         if fetch not in ("auto", "uva", "copy"):
             raise ValueError(f"fetch must be auto, uva or copy, got {fetch!r}")
+        if attention not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention must be auto, triton or torch, got {attention!r}")
+        if attention == "triton" and not attn_kernel_available():
+            raise ValueError("attention='triton' needs triton installed")
+        self.attention = attention  # decode attention over the selected blocks: Triton kernel or torch
         self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
         self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
         self.batch = 0
@@ -236,6 +248,12 @@ class NOSABlockCache(Cache):
         self.batch, self.device, self.dtype = B, device, dtype
         if self.fetch == "auto":
             self.fetch = "uva" if torch.device(device).type == "cuda" and uva_available() else "copy"
+        on_gpu = torch.device(device).type == "cuda"
+        if self.attention == "auto":
+            self.attention = "triton" if on_gpu and attn_kernel_available() else "torch"
+        elif self.attention == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention='triton' needs a CUDA device (or TRITON_INTERPRET=1 on a CPU, slow); "
+                             "use attention='torch' or 'auto'")
         self.stats.fetched_dev = torch.zeros((), dtype=torch.long, device=device)
         self.state_dtype = torch.promote_types(dtype, torch.float32)
         self.capacity = self._round(max(need, self.reserve) if self.reserve else need + CAPACITY_MARGIN)
@@ -431,20 +449,12 @@ class NOSABlockCache(Cache):
                                lambda: decode_masks(pos, cfg, index.shape[0], NW))
         sel, sel_ok = select_decode_batched(qg, st.kc[:, :, :NW], None if st.score is None else st.wsc[:, :, :NW],
                                             pos, cfg, index, scale, masks)
-        if st.offloaded:
-            kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
+        bias = st.bias if st.bias_mode in ("score", "own") else None
+        if self._kernel_applies(st, qg, sel):
+            out = self._attend_in_place(st, qg, sel, sel_ok, k1, v1, blk, off, bias, scale)
         else:
-            st.k[bi, hi, blk[:, None], off[:, None]] = k1
-            st.v[bi, hi, blk[:, None], off[:, None]] = v1
-            kb, vb = st.k[bi[..., None], hi[..., None], sel], st.v[bi[..., None], hi[..., None], sel]
-        K = sel.shape[-1]
-        kb, vb = kb.view(B, Hkv, K * bs, D), vb.view(B, Hkv, K * bs, D)
-        tok = (sel[..., None] * bs + torch.arange(bs, device=q.device)).view(B, Hkv, K * bs)
-        ok = sel_ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok <= pos[:, None, None])
-        bias_sel = None
-        if st.bias_mode in ("score", "own"):
-            bias_sel = st.bias.view(B, Hkv, -1, bs)[bi[..., None], hi[..., None], sel].view(B, Hkv, K * bs)
-        out = attend(qg, kb, vb, bias_sel, ok, scale).reshape(B, 1, Hq, D).to(q.dtype)
+            out = self._attend_gathered(st, qg, sel, sel_ok, k1, v1, blk, off, bias, scale)
+        out = out.reshape(B, 1, Hq, D).to(q.dtype)
         recorded = None
         if record:
             NB = index.shape[0]
@@ -452,6 +462,52 @@ class NOSABlockCache(Cache):
             mask.scatter_(-1, torch.where(sel_ok, sel, NB), True)
             recorded = [mask[b, :, None, :int(pos[b]) // bs + 1].cpu() for b in range(B)]
         return out, recorded
+
+    def _kernel_applies(self, st: LayerState, q: Tensor, sel: Tensor) -> bool:
+        """The Triton decode attention: chosen, a shape it takes, and every selected block readable by
+        a kernel (resident, or a slot-less block in pinned host memory that kernels address: ``uva``)."""
+        if self.attention != "triton" or not attn_kernel_supported(q, self.block_size):
+            return False
+        short = st.offloaded and st.slot_block.shape[-1] - 1 < sel.shape[-1]
+        return not short or self.fetch == "uva" or q.device.type == "cpu"
+
+    def _attend_in_place(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor,
+                         blk: Tensor, off: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+        """Store the new token, then attend over the selected blocks where they lie (no gathered copies)."""
+        B, Hkv, K = sel.shape
+        row = torch.arange(B * Hkv, device=sel.device).view(B, Hkv, 1)
+        if st.offloaded:
+            slots, src = self._make_resident(st, sel, sel_ok, k1, v1, blk, off)
+            C = st.slot_block.shape[-1] - 1
+            rows = torch.where(slots >= 0, row * C + slots, -1)
+            host = (st.cpu_k, st.cpu_v, src) if C < K else (None, None, None)
+            return decode_attention(qg, st.gpu_k, st.gpu_v, rows, sel, sel_ok, self.pos, scale, bias, *host)
+        bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
+        st.k[bi, hi, blk[:, None], off[:, None]] = k1
+        st.v[bi, hi, blk[:, None], off[:, None]] = v1
+        NB = st.k.shape[2]
+        pool_k, pool_v = st.k.view(B * Hkv * NB, *st.k.shape[3:]), st.v.view(B * Hkv * NB, *st.v.shape[3:])
+        return decode_attention(qg, pool_k, pool_v, row * NB + sel, sel, sel_ok, self.pos, scale, bias)
+
+    def _attend_gathered(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor,
+                         blk: Tensor, off: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+        """Store the new token, gather the selected blocks into new tensors and ``attend`` (PyTorch)."""
+        B, Hkv, K = sel.shape
+        bs, D, pos = self.block_size, qg.shape[-1], self.pos
+        bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
+        if st.offloaded:
+            kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
+        else:
+            st.k[bi, hi, blk[:, None], off[:, None]] = k1
+            st.v[bi, hi, blk[:, None], off[:, None]] = v1
+            kb, vb = st.k[bi[..., None], hi[..., None], sel], st.v[bi[..., None], hi[..., None], sel]
+        kb, vb = kb.view(B, Hkv, K * bs, D), vb.view(B, Hkv, K * bs, D)
+        tok = (sel[..., None] * bs + torch.arange(bs, device=sel.device)).view(B, Hkv, K * bs)
+        ok = sel_ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok <= pos[:, None, None])
+        bias_sel = None
+        if bias is not None:
+            bias_sel = bias.view(B, Hkv, -1, bs)[bi[..., None], hi[..., None], sel].view(B, Hkv, K * bs)
+        return attend(qg, kb, vb, bias_sel, ok, scale)
 
     def _pool_index(self, cfg: NOSAConfig, NB: int, NW: int, device) -> Tensor:
         key = (id(cfg), NB, NW)
@@ -492,10 +548,29 @@ class NOSABlockCache(Cache):
 
     def _fetch(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
                off: Tensor) -> tuple[Tensor, Tensor]:
-        """Offloaded mode: bring the selected blocks into GPU slots (moving only those not resident),
-        write the new token (GPU slot and host store), return the gathered ``[B, Hkv, K, bs, D]``.
-        With fewer slots ``C`` than selected blocks ``K``, the missing blocks beyond the free slots
-        (in selection order) are read from the host store straight into the gathered tensors."""
+        """Offloaded mode, PyTorch attention: :meth:`_make_resident`, then the selected blocks gathered
+        into ``[B, Hkv, K, bs, D]``; blocks without a slot (fewer slots ``C`` than selected blocks ``K``)
+        are read from the host store straight into the gathered tensors."""
+        B, Hkv, K = sel.shape
+        C = st.slot_block.shape[-1] - 1
+        slots, src = self._make_resident(st, sel, sel_ok, k1, v1, blk, off)
+        bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
+        gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
+        gv = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])
+        kb = gk[bi[..., None], hi[..., None], slots.clamp(min=0)]
+        vb = gv[bi[..., None], hi[..., None], slots.clamp(min=0)]
+        if C < K:  # selected blocks without a slot: from the host store into this step's copies
+            row = (bi * Hkv + hi)[..., None]
+            spill = torch.where(sel_ok & (slots < 0), (row * K + torch.arange(K, device=sel.device)), -1)
+            self._copy_rows(st, src, spill, kb.view(-1, *kb.shape[3:]), vb.view(-1, *vb.shape[3:]))
+        return kb, vb
+
+    def _make_resident(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
+                       off: Tensor) -> tuple[Tensor, Tensor]:
+        """Offloaded mode: bring the selected blocks into GPU slots (moving only those not resident) and
+        write the new token (GPU slot and host store). Returns ``(slots, src)`` ``[B, Hkv, K]``: the slot
+        of each selected block (-1: none; with fewer slots ``C`` than selected blocks ``K``, the missing
+        blocks beyond the free slots, in selection order) and its row in the host store."""
         B, Hkv, K = sel.shape
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
@@ -544,13 +619,7 @@ class NOSABlockCache(Cache):
             v1 = torch.where(resident, v1, gv[bi, hi, own, off[:, None]])
         gk[bi, hi, own, off[:, None]] = k1
         gv[bi, hi, own, off[:, None]] = v1
-        slots = st.slot_of.gather(-1, sel)
-        kb = gk[bi[..., None], hi[..., None], slots.clamp(min=0)]
-        vb = gv[bi[..., None], hi[..., None], slots.clamp(min=0)]
-        if C < K:  # selected blocks without a slot: from the host store into this step's copies
-            spill = torch.where(sel_ok & (slots < 0), (row * K + torch.arange(K, device=dev)), -1)
-            self._copy_rows(st, src, spill, kb.view(-1, *kb.shape[3:]), vb.view(-1, *vb.shape[3:]))
-        return kb, vb
+        return st.slot_of.gather(-1, sel), src
 
     def _token_offsets(self, st: LayerState, pos: Tensor) -> Tensor:
         """Element offset ``[B * Hkv]`` of each sequence's new token in the host store."""

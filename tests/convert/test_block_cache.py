@@ -6,12 +6,15 @@
 * the offloaded cache returns exactly what the GPU-resident block cache does, moving only the
   blocks a step adds;
 * ``generate`` (greedy at batch > 1, beam search) with the default block cache;
-* the packed Triton prefill (interpreter, tiny shapes) equals the reference prefill.
+* the packed Triton prefill (interpreter, tiny shapes) equals the reference prefill;
+* the Triton decode attention (blocks read in place: cache pool, slots, host store) equals the
+  gathered PyTorch ``attend``, alone and inside the cache.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -230,13 +233,92 @@ def test_decode_config_default_is_block_cache_for_plain_forward(export_dirs):
         assert _cache_of(model(ids, use_cache=True)).offload
 
 
+def _kernel_device() -> torch.device:
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not set (run through tests/conftest.py)")
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize("G,K,seed", [(1, 5, 0), (3, 9, 1), (8, 17, 2)])
+def test_decode_attention_kernel_equals_attend(export_dirs, G, K, seed):
+    """The kernel on random fp32 inputs vs gathering the blocks and ``attend``: selections of K blocks
+    (not a multiple of the 8-block split), skipped entries, keys past the position, bias or none, and
+    blocks read from a second (host) store at their own rows while the rest lie at scattered pool rows."""
+    dev = _kernel_device()
+    model = _load(export_dirs["nosa"])
+    kern, ref = _shipped(model, "nosa_decode_attn"), _shipped(model, "nosa_decode_select")
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, D, bs, NB = 3, 2, 32, 16, 20
+    store_k = torch.randn(B * Hkv * NB, bs, D, generator=g)
+    store_v = torch.randn(B * Hkv * NB, bs, D, generator=g)
+    q = torch.randn(B, Hkv, G, D, generator=g)
+    sel = torch.stack([torch.randperm(NB, generator=g)[:K] for _ in range(B * Hkv)]).view(B, Hkv, K)
+    pos = torch.tensor([NB * bs - 1, 9 * bs + 5, 4 * bs])
+    ok = (sel <= (pos // bs)[:, None, None]) & (torch.rand(B, Hkv, K, generator=g) > 0.15)
+    sel[:, :, 0], ok[:, :, 0] = 0, True  # a key in every row (else NaN rows, as in attend)
+    src = torch.arange(B * Hkv).view(B, Hkv, 1) * NB + sel
+    bias = torch.randn(B, Hkv, NB * bs, generator=g)
+    tok = (sel[..., None] * bs + torch.arange(bs)).view(B, Hkv, K * bs)
+    allowed = ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok <= pos[:, None, None])
+    bias_sel = bias.view(B, Hkv, NB, bs)[torch.arange(B)[:, None, None], torch.arange(Hkv)[None, :, None], sel]
+    kb, vb = store_k[src].view(B, Hkv, K * bs, D), store_v[src].view(B, Hkv, K * bs, D)
+    # the pool: a random row per selected block, only some of them resident (the rest: host rows)
+    R = B * Hkv * K + 5
+    pool_k, pool_v = torch.randn(R, bs, D, generator=g), torch.randn(R, bs, D, generator=g)
+    dest = torch.randperm(R, generator=g)[:B * Hkv * K].view(B, Hkv, K)
+    resident = torch.rand(B, Hkv, K, generator=g) < 0.6
+    pool_k[dest[resident]], pool_v[dest[resident]] = store_k[src[resident]], store_v[src[resident]]
+    on = {"device": dev}
+    args = [t.to(**on) for t in (q, pool_k, pool_v, torch.where(resident, dest, -1), sel, ok, pos)]
+    for with_bias in (True, False):
+        want = ref.attend(q, kb, vb, bias_sel.reshape(B, Hkv, K * bs) if with_bias else None, allowed, 0.3)
+        b = bias.to(**on) if with_bias else None
+        got_in_pool = kern.decode_attention(q.to(**on), store_k.to(**on), store_v.to(**on), src.to(**on),
+                                            *args[4:], 0.3, b)
+        got_split = kern.decode_attention(*args, 0.3, b, host_k=store_k.to(**on), host_v=store_v.to(**on),
+                                          host_rows=src.to(**on))
+        for got in (got_in_pool, got_split):
+            assert got.dtype == torch.float32 and got.shape == (B, Hkv, G, D)
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_decode_attention_in_the_cache(export_dirs):
+    """Decode with the attention kernel (interpreter on CPU): the logits of the PyTorch path and its
+    selections, for the GPU-resident cache and the offloaded one (topk slots; 3 of 6 slots, the rest
+    read from the host store by the kernel); the offloaded runs equal the GPU-resident kernel run."""
+    dev = _kernel_device()
+    model = _load(export_dirs["triton"], torch.float32).to(dev)
+    ids, mask = (t.to(dev) for t in _batch([100, 61]))
+    new = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(8)).to(dev)
+    want_logits, want_sels, _ = _run(model, model.new_cache(attention="torch"), ids, mask, new)
+    runs = {}
+    for name, opts in (("full", {}), ("offload", {"offload": True}),
+                       ("offload_3slots", {"offload": True, "gpu_blocks": 3, "fetch": "uva"})):
+        cache = model.new_cache(attention="triton", **opts)
+        logits, sels, cache = _run(model, cache, ids, mask, new)
+        assert cache.attention == "triton"
+        # summation order only (~1e-7 here); a 0.1% error in the kernel's logits shows as ~1e-6
+        torch.testing.assert_close(logits, want_logits, rtol=0, atol=5e-7)
+        assert all(torch.equal(a[i][b], c[i][b]) for a, c in zip(sels, want_sels) for i in a for b in range(2))
+        runs[name] = logits
+    assert torch.equal(runs["offload"], runs["full"]) and torch.equal(runs["offload_3slots"], runs["full"])
+    with pytest.raises(ValueError, match="attention must be"):
+        model.new_cache(attention="fast")
+
+
 @pytest.mark.gpu
-def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
+@pytest.mark.parametrize("kind", ["nosa", "triton"])
+def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
     """On a GPU: the CUDA-graph decode step and the offloaded cache (host copies; kernels on pinned host
-    memory inside the graph; topk slots and fewer) give the eager GPU-resident logits."""
+    memory inside the graph; topk slots and fewer) give the eager GPU-resident logits. ``nosa`` (head
+    dim 8) decodes with the PyTorch attention, ``triton`` (head dim 16) with the decode-attention kernel
+    (except with 4 slots and host copies: slot-less blocks then need the gathered path)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    model = _load(export_dirs["nosa"], torch.float32).cuda()
+    model = _load(export_dirs[kind], torch.float32).cuda()
     ids, mask = _batch([130, 77, 41])
     new = torch.randint(1, 97, (3, 20), generator=torch.Generator().manual_seed(5))
     ids, mask, new = ids.cuda(), mask.cuda(), new.cuda()
@@ -260,7 +342,10 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs):
     torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
     assert torch.equal(runs["offload"], runs["eager"])
     torch.testing.assert_close(runs["offload_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
-    assert torch.equal(runs["offload_4slots"], runs["eager"])  # fewer slots than topk: blocks read from the host
+    if kind == "nosa":  # fewer slots than topk: blocks read from the host, same attention path
+        assert torch.equal(runs["offload_4slots"], runs["eager"])
+    else:  # gathered PyTorch attention vs the kernel: summation order only
+        torch.testing.assert_close(runs["offload_4slots"], runs["eager"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runs["offload_4slots_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,139 @@
+"""Triton decode attention over the block KV cache: one new token per sequence attends to its
+selected blocks where they lie (shipped next to ``modeling_nosa.py``; needs ``triton``, absent:
+``available()`` is False and the cache gathers the blocks and runs ``nosa_decode_select.attend``).
+
+The PyTorch path gathers every selected block into new ``[B, Hkv, K * bs, D]`` tensors, converts
+them to fp32 and runs two batched matmuls: about 16 bytes of temporary device memory per selected
+key element and three passes over the data. This kernel reads each selected block once, in place:
+from the cache's block pool (GPU-resident cache or offload slots) or, for a block without a slot,
+straight from the pinned host store (unified addressing). Same math as ``attend``: fp32 logits of
+the fp32 operands (IEEE products, no tf32), ``* scale``, ``+ bias``, keys past the position or not
+``ok`` masked, fp32 softmax and fp32 ``p @ v``; only the summation order differs (split over
+``PER_PROG``-block chunks, combined in fp32).
+
+Shapes: ``B`` sequences, ``Hkv`` KV heads, ``G`` query heads per KV head, ``K`` selected blocks of
+``bs`` tokens, head dim ``D``; pools are ``[rows, bs, D]`` with one block of one KV head per row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the export also runs with torch + transformers alone
+    triton = None
+
+PER_PROG = 8  # selected blocks per program (the split of the key axis)
+_KERNELS: dict = {}
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def supported(q: Tensor, block_size: int) -> bool:
+    """Shapes the kernel takes: power-of-two head dim and block size of at least 16 (``tl.dot``)."""
+    D = q.shape[-1]
+    return all(n >= 16 and not n & (n - 1) for n in (D, block_size)) and q.dtype in (
+        torch.float32, torch.bfloat16, torch.float16)
+
+
+def _build() -> dict:
+    if _KERNELS or triton is None:
+        return _KERNELS
+
+    @triton.jit
+    def decode_attn(Q, PK, PV, HK, HV, ROWS, HROWS, BLOCKS, OK, BIAS, POS, M_OUT, L_OUT, ACC_OUT, scale,
+                    Hkv, K, cap, n_split, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    PER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HOST: tl.constexpr):
+        """Program ``(bh, s)``: query rows ``[G, D]`` of sequence-head ``bh`` against selected blocks
+        ``s * PER ... s * PER + PER - 1``; writes the split's running max, sum and ``p @ v``."""
+        bh = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        b = bh // Hkv
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        t = tl.arange(0, BS)
+        q = tl.load(Q + (bh * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
+        pos = tl.load(POS + b)
+        tile = t[:, None] * D + d[None, :]
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for i in range(PER):
+            j = s * PER + i
+            jj = tl.minimum(j, K - 1)
+            ok = (tl.load(OK + bh * K + jj) != 0) & (j < K)
+            if ok:
+                blk = tl.load(BLOCKS + bh * K + jj)
+                r = tl.load(ROWS + bh * K + jj)
+                if HAS_HOST:
+                    if r >= 0:
+                        k = tl.load(PK + r * (BS * D) + tile)
+                        v = tl.load(PV + r * (BS * D) + tile)
+                    else:
+                        h = tl.load(HROWS + bh * K + jj)
+                        k = tl.load(HK + h * (BS * D) + tile)
+                        v = tl.load(HV + h * (BS * D) + tile)
+                else:
+                    k = tl.load(PK + r * (BS * D) + tile)
+                    v = tl.load(PV + r * (BS * D) + tile)
+                x = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, BS]
+                tok = blk * BS + t
+                if HAS_BIAS:
+                    x = x + tl.load(BIAS + bh * cap + tok)[None, :]
+                x = tl.where((tok <= pos)[None, :], x, float("-inf"))
+                m_new = tl.maximum(m, tl.max(x, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_use)
+                p = tl.exp(x - m_use[:, None])
+                l = l * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                m = m_new
+        out = bh * n_split + s
+        tl.store(M_OUT + out * GP + g, m)
+        tl.store(L_OUT + out * GP + g, l)
+        tl.store(ACC_OUT + (out * GP + g[:, None]) * D + d[None, :], acc)
+
+    _KERNELS["attn"] = decode_attn
+    return _KERNELS
+
+
+def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, blocks: Tensor, ok: Tensor,
+                     pos: Tensor, scale: float, bias: Tensor | None = None, host_k: Tensor | None = None,
+                     host_v: Tensor | None = None, host_rows: Tensor | None = None) -> Tensor:
+    """Attention of one query token per sequence over its selected blocks, read in place.
+
+    ``q [B, Hkv, G, D]``; ``pool_k / pool_v [R, bs, D]``; ``rows [B, Hkv, K]`` (int64) the pool row of
+    each selected block, or -1 where it is read from ``host_k / host_v [R', bs, D]`` at
+    ``host_rows [B, Hkv, K]`` (pinned host memory on a GPU); ``blocks [B, Hkv, K]`` the block index
+    in the sequence (its tokens ``blocks * bs + [0, bs)``); ``ok [B, Hkv, K]`` bool (False: skipped);
+    keys past ``pos [B]`` are masked; ``bias [B, Hkv, cap]`` fp32 additive, indexed by token.
+    Returns ``[B, Hkv, G, D]`` fp32 (a row with no key left is NaN, as in ``attend``).
+    """
+    B, Hkv, G, D = q.shape
+    K, bs = rows.shape[-1], pool_k.shape[1]
+    GP = max(16, triton.next_power_of_2(G))
+    n_split = triton.cdiv(K, PER_PROG)
+    dev = q.device
+    m = torch.empty(B * Hkv, n_split, GP, dtype=torch.float32, device=dev)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(B * Hkv, n_split, GP, D, dtype=torch.float32, device=dev)
+    has_host = host_k is not None
+    has_bias = bias is not None
+    _build()["attn"][(B * Hkv, n_split)](
+        q.contiguous(), pool_k, pool_v, host_k if has_host else pool_k, host_v if has_host else pool_v,
+        rows.contiguous(), host_rows.contiguous() if has_host else rows, blocks.contiguous(),
+        ok.contiguous().view(torch.uint8), bias.contiguous() if has_bias else m, pos.contiguous(), m, lsum, acc, scale,
+        Hkv, K, bias.shape[-1] if has_bias else 0, n_split, G=G, GP=GP, D=D, BS=bs, PER=PER_PROG,
+        HAS_BIAS=has_bias, HAS_HOST=has_host, num_warps=4)
+    top = m.amax(dim=1, keepdim=True)
+    w = torch.exp(m - top).nan_to_num(0.0)  # splits with no key: exp(-inf - x) = 0 (or NaN: -inf - -inf)
+    out = (w[..., None] * acc).sum(dim=1) / (w * lsum).sum(dim=1)[..., None]
+    return out[:, :G].view(B, Hkv, G, D)
+
+
+__all__ = ["available", "supported", "decode_attention", "PER_PROG"]
