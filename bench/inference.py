@@ -13,7 +13,8 @@ score equal). Rows:
   with the whole KV cache on the device vs with the offloaded cache (blocks in pinned host memory,
   the selection's blocks in ``topk`` device slots, or ``--gpu-blocks N`` slots: fewer than ``topk``
   read the blocks without a slot from the host every step; host memory bounded by ``--host-mem-limit-gib``),
-  found from the measured per-sequence slope (batch 1 and 2) and checked at the predicted batch;
+  found from the measured per-sequence slope (batch 1 and 2), checked at the predicted batch and
+  re-predicted from the slope up to the batch that fits (larger while it still fits);
   decode tokens/s at each, and the host -> device bytes per generated token (first step = whole
   selections; steady state = the blocks a step adds).
 
@@ -276,18 +277,41 @@ class Bench:
                 "per_seq_cache_mib": round((p2["device"] - p1["device"]) / 2**20, 1),  # the rest: step buffers
                 "base_device_gib": round((p1["peak_bytes"] - slope) / GIB, 2),
                 "host_batch_cap": host_cap, "predicted": guess}
+        fits = None
         for _ in range(4):
             try:
                 p = self.probe(model, guess, offload)
                 if p["peak_bytes"] <= limit:
-                    return {**info, "batch": guess, "peak_gib": round(p["peak_bytes"] / GIB, 2),
-                            "host_gib": round(p["host"] / GIB, 2)}
+                    fits = (guess, p)
+                    break
                 log(f"batch {guess}: peak {p['peak_bytes'] / GIB:.2f} GiB > limit; trying smaller")
             except torch.cuda.OutOfMemoryError:
                 log(f"batch {guess}: out of memory; trying smaller")
             self.free()
             guess = max(1, int(guess * 0.9))
-        raise RuntimeError("no batch fits under --mem-limit-gib")
+        if fits is None:
+            raise RuntimeError("no batch fits under --mem-limit-gib")
+        # the slope of batches 1 -> 2 can overstate the per-sequence cost (fixed step buffers): re-predict
+        # from the slope up to the fitting batch and take a larger batch while it still fits
+        for _ in range(3):
+            B, p = fits
+            if B < 2 or (host_cap is not None and B >= host_cap):
+                break
+            nxt = 1 + (limit - p1["peak_bytes"]) * (B - 1) // max(1, p["peak_bytes"] - p1["peak_bytes"])
+            nxt = min(int(nxt), host_cap) if host_cap is not None else int(nxt)
+            if nxt <= B:
+                break
+            self.free()
+            try:
+                q = self.probe(model, nxt, offload)
+            except torch.cuda.OutOfMemoryError:
+                break
+            if q["peak_bytes"] > limit:
+                break
+            fits = (nxt, q)
+        B, p = fits
+        info["per_seq_device_mib_at_batch"] = round((p["peak_bytes"] - p1["peak_bytes"]) / max(1, B - 1) / 2**20, 1)
+        return {**info, "batch": B, "peak_gib": round(p["peak_bytes"] / GIB, 2), "host_gib": round(p["host"] / GIB, 2)}
 
     # ------------------------------------------------------------------ rows
     def run(self) -> None:

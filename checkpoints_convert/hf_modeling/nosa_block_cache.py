@@ -475,12 +475,16 @@ class NOSABlockCache(Cache):
                          blk: Tensor, off: Tensor, bias: Tensor | None, scale: float) -> Tensor:
         """Store the new token, then attend over the selected blocks where they lie (no gathered copies)."""
         B, Hkv, K = sel.shape
+        qg = qg.to(self.dtype)
         row = torch.arange(B * Hkv, device=sel.device).view(B, Hkv, 1)
         if st.offloaded:
             slots, src = self._make_resident(st, sel, sel_ok, k1, v1, blk, off)
             C = st.slot_block.shape[-1] - 1
             rows = torch.where(slots >= 0, row * C + slots, -1)
-            host = (st.cpu_k, st.cpu_v, src) if C < K else (None, None, None)
+            host = (None, None, None)
+            if C < K:  # the kernel reads the slot-less blocks from the host store: count them as moved
+                host = (st.cpu_k, st.cpu_v, src)
+                self.stats.fetched_dev += (sel_ok & (slots < 0)).sum()
             return decode_attention(qg, st.gpu_k, st.gpu_v, rows, sel, sel_ok, self.pos, scale, bias, *host)
         bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
         st.k[bi, hi, blk[:, None], off[:, None]] = k1

@@ -6,10 +6,13 @@ The PyTorch path gathers every selected block into new ``[B, Hkv, K * bs, D]`` t
 them to fp32 and runs two batched matmuls: about 16 bytes of temporary device memory per selected
 key element and three passes over the data. This kernel reads each selected block once, in place:
 from the cache's block pool (GPU-resident cache or offload slots) or, for a block without a slot,
-straight from the pinned host store (unified addressing). Same math as ``attend``: fp32 logits of
-the fp32 operands (IEEE products, no tf32), ``* scale``, ``+ bias``, keys past the position or not
-``ok`` masked, fp32 softmax and fp32 ``p @ v``; only the summation order differs (split over
-``PER_PROG``-block chunks, combined in fp32).
+straight from the pinned host store (unified addressing). The math of ``attend``: logits
+``q @ k^T * scale + bias``, keys past the position or not ``ok`` masked, fp32 softmax, ``p @ v``,
+split over ``PER_PROG``-block chunks of the key axis and combined in fp32. fp32 inputs: IEEE fp32
+products (no tf32), so only the summation order differs from ``attend``. bf16 / fp16 inputs:
+tensor-core products (exact for ``q @ k^T``) with fp32 accumulation, and the probabilities rounded to
+the input dtype for ``p @ v``, as FlashAttention does (``attend`` keeps them in fp32: relative
+differences of the order of the input dtype's rounding, 2^-9 for bf16).
 
 Shapes: ``B`` sequences, ``Hkv`` KV heads, ``G`` query heads per KV head, ``K`` selected blocks of
 ``bs`` tokens, head dim ``D``; pools are ``[rows, bs, D]`` with one block of one KV head per row.
@@ -48,7 +51,7 @@ def _build() -> dict:
     @triton.jit
     def decode_attn(Q, PK, PV, HK, HV, ROWS, HROWS, BLOCKS, OK, BIAS, POS, M_OUT, L_OUT, ACC_OUT, scale,
                     Hkv, K, cap, n_split, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                    PER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HOST: tl.constexpr):
+                    PER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HOST: tl.constexpr, FP32: tl.constexpr):
         """Program ``(bh, s)``: query rows ``[G, D]`` of sequence-head ``bh`` against selected blocks
         ``s * PER ... s * PER + PER - 1``; writes the split's running max, sum and ``p @ v``."""
         bh = tl.program_id(0).to(tl.int64)
@@ -57,7 +60,7 @@ def _build() -> dict:
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         t = tl.arange(0, BS)
-        q = tl.load(Q + (bh * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
+        q = tl.load(Q + (bh * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
         pos = tl.load(POS + b)
         tile = t[:, None] * D + d[None, :]
         m = tl.full([GP], float("-inf"), tl.float32)
@@ -81,7 +84,10 @@ def _build() -> dict:
                 else:
                     k = tl.load(PK + r * (BS * D) + tile)
                     v = tl.load(PV + r * (BS * D) + tile)
-                x = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, BS]
+                if FP32:
+                    x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, BS]
+                else:
+                    x = tl.dot(q, tl.trans(k)) * scale
                 tok = blk * BS + t
                 if HAS_BIAS:
                     x = x + tl.load(BIAS + bh * cap + tok)[None, :]
@@ -91,7 +97,10 @@ def _build() -> dict:
                 alpha = tl.exp(m - m_use)
                 p = tl.exp(x - m_use[:, None])
                 l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                if FP32:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
         out = bh * n_split + s
         tl.store(M_OUT + out * GP + g, m)
@@ -104,20 +113,25 @@ def _build() -> dict:
 
 def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, blocks: Tensor, ok: Tensor,
                      pos: Tensor, scale: float, bias: Tensor | None = None, host_k: Tensor | None = None,
-                     host_v: Tensor | None = None, host_rows: Tensor | None = None) -> Tensor:
+                     host_v: Tensor | None = None, host_rows: Tensor | None = None, per_prog: int = PER_PROG,
+                     num_warps: int = 4) -> Tensor:
     """Attention of one query token per sequence over its selected blocks, read in place.
+    ``q`` and the pools share one dtype (fp32, bf16 or fp16).
 
     ``q [B, Hkv, G, D]``; ``pool_k / pool_v [R, bs, D]``; ``rows [B, Hkv, K]`` (int64) the pool row of
     each selected block, or -1 where it is read from ``host_k / host_v [R', bs, D]`` at
     ``host_rows [B, Hkv, K]`` (pinned host memory on a GPU); ``blocks [B, Hkv, K]`` the block index
     in the sequence (its tokens ``blocks * bs + [0, bs)``); ``ok [B, Hkv, K]`` bool (False: skipped);
     keys past ``pos [B]`` are masked; ``bias [B, Hkv, cap]`` fp32 additive, indexed by token.
-    Returns ``[B, Hkv, G, D]`` fp32 (a row with no key left is NaN, as in ``attend``).
+    ``per_prog`` selected blocks per program and ``num_warps`` are launch settings (results change only
+    in summation order). Returns ``[B, Hkv, G, D]`` fp32 (a row with no key left is NaN, as in ``attend``).
     """
     B, Hkv, G, D = q.shape
+    if q.dtype != pool_k.dtype or (host_k is not None and host_k.dtype != q.dtype):
+        raise ValueError(f"q ({q.dtype}) and the block pools ({pool_k.dtype}) must share one dtype")
     K, bs = rows.shape[-1], pool_k.shape[1]
     GP = max(16, triton.next_power_of_2(G))
-    n_split = triton.cdiv(K, PER_PROG)
+    n_split = triton.cdiv(K, per_prog)
     dev = q.device
     m = torch.empty(B * Hkv, n_split, GP, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -128,8 +142,8 @@ def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, bl
         q.contiguous(), pool_k, pool_v, host_k if has_host else pool_k, host_v if has_host else pool_v,
         rows.contiguous(), host_rows.contiguous() if has_host else rows, blocks.contiguous(),
         ok.contiguous().view(torch.uint8), bias.contiguous() if has_bias else m, pos.contiguous(), m, lsum, acc, scale,
-        Hkv, K, bias.shape[-1] if has_bias else 0, n_split, G=G, GP=GP, D=D, BS=bs, PER=PER_PROG,
-        HAS_BIAS=has_bias, HAS_HOST=has_host, num_warps=4)
+        Hkv, K, bias.shape[-1] if has_bias else 0, n_split, G=G, GP=GP, D=D, BS=bs, PER=per_prog,
+        HAS_BIAS=has_bias, HAS_HOST=has_host, FP32=q.dtype == torch.float32, num_warps=num_warps)
     top = m.amax(dim=1, keepdim=True)
     w = torch.exp(m - top).nan_to_num(0.0)  # splits with no key: exp(-inf - x) = 0 (or NaN: -inf - -inf)
     out = (w[..., None] * acc).sum(dim=1) / (w * lsum).sum(dim=1)[..., None]
