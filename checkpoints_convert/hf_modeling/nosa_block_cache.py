@@ -1,6 +1,7 @@
 """Block-organised KV cache of the exported NOSA model: batched decode steps, optionally offloaded.
 
-Shipped next to ``modeling_nosa.py`` in every sparse export (pure PyTorch, no Triton needed).
+Shipped next to ``modeling_nosa.py`` in every sparse export (runs on PyTorch alone; with Triton on a
+GPU the decode attention and the offload transfers are kernels: ``nosa_decode_attn.py``, ``nosa_uva.py``).
 
 Layout per layer (``B`` sequences, ``Hkv`` KV heads, ``NB`` blocks of ``bs`` tokens, capacity
 ``cap = NB * bs`` tokens per sequence; sequences are stored compactly, padding never enters):
@@ -17,8 +18,9 @@ A decode step (one token per sequence) is a fixed number of batched tensor opera
 independent of the context length and with no host synchronisation in the GPU-resident mode: the
 new key/value/score are written at each sequence's own length, a window that the token completes is
 added to ``kc``/``wsc``, the selection of the reference (``nosa_selection.select_rows`` for one row)
-is recomputed from ``kc``/``wsc`` for all sequences at once, and the token attends to the gathered
-selected blocks (that math: ``nosa_decode_select.py``; the step's CUDA graph: ``nosa_decode_graph.py``).
+is recomputed from ``kc``/``wsc`` for all sequences at once, and the token attends to the selected
+blocks (that math: ``nosa_decode_select.py``; read in place by ``nosa_decode_attn.py`` or gathered;
+the step's CUDA graph: ``nosa_decode_graph.py``).
 The offloaded mode adds one host synchronisation per layer: the blocks the step selects that are not
 resident are copied host -> device (one gathered, non-blocking copy), and the new token is copied
 device -> host.
@@ -111,12 +113,12 @@ class NOSABlockCache(Cache):
     memory and ``gpu_blocks`` (default: the selection budget ``topk``) block slots per (sequence,
     KV head) on the GPU; dense layers, scores and the selection state stay on the GPU. With fewer
     slots than ``topk``, the selected blocks that find no free slot are read from the host store
-    into the step's gathered keys / values every step (more host-to-device traffic for a smaller
-    device footprint). ``attention``: how a decode step's token attends to its selected blocks,
-    ``triton`` = the kernel of ``nosa_decode_attn.py`` reading the blocks in place (slots, or the
-    pinned host store for blocks without a slot), ``torch`` = gathered copies and ``attend``,
-    ``auto`` = ``triton`` on a CUDA device when Triton is installed. ``get_seq_length()`` is the number of attention-mask columns seen (padding
-    included), as for transformers' own caches.
+    every step (more host-to-device traffic for a smaller device footprint). ``attention``: how a
+    decode step's token attends to its selected blocks, ``triton`` = the kernel of
+    ``nosa_decode_attn.py`` reading them in place (cache, slots, or the pinned host store for blocks
+    without a slot), ``torch`` = gathered copies and ``attend``, ``auto`` = ``triton`` on a CUDA
+    device when Triton is installed. ``get_seq_length()`` is the number of attention-mask columns
+    seen (padding included), as for transformers' own caches.
     """
 
     is_compileable = False
@@ -431,8 +433,7 @@ class NOSABlockCache(Cache):
         k1, v1 = k[:, 0].to(self.dtype), v[:, 0].to(self.dtype)  # [B, Hkv, D]
         qg = q[:, 0].view(B, Hkv, G, D)
         if st.spec.cfg is None:  # dense layer: every cached token
-            st.k[bi, hi, blk[:, None], off[:, None]] = k1
-            st.v[bi, hi, blk[:, None], off[:, None]] = v1
+            self._store_token(st, k1, v1, blk, off)
             kk, vv = st.k.view(B, Hkv, -1, D), st.v.view(B, Hkv, -1, D)
             ok = (torch.arange(kk.shape[2], device=q.device)[None, :] <= pos[:, None])[:, None, :]
             out = attend(qg, kk, vv, None, ok.expand(B, Hkv, -1), scale)
@@ -486,12 +487,18 @@ class NOSABlockCache(Cache):
                 host = (st.cpu_k, st.cpu_v, src)
                 self.stats.fetched_dev += (sel_ok & (slots < 0)).sum()
             return decode_attention(qg, st.gpu_k, st.gpu_v, rows, sel, sel_ok, self.pos, scale, bias, *host)
-        bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
-        st.k[bi, hi, blk[:, None], off[:, None]] = k1
-        st.v[bi, hi, blk[:, None], off[:, None]] = v1
+        self._store_token(st, k1, v1, blk, off)
         NB = st.k.shape[2]
         pool_k, pool_v = st.k.view(B * Hkv * NB, *st.k.shape[3:]), st.v.view(B * Hkv * NB, *st.v.shape[3:])
         return decode_attention(qg, pool_k, pool_v, row * NB + sel, sel, sel_ok, self.pos, scale, bias)
+
+    def _store_token(self, st: LayerState, k1: Tensor, v1: Tensor, blk: Tensor, off: Tensor) -> None:
+        """GPU-resident mode: the new token's ``k1, v1 [B, Hkv, D]`` at block ``blk``, offset ``off`` ``[B]``."""
+        B, Hkv = k1.shape[:2]
+        bi, hi = self._per_step(("bi_hi", Hkv), lambda: (torch.arange(B, device=k1.device)[:, None],
+                                                         torch.arange(Hkv, device=k1.device)[None, :]))
+        st.k[bi, hi, blk[:, None], off[:, None]] = k1
+        st.v[bi, hi, blk[:, None], off[:, None]] = v1
 
     def _attend_gathered(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor,
                          blk: Tensor, off: Tensor, bias: Tensor | None, scale: float) -> Tensor:
@@ -502,8 +509,7 @@ class NOSABlockCache(Cache):
         if st.offloaded:
             kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
         else:
-            st.k[bi, hi, blk[:, None], off[:, None]] = k1
-            st.v[bi, hi, blk[:, None], off[:, None]] = v1
+            self._store_token(st, k1, v1, blk, off)
             kb, vb = st.k[bi[..., None], hi[..., None], sel], st.v[bi[..., None], hi[..., None], sel]
         kb, vb = kb.view(B, Hkv, K * bs, D), vb.view(B, Hkv, K * bs, D)
         tok = (sel[..., None] * bs + torch.arange(bs, device=sel.device)).view(B, Hkv, K * bs)
