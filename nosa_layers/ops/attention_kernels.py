@@ -76,13 +76,12 @@ def _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh, 
 
 @triton.jit
 def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt, kdiag, de, tok, r,
-               qk_scale, FULL: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr, KB: tl.constexpr):
-    """List entry ``e`` of a query-side program (``KB`` KV blocks, ``N = KB * BS`` keys): masked
-    scores (log2 domain) ``[M, N]`` and the K and V tiles ``[N, D]``."""
-    N: tl.constexpr = KB * BS
-    offs_n = tl.arange(0, N)
+               qk_scale, FULL: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """List entry ``e`` of a query-side program (one KV block of ``BS`` keys): masked scores (log2
+    domain) ``[M, BS]`` and the K and V tiles ``[BS, D]``."""
+    offs_n = tl.arange(0, BS)
     ks = tl.load(KStart + e)
-    word = tl.load(Word + e * KB)  # KB > 1: the word of key n is that of block n // BS of the group
+    word = tl.load(Word + e)
     ktok = ks + offs_n
     kvalid = ktok < de
     k = tl.load(kbase + ks.to(tl.int64) * s_kt + koff, mask=kvalid[:, None], other=0.0)
@@ -92,14 +91,8 @@ def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, 
         bias = tl.load(bbase + ktok.to(tl.int64) * s_bt, mask=kvalid, other=0.0).to(tl.float32)
         s += bias[None, :] * 1.4426950408889634
     # partial token word, or the tile's own block (the only one that can reach past the doc end)
-    if KB == 1:
-        if (word != FULL) | (ks == kdiag):
-            s = tl.where(_row_mask(word, r, ktok, tok, kvalid), s, float("-inf"))
-    else:
-        wkey, full = _key_words(word, Word, e, offs_n, FULL, BS, KB)
-        if (full == 0) | (ks + N > kdiag):
-            bit = ((wkey[None, :] >> r[:, None].to(wkey.dtype)) & 1) != 0
-            s = tl.where(bit & (ktok[None, :] <= tok[:, None]) & kvalid[None, :], s, float("-inf"))
+    if (word != FULL) | (ks == kdiag):
+        s = tl.where(_row_mask(word, r, ktok, tok, kvalid), s, float("-inf"))
     return s, k, v
 
 
@@ -108,9 +101,9 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                D: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list
-    (entries of ``KB`` KV blocks)."""
+    (one KV block per entry)."""
     S: tl.constexpr = BS // QT
     M: tl.constexpr = HP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
@@ -119,14 +112,14 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
     q = tl.load(Q + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=rvalid[:, None], other=0.0)
     kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh,
-                                                KB * BS, D)
+                                                BS, D)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     n = tl.minimum(tl.load(Count + w), cap)
     for e in range(0, n):
         s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
-                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS, KB)
+                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
@@ -147,7 +140,7 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                    s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
                    HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                   KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   D: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dQ: same programs and lists as the forward; P recomputed from the saved LSE."""
     S: tl.constexpr = BS // QT
     M: tl.constexpr = HP * QT
@@ -160,12 +153,12 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
     lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
     kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh,
-                                                KB * BS, D)
+                                                BS, D)
     dq = tl.zeros([M, D], tl.float32)
     n = tl.minimum(tl.load(Count + w), cap)
     for e in range(0, n):
         s, k, v = _key_block(q, w * cap + e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, s_bt,
-                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS, KB)
+                             kdiag, de, tok, r, qk_scale, FULL, BS, HAS_BIAS)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
         dsc = p * (dp - delta[:, None])

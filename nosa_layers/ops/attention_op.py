@@ -13,11 +13,10 @@ from .sparse_index import SparseIndex, largest_divisor
 # Launch parameters per GPU architecture (compute capability major version; the interpreter uses
 # sm90's). ``tile.rows``: rows of a query tile (``qt`` tokens x the heads of a KV group, see
 # ``sparse_index.query_tile``); per kernel: ``rows`` (M of its programs: heads packed per program =
-# rows // qt, at most G), warps, pipeline stages; forward: ``blocks`` KV blocks per forward / dQ
-# list entry (2: one 128-key operand per step, as for dK/dV; opt-in, not yet measured on a GPU,
-# bench/attention.py --fwd-sweep); dK/dV: ``blocks`` KV blocks per key group (keys
-# resident in one program, see ``sparse_index``), ``CHUNK`` units of work per list piece (a unit =
-# 64 query rows x one KV block; an entry is qt x G rows x ``blocks``) and ``SLOTS`` one-block fp32
+# rows // qt, at most G), warps, pipeline stages. Forward and dQ take one KV block per list entry
+# (128-key entries were slower on the H200 in every case measured). dK/dV: ``blocks`` KV blocks per
+# key group (keys resident in one program, see ``sparse_index``), ``CHUNK`` units of work per list
+# piece (a unit = 64 query rows x one KV block; an entry is qt x G rows x ``blocks``) and ``SLOTS`` one-block fp32
 # partials (64 KiB each at D = 128; a group's partial takes ``blocks`` of them) for the pieces of
 # split lists. Two-block groups on sm90 (bench/attention.py --dkdv-sweep on the H200: backward up to
 # 22% faster than one block; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
@@ -27,13 +26,13 @@ from .sparse_index import SparseIndex, largest_divisor
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, blocks=1),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
         "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK=1024, SLOTS=512, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, blocks=1),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
         "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
@@ -111,7 +110,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           idx.fwd_word, idx.n_tiles, idx.cap,
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
-                          HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, KB=idx.fwd_kb, D=D, HAS_BIAS=bias is not None,
+                          HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
@@ -142,7 +141,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         idx.n_tiles, idx.cap,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
         *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.fwd_kb, D=D, HAS_BIAS=bias is not None,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])

@@ -10,10 +10,9 @@ selection (less "union inflation" than 64-token tiles of one head).
 
 Forward lists, per (tile, KV head) ``w = tile * Hkv + h``: ``fwd_count[w]`` entries at
 ``fwd_ks[w, :]`` (first token of each listed KV block, ascending, the tile's own block last) and
-``fwd_word[w, :, 0]`` (bit ``r`` set <=> row ``r`` of the tile selected the block), padded to ``cap``
-entries (no compaction across lists, hence no host sync for sizes). With ``fwd_kb = 2`` an entry is
-a key group of two blocks, as for the inverse lists below (``fwd_ks``: its first block; the words of
-both blocks in ``fwd_word[w, :, 0:2]``, 0 for a block the tile did not select).
+``fwd_word[w, :]`` (bit ``r`` set <=> row ``r`` of the tile selected the block), padded to ``cap``
+entries (no compaction across lists, hence no host sync for sizes). One KV block per entry: two-block
+forward entries were measured slower on an H200 in every case (``docs/BENCHMARKS.md``, session 7).
 
 Inverse lists, per key group and KV head. A key group is ``kb`` (1 or 2) adjacent KV blocks of one
 document, from a block whose index in its document is a multiple of ``kb`` (the last group of a
@@ -54,7 +53,7 @@ class SparseIndex:
     cap: int              # forward list capacity per (tile, head)
     fwd_count: Tensor     # int32 [n_tiles * Hkv]
     fwd_ks: Tensor        # int32 [n_tiles * Hkv, cap]
-    fwd_word: Tensor      # int32 (qt <= 32) / int64 [n_tiles * Hkv, cap, fwd_kb]
+    fwd_word: Tensor      # int32 (qt <= 32) / int64 [n_tiles * Hkv, cap]
     inv_ptr: Tensor       # int32 [n_lists + 1], n_lists = n_blocks * Hkv
     inv_qs: Tensor        # int32 [n_tiles * Hkv * cap] (capacity; inv_ptr[-1] used)
     inv_word: Tensor      # like fwd_word, [n_tiles * Hkv * cap, kb]
@@ -65,7 +64,6 @@ class SparseIndex:
     max_pieces: int       # grid bound of the dK/dV kernel
     max_slots: int        # fp32 partial slots the dK/dV workspace holds
     kb: int = 1           # KV blocks per key group (keys resident in one dK/dV program: kb * block)
-    fwd_kb: int = 1       # KV blocks per forward / dQ list entry
 
     @property
     def n_lists(self) -> int:
@@ -85,10 +83,9 @@ def _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT: tl.const
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
 def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap, NBW,
                        HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
-                       BS: tl.constexpr, FKB: tl.constexpr, NBC: tl.constexpr):
+                       BS: tl.constexpr, NBC: tl.constexpr):
     """Per (query tile, KV head): the tile rows' selections ORed into one word per block (dense
-    ``Words`` row, columns up to the tile's own block) and the forward list of non-zero entries
-    (``FKB`` = 2: pairs of blocks from an even column, listed when either word is non-zero)."""
+    ``Words`` row, columns up to the tile's own block) and the forward list of non-zero entries."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     c = i // S
@@ -104,21 +101,15 @@ def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_
     WT: tl.constexpr = Words.dtype.element_ty
     n = 0
     for m0 in range(0, j + 1, NBC):
-        cols = m0 + FKB * tl.arange(0, NBC // FKB)  # first block of each entry (NBC is even)
+        cols = m0 + tl.arange(0, NBC)
         cm = cols <= j
         word = _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT)
         tl.store(Words + w * NBW + cols, word, mask=cm)
         nz = (word != 0) & cm
-        if FKB == 2:
-            word1 = _tile_words(Sel, b, h, qs, r, rmask, cols + 1, j, s_sb, s_sh, s_st, WT)
-            tl.store(Words + w * NBW + cols + 1, word1, mask=cols + 1 <= j)
-            nz |= (word1 != 0) & cm
         pos = n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
         ok = nz & (pos < cap)
         tl.store(FwdKs + w * cap + pos, ds + cols * BS, mask=ok)
-        tl.store(FwdWord + (w * cap + pos) * FKB, word, mask=ok)
-        if FKB == 2:
-            tl.store(FwdWord + (w * cap + pos) * FKB + 1, word1, mask=ok)
+        tl.store(FwdWord + w * cap + pos, word, mask=ok)
         n += tl.sum(nz.to(tl.int32), axis=0)
     tl.store(Count + w, n)
 
@@ -246,8 +237,7 @@ def query_tile(G: int, block: int, rows: int = 64) -> tuple[int, int]:
 
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
-                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None,
-                       fwd_kb: int | None = None) -> SparseIndex:
+                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
     ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
     heads.
@@ -255,9 +245,8 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     The query tile follows ``query_tile`` (``qt`` overrides it); ``row_budget``: most blocks any one
     row selects (``cfg.topk`` for NOSA selections), which bounds the forward lists at
     ``qt * row_budget`` entries instead of ``nb``; ``chunk`` (dK/dV piece length in list entries;
-    default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``max_slots``,
-    ``kb`` (KV blocks per dK/dV key group, 1 or 2) and ``fwd_kb`` (KV blocks per forward / dQ list
-    entry, 1 or 2) override the launch configuration."""
+    default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``max_slots``
+    and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration."""
     from .attention_op import launch_config
 
     check_device(selected)
@@ -276,11 +265,9 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     n_tiles = layout.n_blocks * S
     n_lists = layout.n_blocks * Hkv
     kb = launch["dkdv"]["blocks"] if kb is None else kb
-    fwd_kb = launch["fwd"]["blocks"] if fwd_kb is None else fwd_kb
-    if kb not in (1, 2) or fwd_kb not in (1, 2):
-        raise ValueError(f"a key group holds 1 or 2 KV blocks, got {kb} (dK/dV) and {fwd_kb} (forward)")
-    n_entries = -(-nbw // fwd_kb)  # list entries a row of nbw blocks can span
-    cap = max(1, min(n_entries, qt * row_budget) if row_budget else n_entries)
+    if kb not in (1, 2):
+        raise ValueError(f"a dK/dV key group holds 1 or 2 KV blocks, got {kb}")
+    cap = max(1, min(nbw, qt * row_budget) if row_budget else nbw)
     chunk = max(1, chunk or launch["dkdv"]["CHUNK"] * 64 // (qt * G * kb))  # entry: qt x G rows, kb blocks
     max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
     dev = selected.device
@@ -288,7 +275,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     i32 = dict(dtype=torch.int32, device=dev)
     fwd_count = torch.empty(n_tiles * Hkv, **i32)
     fwd_ks = torch.empty(n_tiles * Hkv, cap, **i32)
-    fwd_word = torch.empty(n_tiles * Hkv, cap, fwd_kb, dtype=wdt, device=dev)
+    fwd_word = torch.empty(n_tiles * Hkv, cap, dtype=wdt, device=dev)
     inv_ptr = torch.empty(n_lists + 1, **i32)
     piece_ptr = torch.empty(n_lists + 1, **i32)
     slot_ptr = torch.empty(n_lists, **i32)
@@ -302,7 +289,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
         inv_count = torch.empty(n_lists, **i32)
         _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, *sel.stride()[:3],
-                                           cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, FKB=fwd_kb, NBC=64)
+                                           cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
         _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
                                                   CB=128)
         _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, CH=1024)
@@ -312,16 +299,15 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         inv_ptr.zero_()
         piece_ptr.zero_()
     return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
-                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, fwd_kb)
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb)
 
 
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
     """Work of the tiles' union lists against the rows' own selections (statistics; host syncs):
-    ``inflation`` = listed blocks per row / selected blocks per row (an entry of a two-block list
-    counts as two blocks), ``bitmask_fill`` = selected rows per listed (tile, block) / rows of the
-    tile."""
+    ``inflation`` = listed blocks per row / selected blocks per row, ``bitmask_fill`` = selected rows
+    per listed (tile, block) / rows of the tile."""
     per_token = selected.sum(-1).float()  # [B, Hkv, T]
-    counts = index.fwd_count.reshape(index.n_tiles, index.hkv).float() * index.fwd_kb
+    counts = index.fwd_count.reshape(index.n_tiles, index.hkv).float()
     blocks = index.layout.blocks.long()
     S = index.block // index.qt
     qs = blocks[:, 1].repeat_interleave(S) + torch.arange(S, device=blocks.device).repeat(blocks.shape[0]) * index.qt

@@ -46,14 +46,12 @@ def cases(arch: str, G: int):
     for name, fn in (("fwd", ak._fwd_kernel), ("dq", ak._bwd_dq_kernel), ("dkdv", ak._bwd_dkdv_kernel)):
         c = cfg[name]
         const = dict(common, HP=heads_per_program(G, qt, c["rows"]),
-                     KB=(c if name == "dkdv" else cfg["fwd"])["blocks"],
-                     **({"NEED_DB": True} if name == "dkdv" else {}))
+                     **({"KB": c["blocks"], "NEED_DB": True} if name == "dkdv" else {}))
         yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
     kb = cfg["dkdv"]["blocks"]
     yield "dkdv_reduce", ak._dkdv_reduce_kernel, dict(HKV=2, N=kb * BS, D=D, NEED_DB=True), {}, 4, 3
     yield "delta", ak._bwd_delta_kernel, dict(BM=64, D=D), {}, 4, 3
-    fkb = cfg["fwd"]["blocks"]
-    yield "pack_lists", si._pack_lists_kernel, dict(HKV=2, QT=qt, S=BS // qt, BS=BS, FKB=fkb, NBC=64), \
+    yield "pack_lists", si._pack_lists_kernel, dict(HKV=2, QT=qt, S=BS // qt, BS=BS, NBC=64), \
         {"Sel": "*u8", "Words": word, "FwdKs": "*i32", "FwdWord": word}, 4, 3
     yield "inv_count", si._inv_count_kernel, dict(HKV=2, S=BS // qt, BS=BS, KB=kb, CB=128), {"Words": word}, 4, 3
     yield "scan", si._scan_kernel, dict(CH=1024), {}, 4, 3

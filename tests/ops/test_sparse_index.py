@@ -21,10 +21,11 @@ def _random_selection(B, Hkv, T, spans, bs, g, p=0.3):
     return sel
 
 
-def _brute_force(sel, spans, bs, qt, kb=1, fwd_kb=1):
-    """{(b, tile start, h): [(key start, words)]} and {(b, key start, h): [(tile start, words)]}: a
-    forward entry / the inverse list of a key group of ``fwd_kb`` / ``kb`` blocks (first block index
-    a multiple of it) holds the tiles' words of its blocks, listed when any is non-zero."""
+def _brute_force(sel, spans, bs, qt, kb=1):
+    """{(b, tile start, h): [(key start, word)]} and {(b, key start, h): [(tile start, words)]}: a
+    forward entry holds the tile's word of one block, the inverse list of a key group of ``kb``
+    blocks (first block index a multiple of it) the tiles' words of its blocks, listed when any is
+    non-zero."""
     fwd, inv = {}, {}
     B, Hkv = sel.shape[:2]
     for b in range(B):
@@ -37,32 +38,31 @@ def _brute_force(sel, spans, bs, qt, kb=1, fwd_kb=1):
                         return tuple(sum(int(sel[b, h, t, m]) << (t - q0) for t in range(q0, min(q0 + qt, e)))
                                      if m <= own else 0 for m in range(g, g + n))
 
-                    for g in range(0, own + 1, fwd_kb):
-                        if any(words(g, fwd_kb)):
-                            fwd.setdefault((b, q0, h), []).append((s + g * bs, words(g, fwd_kb)))
+                    for g in range(0, own + 1):
+                        if any(words(g, 1)):
+                            fwd.setdefault((b, q0, h), []).append((s + g * bs, words(g, 1)[0]))
                     for g in range(0, own + 1, kb):
                         if any(words(g, kb)):
                             inv.setdefault((b, s + g * bs, h), []).append((q0, words(g, kb)))
     return fwd, inv
 
 
-@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots,kb,fwd_kb", [
-    pytest.param(2, 70, 2, None, 4, 3, 100, 1, 1, id="B2-qt4"),
-    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, 1, 1, id="varlen-slot-budget"),
-    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, 1, 1, id="qt1-whole-lists"),
-    pytest.param(1, 150, 2, [0, 37, 37, 101, 150], 4, 2, 5, 2, 2, id="key-pairs-varlen"),
-    pytest.param(2, 83, 1, None, 16, 1000, 0, 2, 1, id="key-pairs-B2-qt16"),
-    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 8, 3, 4, 1, 2, id="forward-pairs"),
+@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots,kb", [
+    pytest.param(2, 70, 2, None, 4, 3, 100, 1, id="B2-qt4"),
+    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, 1, id="varlen-slot-budget"),
+    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, 1, id="qt1-whole-lists"),
+    pytest.param(1, 150, 2, [0, 37, 37, 101, 150], 4, 2, 5, 2, id="key-pairs-varlen"),
+    pytest.param(2, 83, 1, None, 16, 1000, 0, 2, id="key-pairs-B2-qt16"),
+    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 8, 3, 4, 2, id="key-pairs-qt8-slot-budget"),
 ])
-def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb, fwd_kb):
+def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb):
     cfg = tiny_cfg()
     bs = cfg.block_size
     spans = [(0, T)] if cu is None else [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
     sel = _random_selection(B, Hkv, T, spans, bs, torch.Generator().manual_seed(T + qt))
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
-    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots, kb=kb,
-                             fwd_kb=fwd_kb)
-    fwd, inv = _brute_force(sel, spans, bs, qt, kb, fwd_kb)
+    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots, kb=kb)
+    fwd, inv = _brute_force(sel, spans, bs, qt, kb)
     blocks = idx.layout.blocks.cpu().tolist()
     count, ks, word = idx.fwd_count.cpu(), idx.fwd_ks.cpu(), idx.fwd_word.cpu()
     S = bs // qt
@@ -71,7 +71,7 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb, fwd_
         q0 = k0 + (i % S) * qt
         for h in range(Hkv):
             w = i * Hkv + h
-            got = [(int(ks[w, e]), tuple(int(x) & ((1 << qt) - 1) for x in word[w, e])) for e in range(int(count[w]))]
+            got = [(int(ks[w, e]), int(word[w, e]) & ((1 << qt) - 1)) for e in range(int(count[w]))]
             assert got == (fwd.get((b, q0, h), []) if q0 < de else []), (i, h)
     ptr, qs, iw = idx.inv_ptr.cpu(), idx.inv_qs.cpu(), idx.inv_word.cpu()
     pieces, plist, slot = idx.piece_ptr.cpu(), idx.piece_list.cpu(), idx.slot_ptr.cpu()
