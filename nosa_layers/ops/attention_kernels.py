@@ -52,7 +52,7 @@ def _row_mask(word, r, ktok, tok, kvalid):
 
 @triton.jit
 def _key_words(word, Word, e, offs_n, FULL: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr):
-    """Per key of list entry ``e`` (``KB`` KV blocks, keys ``offs_n``): the word of its block (key
+    """Per key of inverse-list entry ``e`` (a key group of ``KB`` KV blocks, keys ``offs_n``): the word of its block (key
     ``n`` takes block ``n // BS``'s; ``word`` is the first block's, already loaded) and whether every
     block's word is full."""
     full = word == FULL
