@@ -52,9 +52,9 @@ def _row_mask(word, r, ktok, tok, kvalid):
 
 @triton.jit
 def _key_words(word, Word, e, offs_n, FULL: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr):
-    """Per key of inverse-list entry ``e`` (a key group of ``KB`` KV blocks, keys ``offs_n``): the word of its block (key
-    ``n`` takes block ``n // BS``'s; ``word`` is the first block's, already loaded) and whether every
-    block's word is full."""
+    """Per key of inverse-list entry ``e`` (a key group of ``KB`` KV blocks, keys ``offs_n``): the
+    word of its block (key ``n`` takes block ``n // BS``'s; ``word`` is the first block's, already
+    loaded) and whether every block's word is full."""
     full = word == FULL
     wkey = tl.full(offs_n.shape, 0, word.dtype) + word
     for u in tl.static_range(1, KB):
