@@ -51,9 +51,21 @@ def to_microbatch(batch: dict, device: torch.device) -> dict:
         from data.packing import flat_cu_seqlens
 
         out = {k: v.reshape(1, -1) for k, v in out.items()}
-        out["cu_seqlens"] = flat_cu_seqlens(batch).to(device)
+        cu = flat_cu_seqlens(batch)
+        out["cu_seqlens"] = cu.to(device)
+        _hand_over_cu_seqlens(out["cu_seqlens"], cu.tolist())
         out["max_seqlen"] = int(batch["max_seqlen"])
     return out
+
+
+def _hand_over_cu_seqlens(device_cu: torch.Tensor, values: list) -> None:
+    """Give the NOSA kernels' block table the host values of ``cu_seqlens`` (then the layers never read
+    it back from the GPU); without Triton there are no kernels and nothing to hand over."""
+    try:
+        from nosa_layers.ops.layout import remember_host_values
+    except ImportError:
+        return
+    remember_host_values(device_cu, values)
 
 
 def forward_step(data_iterator, model):

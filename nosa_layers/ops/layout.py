@@ -6,9 +6,13 @@ doc_end`` (token offsets in batch row ``b``); its index inside its document is
 ``(k_start - doc_start) // block``. Kernels take one block per program, so a packed batch runs in
 one launch whatever its number of documents (no per-document Python loop).
 
-The table depends only on ``B, T`` and ``cu_seqlens``, so it is built once per micro-batch: the
-one host synchronisation (reading ``cu_seqlens``) happens for the first layer; the other layers
-find it in a cache keyed by the ``cu_seqlens`` tensor object (and its in-place version).
+The table depends only on ``B, T`` and ``cu_seqlens``, so it is built once per micro-batch and
+the other layers find it in a cache keyed by the ``cu_seqlens`` tensor object (and its in-place
+version). Building it needs the values of ``cu_seqlens`` on the host: a caller that already has
+them (the trainer, from the loader's batch) hands them over with :func:`remember_host_values`, and
+then nothing is read back from the device (no host synchronisation in the layers); otherwise the
+first layer reads them (one synchronisation per micro-batch). The table goes to the device from
+pinned memory without blocking the host.
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ def _build(B: int, T: int, spans: tuple, block: int, device: torch.device) -> Bl
             n = -(-(e - s) // block)
             widest = max(widest, n)
             rows.extend((b, s + i * block, s, e) for i in range(n))
-    blocks = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+    blocks = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
+    if device.type == "cuda":  # pinned source: the copy is queued, the host goes on
+        blocks = blocks.pin_memory().to(device, non_blocking=True)
+    else:
+        blocks = blocks.to(device)
     return BlockLayout(block, B, T, blocks.shape[0], widest, blocks)
 
 
@@ -48,6 +56,23 @@ def _unpacked(B: int, T: int, block: int, device: str) -> BlockLayout:
 
 
 _PACKED: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, key, layout); dropped with the tensor
+_HOST: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, its in-place version, host values)
+
+
+def _forget(table: dict, ident: int, ref) -> None:
+    """Weakref callback: drop ``table[ident]`` if it still belongs to the tensor that died."""
+    if ident in table and table[ident][0] is ref:
+        del table[ident]
+
+
+def remember_host_values(cu_seqlens: Tensor, values: list[int]) -> None:
+    """Hand over the values of a device ``cu_seqlens`` that the caller holds on the host, so that
+    :func:`block_layout` does not read them back (valid until the tensor is changed in place)."""
+    if len(values) != cu_seqlens.numel():
+        raise ValueError(f"{len(values)} host values for a cu_seqlens of {cu_seqlens.numel()} entries")
+    ident = id(cu_seqlens)
+    ref = weakref.ref(cu_seqlens, lambda r: _forget(_HOST, ident, r))
+    _HOST[ident] = (ref, cu_seqlens._version, [int(v) for v in values])
 
 
 def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) -> BlockLayout:
@@ -59,10 +84,14 @@ def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) 
     hit = _PACKED.get(id(cu_seqlens))
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == key:
         return hit[2]
-    cu = cu_seqlens.tolist()  # the one host sync, once per micro-batch
+    host = _HOST.get(id(cu_seqlens))
+    if host is not None and host[0]() is cu_seqlens and host[1] == cu_seqlens._version:
+        cu = host[2]  # handed over by the caller: no read from the device
+    else:
+        cu = cu_seqlens.tolist()  # one host sync, once per micro-batch
     if B != 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T={T} with batch size 1, got {cu} (B={B})")
     layout = _build(B, T, tuple((a, b) for a, b in zip(cu, cu[1:]) if b > a), block, device)
     ident = id(cu_seqlens)
-    _PACKED[ident] = (weakref.ref(cu_seqlens, lambda _: _PACKED.pop(ident, None)), key, layout)
+    _PACKED[ident] = (weakref.ref(cu_seqlens, lambda r: _forget(_PACKED, ident, r)), key, layout)
     return layout

@@ -1,0 +1,50 @@
+"""The block table of packed batches: built from host values the caller hands over, without reading
+``cu_seqlens`` back from the device; from the tensor otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nosa_layers.ops.layout import block_layout, remember_host_values
+
+
+def _no_device_reads(monkeypatch):
+    def refuse(self):
+        raise AssertionError("cu_seqlens was read back from the device")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+
+
+def test_remembered_values_build_the_same_table_without_a_read(monkeypatch):
+    cu_vals = [0, 37, 37, 101, 200]
+    want = block_layout(1, 200, torch.tensor(cu_vals, dtype=torch.int32), 16, "cpu")
+    cu = torch.tensor(cu_vals, dtype=torch.int32)
+    remember_host_values(cu, cu_vals)
+    with monkeypatch.context() as m:
+        _no_device_reads(m)
+        got = block_layout(1, 200, cu, 16, "cpu")
+    assert torch.equal(got.blocks, want.blocks) and (got.n_blocks, got.max_doc_blocks) == (want.n_blocks,
+                                                                                           want.max_doc_blocks)
+
+
+def test_an_in_place_change_invalidates_the_remembered_values(monkeypatch):
+    cu = torch.tensor([0, 50, 100], dtype=torch.int32)
+    remember_host_values(cu, [0, 50, 100])
+    cu[1] = 20  # the remembered values are stale now: the tensor is read
+    got = block_layout(1, 100, cu, 16, "cpu")
+    assert got.blocks[:, 3].tolist()[0] == 20
+    with pytest.raises(ValueError, match="host values"):
+        remember_host_values(cu, [0, 100])
+
+
+def test_trainer_microbatch_hands_over_its_cu_seqlens(monkeypatch):
+    from data.packing import assemble_row, collate
+    from train.trainer import to_microbatch
+
+    rows = [assemble_row([torch.arange(30).numpy(), torch.arange(50).numpy()], None, 96, 0) for _ in range(2)]
+    mb = to_microbatch(collate(rows), torch.device("cpu"))
+    with monkeypatch.context() as m:
+        _no_device_reads(m)
+        layout = block_layout(1, 192, mb["cu_seqlens"], 16, "cpu")
+    assert layout.n_blocks == 2 * (2 + 4 + 1)  # per row: 30, 50 and 16 padding tokens
