@@ -23,7 +23,7 @@ Every row records its error instead of stopping the table. Writes ``inference.js
 
 Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
-       [--gpu-blocks N] [--attention auto|triton|torch] [--profile]
+       [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--profile]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
 
@@ -165,7 +165,7 @@ class Bench:
             cache_opts = {**cache_opts, "gpu_blocks": self.args.gpu_blocks}
         if hasattr(model, "new_cache"):
             kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, attention=self.args.attention,
-                                                  **cache_opts)
+                                                  decode_streams=self.args.decode_streams, **cache_opts)
         out = model(self.prompt(n), use_cache=True, logits_to_keep=1, **kw)
         cache = out_cache(out)
         if batch > 1:
@@ -456,6 +456,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
                    help="NOSA decode attention over the selected blocks: the Triton kernel reading them in "
                         "place, or gathered copies + PyTorch (auto: triton on CUDA)")
+    p.add_argument("--decode-streams", type=int, default=1,
+                   help="NOSA decode: the batch in this many parts on their own CUDA streams (fetch / compute overlap)")
     p.add_argument("--profile", action="store_true",
                    help="offload rows: also the device time per decode step by kernel (top 20)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
@@ -467,6 +469,9 @@ def main(argv=None) -> int:
         return 2
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
+    if args.decode_streams < 1:
+        print(f"error: --decode-streams must be >= 1, got {args.decode_streams}", file=sys.stderr)
         return 2
     if args.gpu_blocks is not None and args.gpu_blocks < 1:
         print(f"error: --gpu-blocks must be >= 1, got {args.gpu_blocks}", file=sys.stderr)

@@ -28,6 +28,7 @@ Differences from the public remote code (all deliberate, see the framework's REA
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -357,9 +358,35 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 and not any(layer.self_attn.record_selection for layer in self.layers))
 
     def _decode_body(self, h: Tensor, position_embeddings, cache) -> Tensor:
+        """Every layer's decode step; with ``decode_streams`` > 1 the batch runs in parts, layer by
+        layer, each part on its own CUDA stream (``NOSABlockCache.decode_parts``)."""
+        recording = any(layer.self_attn.record_selection for layer in self.layers)
+        parts = [] if recording or not isinstance(cache, NOSABlockCache) else cache.decode_parts()
+        if not parts:
+            for layer in self.layers:
+                h = layer(h, None, position_embeddings, cache)
+            return self.norm(h)
+        cos, sin = position_embeddings
+        spans = [p.part_range for p in parts]
+        hs = [h[a:b] for a, b in spans]
+        pes = [(cos[a:b], sin[a:b]) for a, b in spans]
+        streams = cache.part_streams(len(parts)) if h.is_cuda else [None] * len(parts)
+        cur = torch.cuda.current_stream() if h.is_cuda else None
+        for s in streams:
+            if s is not None:
+                s.wait_stream(cur)
         for layer in self.layers:
-            h = layer(h, None, position_embeddings, cache)
-        return self.norm(h)
+            for i, (part, s) in enumerate(zip(parts, streams)):
+                with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+                    hs[i] = layer(hs[i], None, pes[i], part)
+        capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
+        for s, t in zip(streams, hs):
+            if s is not None:
+                cur.wait_stream(s)
+                if not capturing:  # made on s, read on cur below (a captured graph keeps its pool)
+                    t.record_stream(cur)
+        cache.gather_parts(parts)
+        return self.norm(torch.cat(hs))
 
     def _graph_decode(self, x: Tensor, attention_mask, position_ids, cache) -> Tensor | None:
         """One decode step through a captured CUDA graph (see ``DecodeGraph``); ``None`` if capturing
@@ -395,14 +422,16 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 for a in (layer.self_attn for layer in self.layers)]
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto"):
+                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto",
+                  decode_streams: int = 1):
         """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
         memory, ``gpu_blocks`` slots per sequence and KV head on the GPU; ``reserve`` tokens per sequence
         allocated up front; ``fetch``: how offloaded blocks move, ``uva`` = Triton kernels reading pinned host
         memory directly (no host synchronisation, CUDA-graph friendly), ``copy`` = gathered on the host and
         copied, ``auto`` = ``uva`` when Triton and CUDA are there; ``attention``: the decode attention over
         the selected blocks, ``triton`` = a kernel reading them in place, ``torch`` = gathered copies,
-        ``auto`` = ``triton`` on CUDA when installed), or with ``dynamic=True`` transformers'
+        ``auto`` = ``triton`` on CUDA when installed; ``decode_streams``: parts of the batch decoded on
+        their own CUDA streams, see ``NOSABlockCache``), or with ``dynamic=True`` transformers'
         ``DynamicCache`` (the slow reference decode path)."""
         if dynamic:
             try:
@@ -410,7 +439,7 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
             except TypeError:
                 return DynamicCache()
         return NOSABlockCache(self.layer_specs(), offload=offload, gpu_blocks=gpu_blocks, reserve=reserve,
-                              fetch=fetch, attention=attention)
+                              fetch=fetch, attention=attention, decode_streams=decode_streams)
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
@@ -449,11 +478,14 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         block_cache = isinstance(cache, NOSABlockCache)
         if block_cache:
             cache.begin(valid, T, h.device, h.dtype)
-        for layer in self.layers:
-            h = layer(h, valid, position_embeddings, cache)
+        if block_cache and cache.decoding:
+            h = self._decode_body(h, position_embeddings, cache)
+        else:
+            for layer in self.layers:
+                h = layer(h, valid, position_embeddings, cache)
+            h = self.norm(h)
         if block_cache:
             cache.end()
-        h = self.norm(h)
         return BaseModelOutputWithPast(**{"last_hidden_state": h, _cache_field(BaseModelOutputWithPast): cache})
 
 
@@ -503,17 +535,20 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
         return False  # forward() makes a NOSABlockCache; generate() takes it from the outputs
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto"):
+                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto",
+                  decode_streams: int = 1):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
         return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve,
-                                    fetch=fetch, attention=attention)
+                                    fetch=fetch, attention=attention, decode_streams=decode_streams)
 
     def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
-                          cuda_graphs: bool = True, fetch: str = "auto", attention: str = "auto") -> None:
+                          cuda_graphs: bool = True, fetch: str = "auto", attention: str = "auto",
+                          decode_streams: int = 1) -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
         ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
         self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,
-                                    "cuda_graphs": cuda_graphs, "fetch": fetch, "attention": attention}
+                                    "cuda_graphs": cuda_graphs, "fetch": fetch, "attention": attention,
+                                    "decode_streams": decode_streams}
 
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""

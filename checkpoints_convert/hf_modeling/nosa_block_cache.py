@@ -28,6 +28,8 @@ device -> host.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -117,14 +119,18 @@ class NOSABlockCache(Cache):
     decode step's token attends to its selected blocks, ``triton`` = the kernel of
     ``nosa_decode_attn.py`` reading them in place (cache, slots, or the pinned host store for blocks
     without a slot), ``torch`` = gathered copies and ``attend``, ``auto`` = ``triton`` on a CUDA
-    device when Triton is installed. ``get_seq_length()`` is the number of attention-mask columns
-    seen (padding included), as for transformers' own caches.
+    device when Triton is installed. ``decode_streams`` > 1 splits a decode step's batch into that
+    many contiguous parts that run layer by layer on their own CUDA streams, so one part's
+    host-to-device fetch can overlap another part's compute (:meth:`decode_parts`; results equal the
+    unsplit step up to GEMM rounding; default 1). ``get_seq_length()`` is the number of
+    attention-mask columns seen (padding included), as for transformers' own caches.
     """
 
     is_compileable = False
 
     def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None,
-                 reserve: int | None = None, fetch: str = "auto", attention: str = "auto") -> None:
+                 reserve: int | None = None, fetch: str = "auto", attention: str = "auto",
+                 decode_streams: int = 1) -> None:
         super().__init__(layers=[])
         self.specs = specs
         self.offload = offload
@@ -143,6 +149,11 @@ class NOSABlockCache(Cache):
         if attention == "triton" and not attn_kernel_available():
             raise ValueError("attention='triton' needs triton installed")
         self.attention = attention  # decode attention over the selected blocks: Triton kernel or torch
+        if decode_streams < 1:
+            raise ValueError(f"decode_streams must be >= 1, got {decode_streams}")
+        self.decode_streams = decode_streams
+        self.part_range: tuple[int, int] | None = None  # a view of decode_parts(): its sequences here
+        self._streams: list = []
         self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
         self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
         self.batch = 0
@@ -216,6 +227,58 @@ class NOSABlockCache(Cache):
         self.lens = self.lens.index_select(0, idx)
         self.batch = int(idx.numel())
         self.version += 1
+
+    # ------------------------------------------------------------------ batch parts of a decode step
+    def decode_parts(self) -> list["NOSABlockCache"]:
+        """This decode step as ``decode_streams`` views over contiguous ranges of the batch (empty when
+        not split: one stream, fewer sequences, not decoding, or offloaded with host copies, whose
+        synchronisations would serialise the parts). A view shares every buffer with this cache
+        (writes land here) and has its own positions, per-step values and transfer counters; its
+        ``part_range`` is its sequences' range. Hand the views back to :meth:`gather_parts`."""
+        B, n = self.batch, min(self.decode_streams, self.batch)
+        if n < 2 or not self.decoding or (self.offload and self.fetch != "uva"):
+            return []
+        return [self._view(i * B // n, (i + 1) * B // n) for i in range(n)]
+
+    def gather_parts(self, parts: list["NOSABlockCache"]) -> None:
+        """Add the parts' transfer counters to this cache's."""
+        for p in parts:
+            self.stats.fetched_dev += p.stats.fetched_dev
+            self.stats.h2d_bytes += p.stats.h2d_bytes
+            self.stats.d2h_bytes += p.stats.d2h_bytes
+            self.stats.fetched_blocks += p.stats.fetched_blocks
+            self._step_h2d += p._step_h2d
+
+    def part_streams(self, n: int) -> list:
+        """``n`` CUDA streams of this cache for the parts of a decode step (made once)."""
+        while len(self._streams) < n:
+            self._streams.append(torch.cuda.Stream(device=self.device))
+        return self._streams[:n]
+
+    def _view(self, a: int, b: int) -> "NOSABlockCache":
+        view = copy.copy(self)
+        view.batch, view.part_range, view.graph, view._streams = b - a, (a, b), None, []
+        view.lens, view.pos, view.valid_new = self.lens[a:b], self.pos[a:b], self.valid_new[a:b]
+        view._derived, view._step_h2d = {}, 0
+        view.stats = TransferStats(fetched_dev=torch.zeros((), dtype=torch.long, device=self.lens.device))
+        view.states = [self._state_rows(st, a, b) for st in self.states]
+        return view
+
+    def _state_rows(self, st: LayerState, a: int, b: int) -> LayerState:
+        """``st`` restricted to sequences ``a .. b - 1`` (views of the same storage)."""
+        out = dataclasses.replace(st)
+        for name in ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "slot_of", "slot_block"):
+            t = getattr(st, name)
+            if t is not None:
+                setattr(out, name, t[a:b])
+        out.bias = out.score if st.bias is not None and st.bias is st.score else (
+            None if st.bias is None else st.bias[a:b])
+        for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v"):  # [B * rows per sequence, bs, D]
+            t = getattr(st, name)
+            if t is not None:
+                per = t.shape[0] // self.batch
+                setattr(out, name, t[a * per:b * per])
+        return out
 
     # ------------------------------------------------------------------ allocation
     def _num_windows(self, cfg: NOSAConfig) -> int:

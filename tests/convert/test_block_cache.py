@@ -72,10 +72,10 @@ def _batch(lens, vocab=97, seed=3):
     return ids, mask
 
 
-def _run(model, cache, ids, mask, new_tokens, chunk=None):
+def _run(model, cache, ids, mask, new_tokens, chunk=None, record=True):
     """Prefill (optionally in two chunks) then decode ``new_tokens [B, S]``; returns the step logits
-    ``[B, S, V]`` and the per-step selections."""
-    model.record(True)
+    ``[B, S, V]``, the per-step selections (empty without ``record``) and the cache."""
+    model.record(record)
     with torch.no_grad():
         if chunk:
             out = model(ids[:, :chunk], attention_mask=mask[:, :chunk], cache=cache, use_cache=True)
@@ -89,7 +89,8 @@ def _run(model, cache, ids, mask, new_tokens, chunk=None):
             out = model(new_tokens[:, j:j + 1], attention_mask=mask, cache=cache, use_cache=True)
             cache = _cache_of(out)
             logits.append(out.logits[:, -1])
-            sels.append({i: [s.clone() for s in per_seq] for i, per_seq in model.selections().items()})
+            if record:
+                sels.append({i: [s.clone() for s in per_seq] for i, per_seq in model.selections().items()})
     model.record(False)
     return torch.stack(logits, 1), sels, cache
 
@@ -326,11 +327,50 @@ def test_triton_decode_attention_in_the_cache(export_dirs):
         model.new_cache(attention="fast")
 
 
+def test_decode_in_batch_parts_equals_one_part(export_dirs):
+    """``decode_streams`` = 2 / 3 (the batch decoded in parts over views of the cache): the logits of the
+    unsplit step (GEMM rounding only), the same blocks moved and the cache left in the same state
+    (selection state, slots, keys), GPU-resident and offloaded (kernels on the host store, interpreter
+    on CPU). Recording selections keeps the step whole."""
+    model = _load(export_dirs["nosa"])
+    ids, mask = _batch([130, 77, 41, 99])
+    new = torch.randint(1, 97, (4, 24), generator=torch.Generator().manual_seed(9))
+    for opts in ({}, {"offload": True, "fetch": "uva", "gpu_blocks": 4}):
+        if opts:
+            pytest.importorskip("triton")
+            if torch.cuda.is_available():
+                continue  # CPU tensors under the interpreter; the gpu test covers CUDA
+        want_logits, _, want = _run(model, model.new_cache(**opts), ids, mask, new, record=False)
+        parts_seen = []
+        for n in (2, 3):
+            cache = model.new_cache(decode_streams=n, **opts)
+            split = cache.decode_parts
+            cache.decode_parts = lambda split=split: parts_seen.append(split()) or parts_seen[-1]
+            logits, _, cache = _run(model, cache, ids, mask, new, record=False)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-10, atol=1e-10)
+            assert cache.fetched_blocks() == want.fetched_blocks()
+            assert torch.equal(cache.lens, want.lens)
+            for st, st0 in zip(cache.states, want.states):
+                for name in ("kc", "wsc", "score", "slot_of", "slot_block", "k", "gpu_k", "cpu_k"):
+                    a, b = getattr(st, name), getattr(st0, name)  # floats: the keys' GEMM rounding
+                    assert (a is None) == (b is None), name
+                    if a is not None:
+                        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+        assert {tuple(p.part_range for p in parts) for parts in parts_seen} == {((0, 2), (2, 4)),
+                                                                              ((0, 1), (1, 2), (2, 4))}
+        recorded = model.new_cache(decode_streams=2, **opts)
+        recorded.decode_parts = lambda: pytest.fail("a recording step was split")
+        _run(model, recorded, ids[:, :50], mask[:, :50], new[:, :3])
+    with pytest.raises(ValueError, match="decode_streams"):
+        model.new_cache(decode_streams=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["nosa", "triton"])
 def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
     """On a GPU: the CUDA-graph decode step and the offloaded cache (host copies; kernels on pinned host
-    memory inside the graph; topk slots and fewer) give the eager GPU-resident logits. ``nosa`` (head
+    memory inside the graph; topk slots and fewer; the batch in two parts on two streams) give the eager
+    GPU-resident logits. ``nosa`` (head
     dim 8) decodes with the PyTorch attention, ``triton`` (head dim 16) with the decode-attention kernel
     (except with 4 slots and host copies: slot-less blocks then need the gathered path)."""
     if not torch.cuda.is_available():
@@ -345,7 +385,10 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
                                  ("offload_uva_graph", {}, {"offload": True, "fetch": "uva"}),
                                  ("offload_4slots", {"cuda_graphs": False},
                                   {"offload": True, "fetch": "copy", "gpu_blocks": 4}),
-                                 ("offload_4slots_uva_graph", {}, {"offload": True, "fetch": "uva", "gpu_blocks": 4})):
+                                 ("offload_4slots_uva_graph", {}, {"offload": True, "fetch": "uva", "gpu_blocks": 4}),
+                                 ("graph_2streams", {}, {"decode_streams": 2}),
+                                 ("offload_uva_graph_2streams", {}, {"offload": True, "fetch": "uva",
+                                                                     "decode_streams": 2})):
         model.set_cache_options(**opts)
         with torch.no_grad():
             out = model(ids, attention_mask=mask, cache=model.new_cache(**cache_kw), use_cache=True)
@@ -355,6 +398,8 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
                 out = model(new[:, j:j + 1], attention_mask=m, cache=cache, use_cache=True)
                 cache = _cache_of(out)
                 logits.append(out.logits[:, -1])
+        if "graph" in name:  # the step was captured (a failed capture falls back to eager steps)
+            assert cache.graph is not None and cache.graph.graph is not None, name
         runs[name] = torch.stack(logits, 1)
     torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
     assert torch.equal(runs["offload"], runs["eager"])
@@ -364,6 +409,8 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
     else:  # gathered PyTorch attention vs the kernel: summation order only
         torch.testing.assert_close(runs["offload_4slots"], runs["eager"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runs["offload_4slots_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+    for name in ("graph_2streams", "offload_uva_graph_2streams"):  # the batch in parts on two streams
+        torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-5, atol=1e-5)
 
 
 def test_forward_with_cache_keeps_gradients(export_dirs):
