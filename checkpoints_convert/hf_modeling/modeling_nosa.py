@@ -366,6 +366,11 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
             for layer in self.layers:
                 h = layer(h, None, position_embeddings, cache)
             return self.norm(h)
+        return self.norm(self._decode_in_parts(h, position_embeddings, cache, parts))
+
+    def _decode_in_parts(self, h: Tensor, position_embeddings, cache, parts: list) -> Tensor:
+        """The layers over each part of the batch (views of ``cache``), part ``i`` on stream ``i``; the
+        streams fork from and join into the current one (also inside a graph capture)."""
         cos, sin = position_embeddings
         spans = [p.part_range for p in parts]
         hs = [h[a:b] for a, b in spans]
@@ -386,7 +391,7 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 if not capturing:  # made on s, read on cur below (a captured graph keeps its pool)
                     t.record_stream(cur)
         cache.gather_parts(parts)
-        return self.norm(torch.cat(hs))
+        return torch.cat(hs)
 
     def _graph_decode(self, x: Tensor, attention_mask, position_ids, cache) -> Tensor | None:
         """One decode step through a captured CUDA graph (see ``DecodeGraph``); ``None`` if capturing
