@@ -729,11 +729,21 @@ class NOSABlockCache(Cache):
         st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
         self._host_gather(st, src_host, dst, st.gpu_k, st.gpu_v)
 
+    def _fetch_programs(self) -> int | None:
+        """Grid of the direct-access fetch: one program per row, or, when the batch is decoded in parts
+        on several streams, two per SM, so that a part's fetch leaves most SMs to the other parts (on a
+        CPU, under the interpreter: 3, which exercises the loop over rows)."""
+        if self.part_range is None:
+            return None
+        dev = torch.device(self.device)
+        return 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
+
     def _copy_rows(self, st: LayerState, src: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor) -> None:
         """Host-store rows ``src`` into rows ``dst`` of ``out_k / out_v [R, bs, D]`` (device) where
         ``dst >= 0``: Triton kernels on the pinned store (``fetch=uva``) or a host gather + copy."""
         if self.fetch == "uva":
-            uva_fetch_rows(st.cpu_k, st.cpu_v, out_k, out_v, src.reshape(-1), dst.reshape(-1))
+            uva_fetch_rows(st.cpu_k, st.cpu_v, out_k, out_v, src.reshape(-1), dst.reshape(-1),
+                           programs=self._fetch_programs())
             self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
             return
         moving = dst >= 0

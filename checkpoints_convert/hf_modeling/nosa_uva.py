@@ -32,16 +32,17 @@ def _build() -> dict:
         return _KERNELS
 
     @triton.jit
-    def fetch_rows(src_k, src_v, dst_k, dst_v, src_row, dst_row, ELEMS: tl.constexpr, CHUNK: tl.constexpr):
-        """Program i copies row ``src_row[i]`` of the host store to slot ``dst_row[i]`` (skip if < 0)."""
-        i = tl.program_id(0)
-        d = tl.load(dst_row + i)
-        if d >= 0:
-            s = tl.load(src_row + i)
-            for c in tl.static_range(0, ELEMS, CHUNK):
-                offs = c + tl.arange(0, CHUNK)
-                tl.store(dst_k + d * ELEMS + offs, tl.load(src_k + s * ELEMS + offs))
-                tl.store(dst_v + d * ELEMS + offs, tl.load(src_v + s * ELEMS + offs))
+    def fetch_rows(src_k, src_v, dst_k, dst_v, src_row, dst_row, n, ELEMS: tl.constexpr, CHUNK: tl.constexpr):
+        """Program p copies rows ``p, p + P, ...`` (``P`` programs): row ``src_row[i]`` of the host store
+        to slot ``dst_row[i]`` (skipped if < 0)."""
+        for i in range(tl.program_id(0), n, tl.num_programs(0)):
+            d = tl.load(dst_row + i)
+            if d >= 0:
+                s = tl.load(src_row + i)
+                for c in tl.static_range(0, ELEMS, CHUNK):
+                    offs = c + tl.arange(0, CHUNK)
+                    tl.store(dst_k + d * ELEMS + offs, tl.load(src_k + s * ELEMS + offs))
+                    tl.store(dst_v + d * ELEMS + offs, tl.load(src_v + s * ELEMS + offs))
 
     @triton.jit
     def store_tokens(k, v, dst_k, dst_v, dst_elem, D: tl.constexpr):
@@ -57,14 +58,18 @@ def _build() -> dict:
 
 
 def fetch_rows(host_k: Tensor, host_v: Tensor, slot_k: Tensor, slot_v: Tensor, src_row: Tensor,
-               dst_row: Tensor) -> None:
-    """``slot[dst_row[i]] = host[src_row[i]]`` for every ``i`` with ``dst_row[i] >= 0`` (K and V)."""
+               dst_row: Tensor, programs: int | None = None) -> None:
+    """``slot[dst_row[i]] = host[src_row[i]]`` for every ``i`` with ``dst_row[i] >= 0`` (K and V).
+    ``programs``: a grid of that many programs looping over the rows (few programs leave the other
+    SMs to work on other streams); default one program per row."""
     elems = host_k.shape[1] * host_k.shape[2]
     chunk = min(elems, 1024)
     if elems % chunk:
         raise ValueError(f"block of {elems} elements is not a multiple of {chunk}")
-    _build()["fetch"][(src_row.numel(),)](host_k, host_v, slot_k, slot_v, src_row, dst_row,
-                                          ELEMS=elems, CHUNK=chunk, num_warps=4)
+    n = src_row.numel()
+    grid = max(1, min(n, programs)) if programs else max(1, n)
+    _build()["fetch"][(grid,)](host_k, host_v, slot_k, slot_v, src_row, dst_row, n,
+                               ELEMS=elems, CHUNK=chunk, num_warps=4)
 
 
 def store_tokens(k: Tensor, v: Tensor, host_k: Tensor, host_v: Tensor, dst_elem: Tensor) -> None:
