@@ -277,8 +277,9 @@ def sweep(T, HQ, dense_ms):
                          ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))], fwd)
     _try_configs("dq", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
                         ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))], bwd)
-    _try_configs("dkdv", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
-                          ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))], bwd)
+    # dK/dV: the key-group size is part of each candidate (inherited, two-block groups spill at 4 warps)
+    _try_configs("dkdv", [dict(num_warps=w, num_stages=s, rows=r, blocks=b) for b, r, w, s in
+                          ((1, 64, 4, 2), (1, 64, 4, 3), (1, 64, 8, 2), (1, 128, 8, 2), (2, 32, 8, 4))], bwd)
     _try_configs("dkdv", [dict(CHUNK=c) for c in (256, 1024, 4096)], bwd)
     _try_configs("tile", [dict(rows=r) for r in (64, 128, 256)], lambda: fwd() + bwd())
     sweep_selection(T, HQ)
