@@ -1,0 +1,31 @@
+"""``bench/inference.py --quick`` on CPU: the offload rows of a tiny model run end to end (the script a
+GPU session relies on), with the decode in batch parts and the per-kernel profile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_inference", REPO / "bench" / "inference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_offload_rows(tmp_path):
+    bench = _bench()
+    assert bench.main(["--out", str(tmp_path), "--quick", "--only", "offload", "--decode-streams", "2",
+                       "--profile"]) == 0
+    rows = {r["row"]: r for r in json.loads((tmp_path / "inference.json").read_text())["rows"]}
+    assert not [r for r in rows.values() if "error" in r], rows
+    gpu, off = rows["max batch nosa gpu_kv ctx512"], rows["max batch nosa offload ctx512"]
+    assert off["batch"] > gpu["batch"] >= 2 and off["per_seq_cache_mib"] <= gpu["per_seq_cache_mib"]
+    dec = rows["decode nosa offload ctx512 max batch"]
+    assert dec["tok_per_s"] > 0 and dec["h2d_bytes_per_token"] > 0 and dec["profile_top"]
+    assert (tmp_path / "inference.md").read_text().startswith("device: cpu")
+    assert bench.main(["--out", str(tmp_path), "--quick", "--decode-streams", "0"]) == 2
