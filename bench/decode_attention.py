@@ -73,6 +73,25 @@ def timed(fn, n: int = 50, warm: int = 10) -> float:
     return statistics.median(times)
 
 
+def measure(B: int, dtype) -> list[dict]:
+    """The PyTorch path and every launch setting (bf16; the default one in fp32) at batch ``B``."""
+    scale = D ** -0.5
+    args = case(B, dtype)
+    want = torch_path(*args, scale)
+    selected_bytes = 2 * B * HKV * K * BS * D * args[1].element_size()
+    base = {"batch": B, "dtype": str(dtype).replace("torch.", "")}
+    ms = timed(lambda: torch_path(*args, scale))
+    rows = [{**base, "path": "torch (gather + fp32 matmuls)", "ms": round(ms, 4),
+             "gb_per_s": round(selected_bytes / ms / 1e6, 1), "max_abs_diff": 0.0}]
+    for per, warps in CONFIGS if dtype == torch.bfloat16 else CONFIGS[:1]:
+        got = decode_attention(*args[:7], scale, args[7], per_prog=per, num_warps=warps)
+        ms = timed(lambda: decode_attention(*args[:7], scale, args[7], per_prog=per, num_warps=warps))
+        rows.append({**base, "path": f"kernel per_prog={per} warps={warps}", "ms": round(ms, 4),
+                     "gb_per_s": round(selected_bytes / ms / 1e6, 1),
+                     "max_abs_diff": float((got - want).abs().max())})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for decode_attention.json")
@@ -82,24 +101,10 @@ def main(argv=None) -> int:
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
     batches = [int(x) for x in a.batches.split(",")]
-    scale = D ** -0.5
     rows = []
     for B in batches:
         for dtype in (torch.bfloat16, torch.float32):
-            args = case(B, dtype)
-            want = torch_path(*args, scale)
-            selected_bytes = 2 * B * HKV * K * BS * D * args[1].element_size()
-            base = {"batch": B, "dtype": str(dtype).replace("torch.", "")}
-            ms = timed(lambda: torch_path(*args, scale))
-            rows.append({**base, "path": "torch (gather + fp32 matmuls)", "ms": round(ms, 4),
-                         "gb_per_s": round(selected_bytes / ms / 1e6, 1), "max_abs_diff": 0.0})
-            for per, warps in CONFIGS if dtype == torch.bfloat16 else CONFIGS[:1]:
-                got = decode_attention(*args[:7], scale, args[7], per_prog=per, num_warps=warps)
-                ms = timed(lambda: decode_attention(*args[:7], scale, args[7], per_prog=per, num_warps=warps))
-                rows.append({**base, "path": f"kernel per_prog={per} warps={warps}", "ms": round(ms, 4),
-                             "gb_per_s": round(selected_bytes / ms / 1e6, 1),
-                             "max_abs_diff": float((got - want).abs().max())})
-            del args, want
+            rows += measure(B, dtype)
             torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "shape": {"kv_heads": HKV, "group": G, "head_dim": D, "block": BS, "topk": K, "blocks_per_seq": NB}}

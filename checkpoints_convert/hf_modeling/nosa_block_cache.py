@@ -153,6 +153,7 @@ class NOSABlockCache(Cache):
             raise ValueError(f"decode_streams must be >= 1, got {decode_streams}")
         self.decode_streams = decode_streams
         self.part_range: tuple[int, int] | None = None  # a view of decode_parts(): its sequences here
+        self.fetch_programs: int | None = None  # grid of the direct-access fetch (None: one program per row)
         self._streams: list = []
         self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
         self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
@@ -238,7 +239,11 @@ class NOSABlockCache(Cache):
         B, n = self.batch, min(self.decode_streams, self.batch)
         if n < 2 or not self.decoding or (self.offload and self.fetch != "uva"):
             return []
-        return [self._view(i * B // n, (i + 1) * B // n) for i in range(n)]
+        # a part's fetch takes two programs per SM and leaves the other SMs to the other parts (CPU,
+        # interpreter: 3 programs, which exercises their loop over rows)
+        dev = torch.device(self.device)
+        grid = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
+        return [self._view(i * B // n, (i + 1) * B // n, grid) for i in range(n)]
 
     def gather_parts(self, parts: list["NOSABlockCache"]) -> None:
         """Add the parts' transfer counters to this cache's."""
@@ -255,9 +260,10 @@ class NOSABlockCache(Cache):
             self._streams.append(torch.cuda.Stream(device=self.device))
         return self._streams[:n]
 
-    def _view(self, a: int, b: int) -> "NOSABlockCache":
+    def _view(self, a: int, b: int, fetch_programs: int) -> "NOSABlockCache":
         view = copy.copy(self)
         view.batch, view.part_range, view.graph, view._streams = b - a, (a, b), None, []
+        view.fetch_programs = fetch_programs
         view.lens, view.pos, view.valid_new = self.lens[a:b], self.pos[a:b], self.valid_new[a:b]
         view._derived, view._step_h2d = {}, 0
         view.stats = TransferStats(fetched_dev=torch.zeros((), dtype=torch.long, device=self.lens.device))
@@ -491,8 +497,7 @@ class NOSABlockCache(Cache):
         scale = softmax_scale if softmax_scale is not None else D ** -0.5
         pos, bs = self.pos, self.block_size
         blk, off = self._per_step("blk_off", lambda: (pos // bs, pos % bs))
-        bi, hi = self._per_step(("bi_hi", Hkv), lambda: (torch.arange(B, device=q.device)[:, None],
-                                                         torch.arange(Hkv, device=q.device)[None, :]))
+        bi, hi = self._batch_head(Hkv, q.device)
         k1, v1 = k[:, 0].to(self.dtype), v[:, 0].to(self.dtype)  # [B, Hkv, D]
         qg = q[:, 0].view(B, Hkv, G, D)
         if st.spec.cfg is None:  # dense layer: every cached token
@@ -557,9 +562,7 @@ class NOSABlockCache(Cache):
 
     def _store_token(self, st: LayerState, k1: Tensor, v1: Tensor, blk: Tensor, off: Tensor) -> None:
         """GPU-resident mode: the new token's ``k1, v1 [B, Hkv, D]`` at block ``blk``, offset ``off`` ``[B]``."""
-        B, Hkv = k1.shape[:2]
-        bi, hi = self._per_step(("bi_hi", Hkv), lambda: (torch.arange(B, device=k1.device)[:, None],
-                                                         torch.arange(Hkv, device=k1.device)[None, :]))
+        bi, hi = self._batch_head(k1.shape[1], k1.device)
         st.k[bi, hi, blk[:, None], off[:, None]] = k1
         st.v[bi, hi, blk[:, None], off[:, None]] = v1
 
@@ -568,7 +571,7 @@ class NOSABlockCache(Cache):
         """Store the new token, gather the selected blocks into new tensors and ``attend`` (PyTorch)."""
         B, Hkv, K = sel.shape
         bs, D, pos = self.block_size, qg.shape[-1], self.pos
-        bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
+        bi, hi = self._batch_head(Hkv, sel.device)
         if st.offloaded:
             kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
         else:
@@ -592,6 +595,11 @@ class NOSABlockCache(Cache):
         """Positions of this step's new tokens; forgets what was derived from the previous ones."""
         self.pos = pos
         self._derived: dict = {}
+
+    def _batch_head(self, Hkv: int, device) -> tuple[Tensor, Tensor]:
+        """``arange(B)[:, None]`` and ``arange(Hkv)[None, :]``: the index grids of a step's tensors."""
+        return self._per_step(("bi_hi", Hkv), lambda: (torch.arange(self.batch, device=device)[:, None],
+                                                       torch.arange(Hkv, device=device)[None, :]))
 
     def _per_step(self, key, make):
         """``make()`` once per decode step (values that depend only on the positions, shared by layers)."""
@@ -627,7 +635,7 @@ class NOSABlockCache(Cache):
         B, Hkv, K = sel.shape
         C = st.slot_block.shape[-1] - 1
         slots, src = self._make_resident(st, sel, sel_ok, k1, v1, blk, off)
-        bi, hi = torch.arange(B, device=sel.device)[:, None], torch.arange(Hkv, device=sel.device)[None, :]
+        bi, hi = self._batch_head(Hkv, sel.device)
         gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
         gv = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])
         kb = gk[bi[..., None], hi[..., None], slots.clamp(min=0)]
@@ -648,7 +656,7 @@ class NOSABlockCache(Cache):
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
-        bi, hi = torch.arange(B, device=dev)[:, None], torch.arange(Hkv, device=dev)[None, :]
+        bi, hi = self._batch_head(Hkv, dev)
         # slot bookkeeping on the device: the j-th missing block of a row takes its j-th free slot
         cur = st.slot_of.gather(-1, sel)
         missing = sel_ok & (cur < 0)
@@ -729,21 +737,12 @@ class NOSABlockCache(Cache):
         st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
         self._host_gather(st, src_host, dst, st.gpu_k, st.gpu_v)
 
-    def _fetch_programs(self) -> int | None:
-        """Grid of the direct-access fetch: one program per row, or, when the batch is decoded in parts
-        on several streams, two per SM, so that a part's fetch leaves most SMs to the other parts (on a
-        CPU, under the interpreter: 3, which exercises the loop over rows)."""
-        if self.part_range is None:
-            return None
-        dev = torch.device(self.device)
-        return 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
-
     def _copy_rows(self, st: LayerState, src: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor) -> None:
         """Host-store rows ``src`` into rows ``dst`` of ``out_k / out_v [R, bs, D]`` (device) where
         ``dst >= 0``: Triton kernels on the pinned store (``fetch=uva``) or a host gather + copy."""
         if self.fetch == "uva":
             uva_fetch_rows(st.cpu_k, st.cpu_v, out_k, out_v, src.reshape(-1), dst.reshape(-1),
-                           programs=self._fetch_programs())
+                           programs=self.fetch_programs)
             self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
             return
         moving = dst >= 0

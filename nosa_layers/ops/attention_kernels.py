@@ -51,20 +51,6 @@ def _row_mask(word, r, ktok, tok, kvalid):
 
 
 @triton.jit
-def _key_words(word, Word, e, offs_n, FULL: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr):
-    """Per key of inverse-list entry ``e`` (a key group of ``KB`` KV blocks, keys ``offs_n``): the
-    word of its block (key ``n`` takes block ``n // BS``'s; ``word`` is the first block's, already
-    loaded) and whether every block's word is full."""
-    full = word == FULL
-    wkey = tl.full(offs_n.shape, 0, word.dtype) + word
-    for u in tl.static_range(1, KB):
-        wu = tl.load(Word + e * KB + u)
-        full &= wu == FULL
-        wkey = tl.where(offs_n >= u * BS, wu, wkey)
-    return wkey, full
-
-
-@triton.jit
 def _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh, N: tl.constexpr, D: tl.constexpr):
     """Bases of KV head ``h`` of batch row ``b`` in K, V and the bias, and the ``[N, D]`` tile
     offsets of K and V (a list entry's keys are then one scalar offset away)."""
@@ -228,7 +214,13 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
         e = it // NP
         pk = it % NP
         qs = tl.load(QStart + e)
-        wkey, full = _key_words(tl.load(Word + e * KB), Word, e, offs_n, FULL, BS, KB)
+        word = tl.load(Word + e * KB)  # key n takes the word of block n // BS of the group
+        full = word == FULL
+        wkey = tl.full([N], 0, word.dtype) + word
+        for u in tl.static_range(1, KB):
+            wu = tl.load(Word + e * KB + u)
+            full &= wu == FULL
+            wkey = tl.where(offs_n >= u * BS, wu, wkey)
         tok = qs + r
         rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
         qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)

@@ -70,16 +70,6 @@ class SparseIndex:
         return self.layout.n_blocks * self.hkv
 
 
-@triton.jit
-def _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT: tl.constexpr):
-    """Words of the tile's rows ``r`` (tokens ``qs + r``) for block columns ``cols``: bit ``r`` set
-    <=> row ``r`` selected the block; 0 past the tile's own block column ``j``."""
-    s = tl.load(Sel + b * s_sb + h * s_sh + (qs + r)[:, None].to(tl.int64) * s_st + cols[None, :],
-                mask=rmask[:, None] & (cols <= j)[None, :], other=0)
-    bits = (s != 0).to(WT) << r[:, None].to(WT)
-    return tl.sum(bits, axis=0)  # disjoint bits: sum == OR (wraps correctly at the top bit)
-
-
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
 def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap, NBW,
                        HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
@@ -98,12 +88,14 @@ def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_
     r = tl.arange(0, QT)
     rmask = (qs + r) < de
     w = (i * HKV + h).to(tl.int64)
-    WT: tl.constexpr = Words.dtype.element_ty
     n = 0
     for m0 in range(0, j + 1, NBC):
         cols = m0 + tl.arange(0, NBC)
         cm = cols <= j
-        word = _tile_words(Sel, b, h, qs, r, rmask, cols, j, s_sb, s_sh, s_st, WT)
+        s = tl.load(Sel + b * s_sb + h * s_sh + (qs + r)[:, None].to(tl.int64) * s_st + cols[None, :],
+                    mask=rmask[:, None] & cm[None, :], other=0)
+        bits = (s != 0).to(Words.dtype.element_ty) << r[:, None].to(Words.dtype.element_ty)
+        word = tl.sum(bits, axis=0)  # disjoint bits: sum == OR (wraps correctly at the top bit)
         tl.store(Words + w * NBW + cols, word, mask=cm)
         nz = (word != 0) & cm
         pos = n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
