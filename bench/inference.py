@@ -14,7 +14,8 @@ score equal). Rows:
   the selection's blocks in ``topk`` device slots, or ``--gpu-blocks N`` slots: fewer than ``topk``
   read the blocks without a slot from the host every step; host memory bounded by ``--host-mem-limit-gib``),
   found from the measured per-sequence slope (batch 1 and 2), checked at the predicted batch and
-  re-predicted from the slope up to the batch that fits (larger while it still fits);
+  re-predicted from the slope up to the batch that fits (larger while it still fits; bisecting below a
+  prediction that did not fit);
   decode tokens/s at each, and the host -> device bytes per generated token (first step = whole
   selections; steady state = the blocks a step adds).
 
@@ -164,8 +165,11 @@ class Bench:
         if cache_opts.get("offload") and self.args.gpu_blocks:
             cache_opts = {**cache_opts, "gpu_blocks": self.args.gpu_blocks}
         if hasattr(model, "new_cache"):
+            # parts on streams overlap host fetches with compute: offloaded caches only (the GPU-resident
+            # rows, the baseline of the offload ratios, stay at their faster single stream)
+            streams = self.args.decode_streams if cache_opts.get("offload") else 1
             kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, attention=self.args.attention,
-                                                  decode_streams=self.args.decode_streams, **cache_opts)
+                                                  decode_streams=streams, **cache_opts)
         out = model(self.prompt(n), use_cache=True, logits_to_keep=1, **kw)
         cache = out_cache(out)
         if batch > 1:
@@ -292,22 +296,28 @@ class Bench:
         if fits is None:
             raise RuntimeError("no batch fits under --mem-limit-gib")
         # the slope of batches 1 -> 2 can overstate the per-sequence cost (fixed step buffers): re-predict
-        # from the slope up to the fitting batch and take a larger batch while it still fits
-        for _ in range(3):
+        # from the slope up to the fitting batch and take a larger batch while it still fits; a prediction
+        # that does not fit bounds the search, which then bisects between the two
+        too_big = None
+        for _ in range(6):
             B, p = fits
             if B < 2 or (host_cap is not None and B >= host_cap):
                 break
             nxt = 1 + (limit - p1["peak_bytes"]) * (B - 1) // max(1, p["peak_bytes"] - p1["peak_bytes"])
             nxt = min(int(nxt), host_cap) if host_cap is not None else int(nxt)
+            if too_big is not None and nxt >= too_big:
+                nxt = (B + too_big) // 2
             if nxt <= B:
                 break
             self.free()
             try:
                 q = self.probe(model, nxt, offload)
             except torch.cuda.OutOfMemoryError:
-                break
-            if q["peak_bytes"] > limit:
-                break
+                q = None
+            if q is None or q["peak_bytes"] > limit:
+                log(f"batch {nxt}: over the limit; the largest batch lies in [{B}, {nxt})")
+                too_big = nxt
+                continue
             fits = (nxt, q)
         B, p = fits
         info["per_seq_device_mib_at_batch"] = round((p["peak_bytes"] - p1["peak_bytes"]) / max(1, B - 1) / 2**20, 1)
@@ -457,7 +467,8 @@ def main(argv=None) -> int:
                    help="NOSA decode attention over the selected blocks: the Triton kernel reading them in "
                         "place, or gathered copies + PyTorch (auto: triton on CUDA)")
     p.add_argument("--decode-streams", type=int, default=1,
-                   help="NOSA decode: the batch in this many parts on their own CUDA streams (fetch / compute overlap)")
+                   help="offloaded NOSA decode: the batch in this many parts on their own CUDA streams "
+                        "(fetch / compute overlap; GPU-resident rows keep one stream)")
     p.add_argument("--profile", action="store_true",
                    help="offload rows: also the device time per decode step by kernel (top 20)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")

@@ -101,7 +101,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "step_s": statistics.median(times),
         "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
         "slowest_step_s": times[-1],
-        **_profile_fields(profile),
+        **(_profile_fields(profile) if a.profile_step else {}),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),
         "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
@@ -132,6 +132,10 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=420)
     p.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. train.recompute=none")
     a = p.parse_args()
+    taken = [n for n in a.runs.split(",") if (Path(a.out) / n).exists() or (Path(a.out) / f"{n}.log").exists()]
+    if taken:  # a run's metrics, profile and checkpoints would mix with the earlier run's
+        print(f"error: --out {a.out} already holds run(s) {', '.join(taken)}; choose a new --out", file=sys.stderr)
+        sys.exit(2)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     import torch
 

@@ -10,7 +10,8 @@ Layout per layer (``B`` sequences, ``Hkv`` KV heads, ``NB`` blocks of ``bs`` tok
   pinned CPU memory plus a GPU cache of ``C`` block slots per (sequence, KV head) that holds the
   blocks the current step selected;
 * eviction score / bias ``[B, Hkv, cap]`` (fp32) and the selection's running state: compressed keys
-  ``kc [B, Hkv, NW + 1, D]`` and window means of the score ``wsc [B, Hkv, NW + 1]`` (fp32; the last
+  ``kc [B, Hkv, NW + 1, D]`` (cache dtype: window means taken in fp32 and rounded once, as the
+  training kernels store them) and window means of the score ``wsc [B, Hkv, NW + 1]`` (fp32; the last
   column is a write sink) and a ring of the last ``kernel_size`` keys and scores. These stay on the
   GPU in both modes (``kc`` is 1/``kernel_stride`` of the keys).
 
@@ -154,6 +155,7 @@ class NOSABlockCache(Cache):
         self.decode_streams = decode_streams
         self.part_range: tuple[int, int] | None = None  # a view of decode_parts(): its sequences here
         self.fetch_programs: int | None = None  # grid of the direct-access fetch (None: one program per row)
+        self._fetch_chain: list | None = None  # parts of a step: [event of the last host fetch issued]
         self._streams: list = []
         self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
         self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
@@ -243,7 +245,8 @@ class NOSABlockCache(Cache):
         # interpreter: 3 programs, which exercises their loop over rows)
         dev = torch.device(self.device)
         grid = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
-        return [self._view(i * B // n, (i + 1) * B // n, grid) for i in range(n)]
+        chain = [None]  # the parts' host fetches run one after another, in issue order (see _copy_rows)
+        return [self._view(i * B // n, (i + 1) * B // n, grid, chain) for i in range(n)]
 
     def gather_parts(self, parts: list["NOSABlockCache"]) -> None:
         """Add the parts' transfer counters to this cache's."""
@@ -260,10 +263,10 @@ class NOSABlockCache(Cache):
             self._streams.append(torch.cuda.Stream(device=self.device))
         return self._streams[:n]
 
-    def _view(self, a: int, b: int, fetch_programs: int) -> "NOSABlockCache":
+    def _view(self, a: int, b: int, fetch_programs: int, fetch_chain: list) -> "NOSABlockCache":
         view = copy.copy(self)
         view.batch, view.part_range, view.graph, view._streams = b - a, (a, b), None, []
-        view.fetch_programs = fetch_programs
+        view.fetch_programs, view._fetch_chain = fetch_programs, fetch_chain
         view.lens, view.pos, view.valid_new = self.lens[a:b], self.pos[a:b], self.valid_new[a:b]
         view._derived, view._step_h2d = {}, 0
         view.stats = TransferStats(fetched_dev=torch.zeros((), dtype=torch.long, device=self.lens.device))
@@ -308,7 +311,7 @@ class NOSABlockCache(Cache):
         if s.cfg is None:
             return
         NW = self._num_windows(s.cfg)
-        st.kc = torch.zeros(B, Hkv, NW + 1, D, dtype=f32, device=dev)
+        st.kc = torch.zeros(B, Hkv, NW + 1, D, dtype=self.dtype, device=dev)  # fp32 would be 20% of an offloaded cache
         st.ring_k = torch.zeros(B, Hkv, s.cfg.kernel_size, D, dtype=self.dtype, device=dev)
         if s.has_score:
             st.score = torch.zeros(B, Hkv, cap, dtype=f32, device=dev)
@@ -476,7 +479,7 @@ class NOSABlockCache(Cache):
         cfg, n = st.spec.cfg, k.shape[0]
         nw = cfg.num_windows(n)
         if nw:
-            st.kc[b, :, :nw] = compressed_keys(k[None].to(st.kc.dtype), cfg)[0].transpose(0, 1)
+            st.kc[b, :, :nw] = compressed_keys(k[None].to(self.state_dtype), cfg)[0].transpose(0, 1)
             if score is not None:
                 st.wsc[b, :, :nw] = window_scores(score.to(st.wsc.dtype), cfg)[0]
         p = torch.arange(max(0, n - cfg.kernel_size), n, device=k.device)
@@ -623,7 +626,7 @@ class NOSABlockCache(Cache):
         st.ring_k[bi, :, slot] = k1.to(st.ring_k.dtype)
         if s1 is not None:
             st.ring_s[bi, :, slot] = s1
-        st.kc[bi, :, w] = st.ring_k.to(st.kc.dtype).mean(dim=2)
+        st.kc[bi, :, w] = st.ring_k.to(self.state_dtype).mean(dim=2).to(st.kc.dtype)
         if s1 is not None:
             st.wsc[bi, :, w] = st.ring_s.mean(dim=2)
 
@@ -741,8 +744,17 @@ class NOSABlockCache(Cache):
         """Host-store rows ``src`` into rows ``dst`` of ``out_k / out_v [R, bs, D]`` (device) where
         ``dst >= 0``: Triton kernels on the pinned store (``fetch=uva``) or a host gather + copy."""
         if self.fetch == "uva":
+            stream = torch.cuda.current_stream(out_k.device) if self._fetch_chain is not None and out_k.is_cuda else None
+            if stream is not None and self._fetch_chain[0] is not None:
+                # parts of a step: wait for the previous part's fetch, so the fetches take the host link
+                # one at a time (part 1 fetches layer l while part 0 computes it) instead of all parts
+                # fetching at once and then all computing at once
+                stream.wait_event(self._fetch_chain[0])
             uva_fetch_rows(st.cpu_k, st.cpu_v, out_k, out_v, src.reshape(-1), dst.reshape(-1),
                            programs=self.fetch_programs)
+            if stream is not None:
+                self._fetch_chain[0] = torch.cuda.Event()
+                self._fetch_chain[0].record(stream)
             self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
             return
         moving = dst >= 0

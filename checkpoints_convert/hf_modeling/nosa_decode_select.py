@@ -46,7 +46,8 @@ def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor
     NW, NB = kc.shape[2], index.shape[0]
     m = masks if masks is not None else decode_masks(pos, cfg, NB, NW)
     hidden, forced, future, qb = m["hidden"], m["forced"], m["future"], m["qb"]
-    logits = torch.matmul(q.to(kc.dtype), kc.transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW]
+    dt = torch.promote_types(kc.dtype, torch.float32)  # kc may be stored in bf16 / fp16: scores in fp32
+    logits = torch.matmul(q.to(dt), kc.to(dt).transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW]
     logits = logits.masked_fill(hidden[:, :, None], NEG_INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)

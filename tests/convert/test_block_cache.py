@@ -155,6 +155,28 @@ def test_block_cache_decode_equals_reference_decode(export_dirs, kind):
     assert cache.lens.tolist() == [154, 101, 65] and cache.get_seq_length() == 154
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_compressed_keys_stored_in_cache_dtype_rounded_once(export_dirs, offload):
+    """A bf16 cache keeps ``kc`` in bf16: every window mean taken in fp32 over the cached keys and
+    rounded once, both for windows written at prefill and for those completed by decode steps."""
+    model = _load(export_dirs["nosa"], torch.bfloat16)
+    ids, mask = _batch([130, 77, 41])
+    new = torch.randint(1, 97, (3, 40), generator=torch.Generator().manual_seed(11))
+    _, _, cache = _run(model, model.new_cache(offload=offload, gpu_blocks=3), ids, mask, new, record=False)
+    checked = 0
+    for st in cache.states:
+        if st.spec.cfg is None:
+            continue
+        assert st.kc.dtype == torch.bfloat16
+        for b, n in enumerate(cache.lens.tolist()):
+            k, _ = cache._read(st, b, n)
+            nw = st.spec.cfg.num_windows(n)
+            want = compressed_keys(k[None].float(), st.spec.cfg)[0].transpose(0, 1).to(torch.bfloat16)
+            assert torch.equal(st.kc[b, :, :nw], want), f"sequence {b}"
+            checked += nw
+    assert checked > 0
+
+
 def test_offloaded_cache_equals_full_cache(export_dirs):
     """Offloaded (host store + GPU slots) vs GPU-resident block cache: identical logits and selections;
     the first step fetches whole selections, later steps only the blocks a selection adds. Both transfer
@@ -424,3 +446,4 @@ def test_forward_with_cache_keeps_gradients(export_dirs):
         grads.append(model.model.layers[0].self_attn.A.grad.clone())
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1])
+
