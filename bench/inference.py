@@ -24,7 +24,7 @@ Every row records its error instead of stopping the table. Writes ``inference.js
 
 Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
-       [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--profile]
+       [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--profile] [--memory-profile]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
 
@@ -54,6 +54,7 @@ from checkpoints_convert.random_export import (
     stock_llama,
     write_random_export,
 )
+from bench import memory_trace
 from nosa_layers.config import NOSAConfig, tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
@@ -408,6 +409,24 @@ class Bench:
                 return out
 
             self.row(f"decode nosa {mode} ctx{self.long} max batch", rate)
+            if self.args.memory_profile:
+                self.row(f"memory nosa {mode} ctx{self.long} max batch",
+                         lambda offload=offload, mode=mode: self.step_memory(model, found[mode], offload, mode))
+
+    @torch.no_grad()
+    def step_memory(self, model, batch: int, offload: bool, mode: str) -> dict:
+        """Device memory that two decode steps (warm-up and capture) allocate on top of the built cache
+        at ``batch``, at its peak, by the line that allocated it (``bench/memory_trace.py``)."""
+        self.free()
+        cache, tok = self.prefilled_cache(model, self.long, batch, offload=offload)
+        events = memory_trace.record(lambda: self.decode_rate(model, cache, tok, steps=1, warm=1), self.dev)
+        peak, blocks = memory_trace.peak_allocations(events)
+        sites = memory_trace.top_sites(blocks, 20)
+        for s in sites:
+            log(f"  {s['mib']:10.2f} MiB in {s['blocks']:5d} blocks  {s['site']}")
+        return {"model": "nosa", "mode": mode, "batch": batch, "context": self.long,
+                "step_peak_mib": round(peak / 2**20, 1), "step_peak_mib_per_seq": round(peak / 2**20 / batch, 2),
+                "cache_mib": round(cache.memory_bytes()["device"] / 2**20, 1), "step_peak_sites": sites}
 
     # ------------------------------------------------------------------ output
     def write(self, quiet: bool = False) -> None:
@@ -471,6 +490,8 @@ def main(argv=None) -> int:
                         "(fetch / compute overlap; GPU-resident rows keep one stream)")
     p.add_argument("--profile", action="store_true",
                    help="offload rows: also the device time per decode step by kernel (top 20)")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="offload rows (CUDA): what the decode steps allocate at the largest batch, by line")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
     args = p.parse_args(argv)
@@ -483,6 +504,10 @@ def main(argv=None) -> int:
         return 2
     if args.decode_streams < 1:
         print(f"error: --decode-streams must be >= 1, got {args.decode_streams}", file=sys.stderr)
+        return 2
+    if args.memory_profile and not torch.cuda.is_available():
+        print("error: --memory-profile needs a CUDA device (the allocator history of the caching allocator)",
+              file=sys.stderr)
         return 2
     if args.gpu_blocks is not None and args.gpu_blocks < 1:
         print(f"error: --gpu-blocks must be >= 1, got {args.gpu_blocks}", file=sys.stderr)

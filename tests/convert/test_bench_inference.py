@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -29,3 +31,5 @@ def test_quick_offload_rows(tmp_path):
     assert dec["tok_per_s"] > 0 and dec["h2d_bytes_per_token"] > 0 and dec["profile_top"]
     assert (tmp_path / "inference.md").read_text().startswith("device: cpu")
     assert bench.main(["--out", str(tmp_path), "--quick", "--decode-streams", "0"]) == 2
+    if not torch.cuda.is_available():
+        assert bench.main(["--out", str(tmp_path), "--quick", "--memory-profile"]) == 2
