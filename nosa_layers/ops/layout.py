@@ -55,14 +55,31 @@ def _unpacked(B: int, T: int, block: int, device: str) -> BlockLayout:
     return _build(B, T, ((0, T),) if T else (), block, torch.device(device))
 
 
-_PACKED: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, key, layout); dropped with the tensor
-_HOST: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, its in-place version, host values)
+@dataclass
+class _Known:
+    """What this module holds for one ``cu_seqlens`` tensor; dropped when the tensor dies."""
+    ref: weakref.ref
+    host: tuple | None = None  # (in-place version, host values) handed over by the caller
+    layout: tuple | None = None  # (key, BlockLayout) built for it
 
 
-def _forget(table: dict, ident: int, ref) -> None:
-    """Weakref callback: drop ``table[ident]`` if it still belongs to the tensor that died."""
-    if ident in table and table[ident][0] is ref:
-        del table[ident]
+_KNOWN: dict[int, _Known] = {}  # id(cu_seqlens) -> _Known
+
+
+def _forget(ident: int, ref) -> None:
+    """Weakref callback: drop ``_KNOWN[ident]`` if it still belongs to the tensor that died."""
+    known = _KNOWN.get(ident)
+    if known is not None and known.ref is ref:
+        del _KNOWN[ident]
+
+
+def _known(cu_seqlens: Tensor) -> _Known:
+    ident = id(cu_seqlens)
+    known = _KNOWN.get(ident)
+    if known is None or known.ref() is not cu_seqlens:  # new tensor (or a dead one's reused id)
+        known = _Known(weakref.ref(cu_seqlens, lambda r: _forget(ident, r)))
+        _KNOWN[ident] = known
+    return known
 
 
 def remember_host_values(cu_seqlens: Tensor, values: list[int]) -> None:
@@ -70,9 +87,7 @@ def remember_host_values(cu_seqlens: Tensor, values: list[int]) -> None:
     :func:`block_layout` does not read them back (valid until the tensor is changed in place)."""
     if len(values) != cu_seqlens.numel():
         raise ValueError(f"{len(values)} host values for a cu_seqlens of {cu_seqlens.numel()} entries")
-    ident = id(cu_seqlens)
-    ref = weakref.ref(cu_seqlens, lambda r: _forget(_HOST, ident, r))
-    _HOST[ident] = (ref, cu_seqlens._version, [int(v) for v in values])
+    _known(cu_seqlens).host = (cu_seqlens._version, [int(v) for v in values])
 
 
 def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) -> BlockLayout:
@@ -81,17 +96,15 @@ def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) 
     if cu_seqlens is None:
         return _unpacked(B, T, block, str(device))
     key = (cu_seqlens._version, B, T, block, str(device))
-    hit = _PACKED.get(id(cu_seqlens))
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == key:
-        return hit[2]
-    host = _HOST.get(id(cu_seqlens))
-    if host is not None and host[0]() is cu_seqlens and host[1] == cu_seqlens._version:
-        cu = host[2]  # handed over by the caller: no read from the device
+    known = _known(cu_seqlens)
+    if known.layout is not None and known.layout[0] == key:
+        return known.layout[1]
+    if known.host is not None and known.host[0] == cu_seqlens._version:
+        cu = known.host[1]  # handed over by the caller: no read from the device
     else:
         cu = cu_seqlens.tolist()  # one host sync, once per micro-batch
     if B != 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T={T} with batch size 1, got {cu} (B={B})")
     layout = _build(B, T, tuple((a, b) for a, b in zip(cu, cu[1:]) if b > a), block, device)
-    ident = id(cu_seqlens)
-    _PACKED[ident] = (weakref.ref(cu_seqlens, lambda r: _forget(_PACKED, ident, r)), key, layout)
+    known.layout = (key, layout)
     return layout

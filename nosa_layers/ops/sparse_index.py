@@ -190,17 +190,22 @@ def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
     i0, i1, j, lead = _inverse_scan(Blocks, c, S, BS, KB)
     base = tl.load(InvPtr + lst)
     n = 0
+    tl.static_assert(KB <= 2, "key groups of one or two KV blocks")
     if lead:
         for t0 in range(i0, i1, CB):
             i = t0 + tl.arange(0, CB)
             im = i < i1
-            nz = _group_selected(Words, i, im, c, h, j, NBW, HKV, S, KB)
+            w0 = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0)  # each word loaded once
+            nz = w0 != 0
+            if KB == 2:
+                w1 = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 1)
+                nz |= w1 != 0
             pos = base + n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
             qs = tl.load(Blocks + (i // S) * 4 + 1, mask=nz, other=0) + (i % S) * QT
             tl.store(InvQs + pos, qs, mask=nz)
-            for u in tl.static_range(KB):
-                tl.store(InvWord + pos.to(tl.int64) * KB + u, _group_word(Words, i, im, c, h, j, NBW, HKV, S, u),
-                         mask=nz)
+            tl.store(InvWord + pos.to(tl.int64) * KB, w0, mask=nz)
+            if KB == 2:
+                tl.store(InvWord + pos.to(tl.int64) * KB + 1, w1, mask=nz)
             n += tl.sum(nz.to(tl.int32), axis=0)
     p0 = tl.load(PiecePtr + lst)
     p1 = tl.load(PiecePtr + lst + 1)

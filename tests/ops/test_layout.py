@@ -48,3 +48,22 @@ def test_trainer_microbatch_hands_over_its_cu_seqlens(monkeypatch):
         _no_device_reads(m)
         layout = block_layout(1, 192, mb["cu_seqlens"], 16, "cpu")
     assert layout.n_blocks == 2 * (2 + 4 + 1)  # per row: 30, 50 and 16 padding tokens
+
+
+def test_layout_is_cached_per_tensor_and_forgotten_with_it(monkeypatch):
+    import gc
+
+    from nosa_layers.ops import layout as layout_mod
+
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    remember_host_values(cu, [0, 40, 100])
+    first = block_layout(1, 100, cu, 16, "cpu")
+    with monkeypatch.context() as m:
+        _no_device_reads(m)
+        assert block_layout(1, 100, cu, 16, "cpu") is first  # the other layers of the micro-batch
+    assert block_layout(1, 100, cu, 32, "cpu") is not first  # another block size: another table
+    ident = id(cu)
+    assert ident in layout_mod._KNOWN
+    del cu
+    gc.collect()
+    assert ident not in layout_mod._KNOWN
