@@ -24,7 +24,8 @@ Every row records its error instead of stopping the table. Writes ``inference.js
 
 Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
-       [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--profile] [--memory-profile]
+       [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--part-fetch-grid N]
+       [--profile] [--memory-profile]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
 
@@ -171,6 +172,8 @@ class Bench:
             streams = self.args.decode_streams if cache_opts.get("offload") else 1
             kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, attention=self.args.attention,
                                                   decode_streams=streams, **cache_opts)
+            if self.args.part_fetch_grid:
+                kw[cache_kw(model)].part_fetch_programs_per_sm = self.args.part_fetch_grid
         out = model(self.prompt(n), use_cache=True, logits_to_keep=1, **kw)
         cache = out_cache(out)
         if batch > 1:
@@ -490,6 +493,8 @@ def main(argv=None) -> int:
                         "(fetch / compute overlap; GPU-resident rows keep one stream)")
     p.add_argument("--profile", action="store_true",
                    help="offload rows: also the device time per decode step by kernel (top 20)")
+    p.add_argument("--part-fetch-grid", type=int, default=None,
+                   help="with --decode-streams: programs per SM of a part's host fetch (cache default 2)")
     p.add_argument("--memory-profile", action="store_true",
                    help="offload rows (CUDA): what the decode steps allocate at the largest batch, by line")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
@@ -504,6 +509,9 @@ def main(argv=None) -> int:
         return 2
     if args.decode_streams < 1:
         print(f"error: --decode-streams must be >= 1, got {args.decode_streams}", file=sys.stderr)
+        return 2
+    if args.part_fetch_grid is not None and args.part_fetch_grid < 1:
+        print(f"error: --part-fetch-grid must be >= 1, got {args.part_fetch_grid}", file=sys.stderr)
         return 2
     if args.memory_profile and not torch.cuda.is_available():
         print("error: --memory-profile needs a CUDA device (the allocator history of the caching allocator)",

@@ -155,6 +155,7 @@ class NOSABlockCache(Cache):
         self.decode_streams = decode_streams
         self.part_range: tuple[int, int] | None = None  # a view of decode_parts(): its sequences here
         self.fetch_programs: int | None = None  # grid of the direct-access fetch (None: one program per row)
+        self.part_fetch_programs_per_sm = 2  # grid of a batch part's fetch, per SM (a tuning knob)
         self._fetch_chain: list | None = None  # parts of a step: [event of the last host fetch issued]
         self._streams: list = []
         self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
@@ -241,10 +242,12 @@ class NOSABlockCache(Cache):
         B, n = self.batch, min(self.decode_streams, self.batch)
         if n < 2 or not self.decoding or (self.offload and self.fetch != "uva"):
             return []
-        # a part's fetch takes two programs per SM and leaves the other SMs to the other parts (CPU,
-        # interpreter: 3 programs, which exercises their loop over rows)
+        # a part's fetch takes a few programs per SM (``part_fetch_programs_per_sm``) and leaves the SMs'
+        # other slots to the other parts' compute (CPU, interpreter: 3 programs, which exercises their
+        # loop over rows)
         dev = torch.device(self.device)
-        grid = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
+        grid = (self.part_fetch_programs_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
+                if dev.type == "cuda" else 3)
         chain = [None]  # the parts' host fetches run one after another, in issue order (see _copy_rows)
         return [self._view(i * B // n, (i + 1) * B // n, grid, chain) for i in range(n)]
 
