@@ -11,7 +11,8 @@ Layout per layer (``B`` sequences, ``Hkv`` KV heads, ``NB`` blocks of ``bs`` tok
   blocks the current step selected;
 * eviction score / bias ``[B, Hkv, cap]`` (fp32) and the selection's running state: compressed keys
   ``kc [B, Hkv, NW + 1, D]`` (cache dtype: window means taken in fp32 and rounded once, as the
-  training kernels store them) and window means of the score ``wsc [B, Hkv, NW + 1]`` (fp32; the last
+  training kernels store them; so a bf16 cache can select differently from the fp32 reference decode
+  path where two block scores are within that rounding) and window means of the score ``wsc [B, Hkv, NW + 1]`` (fp32; the last
   column is a write sink) and a ring of the last ``kernel_size`` keys and scores. These stay on the
   GPU in both modes (``kc`` is 1/``kernel_stride`` of the keys).
 
@@ -74,7 +75,7 @@ class LayerState:
     score: Tensor | None = None  # [B, Hkv, cap] fp32
     bias: Tensor | None = None  # [B, Hkv, cap] fp32 (the score tensor itself for ED-DMA)
     bias_mode: str = "unset"  # "score" | "own" | "none"
-    kc: Tensor | None = None  # [B, Hkv, NW + 1, D] fp32
+    kc: Tensor | None = None  # [B, Hkv, NW + 1, D] cache dtype (fp32 means, rounded once)
     wsc: Tensor | None = None  # [B, Hkv, NW + 1] fp32
     ring_k: Tensor | None = None  # [B, Hkv, kernel_size, D] cache dtype
     ring_s: Tensor | None = None  # [B, Hkv, kernel_size] fp32

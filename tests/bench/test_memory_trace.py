@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.loader import load_bench
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("bench_memory_trace", REPO / "bench" / "memory_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("memory_trace")
 
 
 def _frames(line: int) -> list[dict]:

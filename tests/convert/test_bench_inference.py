@@ -3,20 +3,15 @@ GPU session relies on), with the decode in batch parts and the per-kernel profil
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.loader import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_inference", REPO / "bench" / "inference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("inference")
 
 
 def test_quick_offload_rows(tmp_path):
