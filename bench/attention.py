@@ -19,7 +19,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
-       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep]
+       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep]
 """
 
 from __future__ import annotations
@@ -296,6 +296,11 @@ FWD_CANDIDATES = [dict(fwd=dict(num_warps=w, num_stages=s), dq=dict(num_warps=w,
                   for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 
 
+# query tiles of fewer tokens (the G heads of a KV group x 8 / 4 / 2 tokens at G = 8): smaller unions of
+# the tokens' selections (less work on real selections) against smaller matmuls per list entry
+TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r), dq=dict(rows=r)) for r in (64, 32, 16)]
+
+
 def _sweep_cases(T, HQ):
     """(name, selection, useful keys, inputs) of the P1 lists and real NOSA selections (iid, smooth)."""
     cfg = NOSAConfig()
@@ -506,6 +511,8 @@ def main():
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
     ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="only query tiles of 64 / 32 / 16 rows (fewer tokens per tile) at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -521,10 +528,12 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep or args.fwd_sweep:
+    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep:
         for T, HQ in shapes:
             if args.fwd_sweep:
                 config_sweep("fwd_sweep", FWD_CANDIDATES, T, HQ, dense_ms)
+            if args.tile_sweep:
+                config_sweep("tile_sweep", TILE_CANDIDATES, T, HQ, dense_ms)
             if args.dkdv_sweep:
                 config_sweep("dkdv_sweep", DKDV_CANDIDATES, T, HQ, dense_ms)
         with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
