@@ -300,16 +300,17 @@ class Bench:
         if fits is None:
             raise RuntimeError("no batch fits under --mem-limit-gib")
         # the slope of batches 1 -> 2 can overstate the per-sequence cost (fixed step buffers): re-predict
-        # from the slope up to the fitting batch and take a larger batch while it still fits; a prediction
-        # that does not fit bounds the search, which then bisects between the two
+        # from the slope up to the fitting batch and take a larger batch while it still fits; once a batch
+        # does not fit, bisect between the largest that fits and it
         too_big = None
-        for _ in range(6):
+        for _ in range(12):
             B, p = fits
             if B < 2 or (host_cap is not None and B >= host_cap):
                 break
-            nxt = 1 + (limit - p1["peak_bytes"]) * (B - 1) // max(1, p["peak_bytes"] - p1["peak_bytes"])
-            nxt = min(int(nxt), host_cap) if host_cap is not None else int(nxt)
-            if too_big is not None and nxt >= too_big:
+            if too_big is None:
+                nxt = 1 + (limit - p1["peak_bytes"]) * (B - 1) // max(1, p["peak_bytes"] - p1["peak_bytes"])
+                nxt = min(int(nxt), host_cap) if host_cap is not None else int(nxt)
+            else:
                 nxt = (B + too_big) // 2
             if nxt <= B:
                 break
