@@ -395,7 +395,9 @@ class Bench:
                 out = {"model": "nosa", "mode": mode, "context": self.long, **r,
                        "first_step_ms": first["step_ms"], "attention": cache.attention}
                 if offload:
-                    block_bytes = 2 * self.geo.block_size * self.shape.kv_channels * 2
+                    block_bytes = 2 * self.geo.block_size * self.shape.kv_channels * 2  # K and V, bf16
+                    if any(getattr(st, "gpu_b", None) is not None for st in cache.states):
+                        block_bytes += self.geo.block_size * 4  # the block's fp32 bias row travels with it
                     steady = (cache.fetched_blocks() - blocks0) / (self.args.offload_steps + 1)
                     out.update({
                         "fetch": cache.fetch,

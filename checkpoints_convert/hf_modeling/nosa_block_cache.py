@@ -9,12 +9,15 @@ Layout per layer (``B`` sequences, ``Hkv`` KV heads, ``NB`` blocks of ``bs`` tok
 * keys / values ``[B, Hkv, NB, bs, D]`` (cache dtype) on the GPU, or, with ``offload=True``, in
   pinned CPU memory plus a GPU cache of ``C`` block slots per (sequence, KV head) that holds the
   blocks the current step selected;
-* eviction score / bias ``[B, Hkv, cap]`` (fp32) and the selection's running state: compressed keys
-  ``kc [B, Hkv, NW + 1, D]`` (cache dtype: window means taken in fp32 and rounded once, as the
-  training kernels store them; so a bf16 cache can select differently from the fp32 reference decode
-  path where two block scores are within that rounding) and window means of the score ``wsc [B, Hkv, NW + 1]`` (fp32; the last
-  column is a write sink) and a ring of the last ``kernel_size`` keys and scores. These stay on the
-  GPU in both modes (``kc`` is 1/``kernel_stride`` of the keys).
+* eviction score / bias ``[B, Hkv, cap]`` (fp32), by token: on the GPU, or, offloaded, in the pinned
+  host store with their blocks, the slots holding the bias rows ``[bs]`` of their blocks (the bias
+  travels with its keys and values);
+* the selection's running state, on the GPU in both modes: compressed keys ``kc [B, Hkv, NW + 1, D]``
+  (1/``kernel_stride`` of the keys; cache dtype: window means taken in fp32 and rounded once, as the
+  training kernels store them, so a bf16 cache can select differently from the fp32 reference decode
+  path where two block scores are within that rounding), window means of the score
+  ``wsc [B, Hkv, NW + 1]`` (fp32; the last column is a write sink) and a ring of the last
+  ``kernel_size`` keys and scores.
 
 A decode step (one token per sequence) is a fixed number of batched tensor operations per layer,
 independent of the context length and with no host synchronisation in the GPU-resident mode: the
@@ -50,6 +53,7 @@ from .nosa_selection import block_window_index, compressed_keys, window_scores
 from .nosa_uva import available as uva_available
 from .nosa_uva import fetch_rows as uva_fetch_rows
 from .nosa_uva import store_tokens as uva_store_tokens
+from .nosa_uva import store_values as uva_store_values
 
 if TYPE_CHECKING:  # the graph module imports this one
     from .nosa_decode_graph import DecodeGraph
@@ -72,8 +76,8 @@ class LayerState:
     spec: LayerSpec
     k: Tensor | None = None  # [B, Hkv, NB, bs, D] on the GPU (full mode, and dense layers)
     v: Tensor | None = None
-    score: Tensor | None = None  # [B, Hkv, cap] fp32
-    bias: Tensor | None = None  # [B, Hkv, cap] fp32 (the score tensor itself for ED-DMA)
+    score: Tensor | None = None  # [B, Hkv, cap] fp32 (offloaded layers: in the pinned host store)
+    bias: Tensor | None = None  # [B, Hkv, cap] fp32 (the score tensor itself for ED-DMA; host as the score)
     bias_mode: str = "unset"  # "score" | "own" | "none"
     kc: Tensor | None = None  # [B, Hkv, NW + 1, D] cache dtype (fp32 means, rounded once)
     wsc: Tensor | None = None  # [B, Hkv, NW + 1] fp32
@@ -84,6 +88,7 @@ class LayerState:
     cpu_v: Tensor | None = None
     gpu_k: Tensor | None = None  # [B * Hkv * C, bs, D] slots
     gpu_v: Tensor | None = None
+    gpu_b: Tensor | None = None  # [B * Hkv * C, bs] fp32: the bias rows of the slots' blocks
     slot_of: Tensor | None = None  # [B, Hkv, NB + 1] slot of a block or -1 (column NB: write sink)
     slot_block: Tensor | None = None  # [B, Hkv, C + 1] block held by a slot or NB (column C: write sink)
 
@@ -108,6 +113,15 @@ def _pin(t: Tensor) -> Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
 
+def _select_rows(t: Tensor, idx: Tensor, cpu_idx: Tensor) -> Tensor:
+    """``t.index_select(0, ...)`` on the tensor's own side: device tensors with ``idx``, host-store tensors
+    (pinned, CPU) with ``cpu_idx`` into new pinned memory."""
+    if t.device == idx.device:
+        return t.index_select(0, idx)
+    out = torch.empty(int(cpu_idx.numel()), *t.shape[1:], dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return torch.index_select(t, 0, cpu_idx, out=out)
+
+
 class NOSABlockCache(Cache):
     """KV cache of ``NOSALlamaForCausalLM``: made by the model (``model.new_cache(...)``, or on the
     first forward with ``use_cache``) and passed back by ``generate``.
@@ -115,7 +129,8 @@ class NOSABlockCache(Cache):
     ``reserve`` tokens per sequence are allocated up front (default: the prompt plus 1024; the
     cache doubles when full). ``offload=True`` keeps every block of the NOSA layers in pinned CPU
     memory and ``gpu_blocks`` (default: the selection budget ``topk``) block slots per (sequence,
-    KV head) on the GPU; dense layers, scores and the selection state stay on the GPU. With fewer
+    KV head) on the GPU (the per-token scores / bias go with the blocks: host store, and the bias rows
+    of the slots' blocks); dense layers and the selection state stay on the GPU. With fewer
     slots than ``topk``, the selected blocks that find no free slot are read from the host store
     every step (more host-to-device traffic for a smaller device footprint). ``attention``: how a
     decode step's token attends to its selected blocks, ``triton`` = the kernel of
@@ -215,11 +230,14 @@ class NOSABlockCache(Cache):
             for name in ("k", "v", "kc", "wsc", "ring_k", "ring_s", "score", "slot_of", "slot_block"):
                 t = getattr(st, name)
                 if t is not None:
-                    setattr(st, name, t.index_select(0, idx))
-            st.bias = st.score if st.bias_mode == "score" else (None if st.bias is None else st.bias.index_select(0, idx))
+                    setattr(st, name, _select_rows(t, idx, cpu_idx))
+            st.bias = st.score if st.bias_mode == "score" else (
+                None if st.bias is None else _select_rows(st.bias, idx, cpu_idx))
             if st.offloaded:
-                for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v"):
+                for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b"):
                     t = getattr(st, name)
+                    if t is None:
+                        continue
                     per = t.shape[0] // self.batch
                     src = t.view(self.batch, per, *t.shape[1:])
                     if t.device.type == "cpu":  # straight into new pinned memory (no second copy)
@@ -286,7 +304,7 @@ class NOSABlockCache(Cache):
                 setattr(out, name, t[a:b])
         out.bias = out.score if st.bias is not None and st.bias is st.score else (
             None if st.bias is None else st.bias[a:b])
-        for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v"):  # [B * rows per sequence, bs, D]
+        for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b"):  # [B * rows per sequence, bs(, D)]
             t = getattr(st, name)
             if t is not None:
                 per = t.shape[0] // self.batch
@@ -318,7 +336,11 @@ class NOSABlockCache(Cache):
         st.kc = torch.zeros(B, Hkv, NW + 1, D, dtype=self.dtype, device=dev)  # fp32 would be 20% of an offloaded cache
         st.ring_k = torch.zeros(B, Hkv, s.cfg.kernel_size, D, dtype=self.dtype, device=dev)
         if s.has_score:
-            st.score = torch.zeros(B, Hkv, cap, dtype=f32, device=dev)
+            if st.offloaded:  # per-token scores / bias live with their blocks: host store, slot rows
+                st.score = _pin(torch.zeros(B, Hkv, cap, dtype=f32))
+                st.gpu_b = torch.zeros(B * Hkv * self.gpu_blocks, self.block_size, dtype=f32, device=dev)
+            else:
+                st.score = torch.zeros(B, Hkv, cap, dtype=f32, device=dev)
             st.wsc = torch.zeros(B, Hkv, NW + 1, dtype=f32, device=dev)
             st.ring_s = torch.zeros(B, Hkv, s.cfg.kernel_size, dtype=f32, device=dev)
 
@@ -352,7 +374,7 @@ class NOSABlockCache(Cache):
         for st in self.states:
             old = LayerState(st.spec, **{k: getattr(st, k) for k in ("k", "v", "score", "bias", "kc", "wsc", "ring_k",
                                                                       "ring_s", "cpu_k", "cpu_v", "gpu_k", "gpu_v",
-                                                                      "slot_of", "slot_block")})
+                                                                      "gpu_b", "slot_of", "slot_block")})
             mode = st.bias_mode
             self._allocate(st, B)
             st.bias_mode = mode
@@ -363,7 +385,7 @@ class NOSABlockCache(Cache):
                 Hkv = st.spec.num_kv_heads
                 st.cpu_k.view(B, Hkv, NB, *old.cpu_k.shape[1:])[:, :, :oNB] = old.cpu_k.view(B, Hkv, oNB, *old.cpu_k.shape[1:])
                 st.cpu_v.view(B, Hkv, NB, *old.cpu_v.shape[1:])[:, :, :oNB] = old.cpu_v.view(B, Hkv, oNB, *old.cpu_v.shape[1:])
-                st.gpu_k, st.gpu_v = old.gpu_k, old.gpu_v
+                st.gpu_k, st.gpu_v, st.gpu_b = old.gpu_k, old.gpu_v, old.gpu_b
                 st.slot_of[..., :oNB] = old.slot_of[..., :oNB]
                 st.slot_block = torch.where(old.slot_block == oNB, NB, old.slot_block)
             if st.spec.cfg is None:
@@ -378,7 +400,7 @@ class NOSABlockCache(Cache):
             if mode == "score":
                 st.bias = st.score
             elif mode == "own":
-                st.bias = torch.zeros_like(st.score)
+                st.bias = self._zeros_like_score(st)
                 st.bias[..., :old_cap] = old.bias
         self._index_cache.clear()
         self.version += 1
@@ -429,9 +451,11 @@ class NOSABlockCache(Cache):
         if st.bias_mode == "unset":
             st.bias_mode = "none" if bias is None else ("score" if bias is score else "own")
             if st.bias_mode == "own":
-                st.bias = torch.zeros_like(st.score)
+                st.bias = self._zeros_like_score(st)
             elif st.bias_mode == "score":
                 st.bias = st.score
+            else:
+                st.gpu_b = None
         out = []
         for b, rows in enumerate(self.rows):
             n0, m = self.start[b], int(rows.numel())
@@ -443,14 +467,14 @@ class NOSABlockCache(Cache):
             sb = bb = None
             if st.score is not None:  # cached prefix + the new tokens' own (differentiable) scores
                 new_s = score[b, rows].to(st.score.dtype)
-                sb = torch.cat([st.score[b, :, :n0].T, new_s])[None]
-                st.score[b, :, n0:n0 + m] = new_s.detach().T
+                sb = torch.cat([st.score[b, :, :n0].T.to(new_s.device), new_s])[None]
+                st.score[b, :, n0:n0 + m] = new_s.detach().T.to(st.score.device)
                 if st.bias_mode == "score":
                     bb = sb
                 elif st.bias_mode == "own":
                     new_b = bias[b, rows].to(st.bias.dtype)
-                    bb = torch.cat([st.bias[b, :, :n0].T, new_b])[None]
-                    st.bias[b, :, n0:n0 + m] = new_b.detach().T
+                    bb = torch.cat([st.bias[b, :, :n0].T.to(new_b.device), new_b])[None]
+                    st.bias[b, :, n0:n0 + m] = new_b.detach().T.to(st.bias.device)
             if st.spec.cfg is not None:
                 self._rebuild_selection_state(st, b, kb.detach(), None if sb is None else sb.detach())
             out.append((rows, kb[None], vb[None], sb, bb))
@@ -514,22 +538,26 @@ class NOSABlockCache(Cache):
             out = attend(qg, kk, vv, None, ok.expand(B, Hkv, -1), scale)
             return out.reshape(B, 1, Hq, D).to(q.dtype), None
         cfg = st.spec.cfg
+        s1 = b1 = None  # the new token's score and bias [B, Hkv]
         if st.score is not None:
-            st.score[bi, hi, pos[:, None]] = score[:, 0].to(st.score.dtype)
-            if st.bias_mode == "own":
-                st.bias[bi, hi, pos[:, None]] = bias[:, 0].to(st.bias.dtype)
-        self._update_windows(st, cfg, k1, None if st.score is None else score[:, 0].to(st.score.dtype))
+            s1 = score[:, 0].to(st.score.dtype)
+            b1 = s1 if st.bias_mode == "score" else (bias[:, 0].to(st.bias.dtype) if st.bias_mode == "own" else None)
+            if not st.offloaded:  # offloaded: written to the host store with the token's key / value
+                st.score[bi, hi, pos[:, None]] = s1
+                if st.bias_mode == "own":
+                    st.bias[bi, hi, pos[:, None]] = b1
+        self._update_windows(st, cfg, k1, s1)
         NW = st.kc.shape[2] - 1
         index = self._pool_index(cfg, st.slot_of.shape[-1] - 1 if st.offloaded else st.k.shape[2], NW, q.device)
         masks = self._per_step(("masks", id(cfg), index.shape[0], NW),
                                lambda: decode_masks(pos, cfg, index.shape[0], NW))
         sel, sel_ok = select_decode_batched(qg, st.kc[:, :, :NW], None if st.score is None else st.wsc[:, :, :NW],
                                             pos, cfg, index, scale, masks)
-        bias = st.bias if st.bias_mode in ("score", "own") else None
+        tok = (k1, v1, s1, b1)
         if self._kernel_applies(st, qg, sel):
-            out = self._attend_in_place(st, qg, sel, sel_ok, k1, v1, blk, off, bias, scale)
+            out = self._attend_in_place(st, qg, sel, sel_ok, tok, blk, off, scale)
         else:
-            out = self._attend_gathered(st, qg, sel, sel_ok, k1, v1, blk, off, bias, scale)
+            out = self._attend_gathered(st, qg, sel, sel_ok, tok, blk, off, scale)
         out = out.reshape(B, 1, Hq, D).to(q.dtype)
         recorded = None
         if record:
@@ -547,25 +575,30 @@ class NOSABlockCache(Cache):
         short = st.offloaded and st.slot_block.shape[-1] - 1 < sel.shape[-1]
         return not short or self.fetch == "uva" or q.device.type == "cpu"
 
-    def _attend_in_place(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor,
-                         blk: Tensor, off: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-        """Store the new token, then attend over the selected blocks where they lie (no gathered copies)."""
+    def _attend_in_place(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, tok: tuple, blk: Tensor,
+                         off: Tensor, scale: float) -> Tensor:
+        """Store the new token ``tok = (k1, v1, s1, b1)``, then attend over the selected blocks where they
+        lie (no gathered copies)."""
         B, Hkv, K = sel.shape
         qg = qg.to(self.dtype)
         row = torch.arange(B * Hkv, device=sel.device).view(B, Hkv, 1)
+        has_bias = tok[3] is not None
         if st.offloaded:
-            slots, src = self._make_resident(st, sel, sel_ok, k1, v1, blk, off)
+            slots, src = self._make_resident(st, sel, sel_ok, tok, blk, off)
             C = st.slot_block.shape[-1] - 1
             rows = torch.where(slots >= 0, row * C + slots, -1)
-            host = (None, None, None)
+            host = {}
             if C < K:  # the kernel reads the slot-less blocks from the host store: count them as moved
-                host = (st.cpu_k, st.cpu_v, src)
+                host = {"host_k": st.cpu_k, "host_v": st.cpu_v, "host_rows": src,
+                        "host_bias": self._host_bias_rows(st) if has_bias else None}
                 self.stats.fetched_dev += (sel_ok & (slots < 0)).sum()
-            return decode_attention(qg, st.gpu_k, st.gpu_v, rows, sel, sel_ok, self.pos, scale, bias, *host)
-        self._store_token(st, k1, v1, blk, off)
+            return decode_attention(qg, st.gpu_k, st.gpu_v, rows, sel, sel_ok, self.pos, scale,
+                                    st.gpu_b if has_bias else None, **host)
+        self._store_token(st, tok[0], tok[1], blk, off)
         NB = st.k.shape[2]
         pool_k, pool_v = st.k.view(B * Hkv * NB, *st.k.shape[3:]), st.v.view(B * Hkv * NB, *st.v.shape[3:])
-        return decode_attention(qg, pool_k, pool_v, row * NB + sel, sel, sel_ok, self.pos, scale, bias)
+        pool_b = st.bias.view(B * Hkv * NB, self.block_size) if has_bias else None
+        return decode_attention(qg, pool_k, pool_v, row * NB + sel, sel, sel_ok, self.pos, scale, pool_b)
 
     def _store_token(self, st: LayerState, k1: Tensor, v1: Tensor, blk: Tensor, off: Tensor) -> None:
         """GPU-resident mode: the new token's ``k1, v1 [B, Hkv, D]`` at block ``blk``, offset ``off`` ``[B]``."""
@@ -573,24 +606,26 @@ class NOSABlockCache(Cache):
         st.k[bi, hi, blk[:, None], off[:, None]] = k1
         st.v[bi, hi, blk[:, None], off[:, None]] = v1
 
-    def _attend_gathered(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor,
-                         blk: Tensor, off: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-        """Store the new token, gather the selected blocks into new tensors and ``attend`` (PyTorch)."""
+    def _attend_gathered(self, st: LayerState, qg: Tensor, sel: Tensor, sel_ok: Tensor, tok: tuple, blk: Tensor,
+                         off: Tensor, scale: float) -> Tensor:
+        """Store the new token ``tok = (k1, v1, s1, b1)``, gather the selected blocks into new tensors and
+        ``attend`` (PyTorch)."""
         B, Hkv, K = sel.shape
         bs, D, pos = self.block_size, qg.shape[-1], self.pos
         bi, hi = self._batch_head(Hkv, sel.device)
+        has_bias = tok[3] is not None
+        bb = None
         if st.offloaded:
-            kb, vb = self._fetch(st, sel, sel_ok, k1, v1, blk, off)
+            kb, vb, bb = self._fetch(st, sel, sel_ok, tok, blk, off)
         else:
-            self._store_token(st, k1, v1, blk, off)
+            self._store_token(st, tok[0], tok[1], blk, off)
             kb, vb = st.k[bi[..., None], hi[..., None], sel], st.v[bi[..., None], hi[..., None], sel]
+            if has_bias:
+                bb = st.bias.view(B, Hkv, -1, bs)[bi[..., None], hi[..., None], sel]
         kb, vb = kb.view(B, Hkv, K * bs, D), vb.view(B, Hkv, K * bs, D)
-        tok = (sel[..., None] * bs + torch.arange(bs, device=sel.device)).view(B, Hkv, K * bs)
-        ok = sel_ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok <= pos[:, None, None])
-        bias_sel = None
-        if bias is not None:
-            bias_sel = bias.view(B, Hkv, -1, bs)[bi[..., None], hi[..., None], sel].view(B, Hkv, K * bs)
-        return attend(qg, kb, vb, bias_sel, ok, scale)
+        tok_pos = (sel[..., None] * bs + torch.arange(bs, device=sel.device)).view(B, Hkv, K * bs)
+        ok = sel_ok[..., None].expand(B, Hkv, K, bs).reshape(B, Hkv, K * bs) & (tok_pos <= pos[:, None, None])
+        return attend(qg, kb, vb, bb.reshape(B, Hkv, K * bs) if has_bias else None, ok, scale)
 
     def _pool_index(self, cfg: NOSAConfig, NB: int, NW: int, device) -> Tensor:
         key = (id(cfg), NB, NW)
@@ -634,35 +669,38 @@ class NOSABlockCache(Cache):
         if s1 is not None:
             st.wsc[bi, :, w] = st.ring_s.mean(dim=2)
 
-    def _fetch(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
-               off: Tensor) -> tuple[Tensor, Tensor]:
+    def _fetch(self, st: LayerState, sel: Tensor, sel_ok: Tensor, tok: tuple, blk: Tensor,
+               off: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Offloaded mode, PyTorch attention: :meth:`_make_resident`, then the selected blocks gathered
-        into ``[B, Hkv, K, bs, D]``; blocks without a slot (fewer slots ``C`` than selected blocks ``K``)
-        are read from the host store straight into the gathered tensors."""
+        into ``[B, Hkv, K, bs, D]`` (and their bias rows ``[B, Hkv, K, bs]``, None without a bias);
+        blocks without a slot (fewer slots ``C`` than selected blocks ``K``) are read from the host store
+        straight into the gathered tensors."""
         B, Hkv, K = sel.shape
         C = st.slot_block.shape[-1] - 1
-        slots, src = self._make_resident(st, sel, sel_ok, k1, v1, blk, off)
+        slots, src = self._make_resident(st, sel, sel_ok, tok, blk, off)
         bi, hi = self._batch_head(Hkv, sel.device)
-        gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
-        gv = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])
-        kb = gk[bi[..., None], hi[..., None], slots.clamp(min=0)]
-        vb = gv[bi[..., None], hi[..., None], slots.clamp(min=0)]
+        at = (bi[..., None], hi[..., None], slots.clamp(min=0))
+        kb = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])[at]
+        vb = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])[at]
+        bb = st.gpu_b.view(B, Hkv, C, -1)[at] if tok[3] is not None else None
         if C < K:  # selected blocks without a slot: from the host store into this step's copies
             row = (bi * Hkv + hi)[..., None]
             spill = torch.where(sel_ok & (slots < 0), (row * K + torch.arange(K, device=sel.device)), -1)
-            self._copy_rows(st, src, spill, kb.view(-1, *kb.shape[3:]), vb.view(-1, *vb.shape[3:]))
-        return kb, vb
+            self._copy_rows(st, src, spill, kb.view(-1, *kb.shape[3:]), vb.view(-1, *vb.shape[3:]),
+                            None if bb is None else bb.view(-1, bb.shape[-1]))
+        return kb, vb, bb
 
-    def _make_resident(self, st: LayerState, sel: Tensor, sel_ok: Tensor, k1: Tensor, v1: Tensor, blk: Tensor,
+    def _make_resident(self, st: LayerState, sel: Tensor, sel_ok: Tensor, tok: tuple, blk: Tensor,
                        off: Tensor) -> tuple[Tensor, Tensor]:
-        """Offloaded mode: bring the selected blocks into GPU slots (moving only those not resident) and
-        write the new token (GPU slot and host store). Returns ``(slots, src)`` ``[B, Hkv, K]``: the slot
+        """Offloaded mode: bring the selected blocks (keys, values, bias rows) into GPU slots (moving only
+        those not resident) and write the new token ``tok = (k1, v1, s1, b1)`` (GPU slot and host store). Returns ``(slots, src)`` ``[B, Hkv, K]``: the slot
         of each selected block (-1: none; with fewer slots ``C`` than selected blocks ``K``, the missing
         blocks beyond the free slots, in selection order) and its row in the host store."""
         B, Hkv, K = sel.shape
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
+        k1, v1, _, b1 = tok
         bi, hi = self._batch_head(Hkv, dev)
         # slot bookkeeping on the device: the j-th missing block of a row takes its j-th free slot
         cur = st.slot_of.gather(-1, sel)
@@ -686,7 +724,7 @@ class NOSABlockCache(Cache):
         dst = torch.where(missing, row * C + target, -1)
         if self.fetch == "uva":
             try:
-                self._move_uva(st, src, dst, k1, v1)
+                self._move_uva(st, src, dst, tok)
             except Exception as e:  # noqa: BLE001 (pointer not addressable, no Triton: copy through the host)
                 import warnings
 
@@ -694,20 +732,34 @@ class NOSABlockCache(Cache):
                               "copying through the host", stacklevel=2)
                 self.fetch = "copy"
         if self.fetch != "uva":
-            self._move_copy(st, src, dst, k1, v1)
+            self._move_copy(st, src, dst, tok)
         self.stats.d2h_bytes += 2 * k1.numel() * k1.element_size()
         # the new token into its block's slot (resident unless it overflowed: then the host store has it)
         own = st.slot_of[bi, hi, blk[:, None]]
         gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
         gv = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])
+        gb = st.gpu_b.view(B, Hkv, C, -1) if b1 is not None else None
         if C < K:
-            resident = (own >= 0)[..., None]
+            resident = own >= 0
             own = own.clamp(min=0)
-            k1 = torch.where(resident, k1, gk[bi, hi, own, off[:, None]])
-            v1 = torch.where(resident, v1, gv[bi, hi, own, off[:, None]])
+            k1 = torch.where(resident[..., None], k1, gk[bi, hi, own, off[:, None]])
+            v1 = torch.where(resident[..., None], v1, gv[bi, hi, own, off[:, None]])
+            if gb is not None:
+                b1 = torch.where(resident, b1, gb[bi, hi, own, off[:, None]])
         gk[bi, hi, own, off[:, None]] = k1
         gv[bi, hi, own, off[:, None]] = v1
+        if gb is not None:
+            gb[bi, hi, own, off[:, None]] = b1
         return st.slot_of.gather(-1, sel), src
+
+    def _host_bias_rows(self, st: LayerState) -> Tensor:
+        """Offloaded layer: its bias in the host store as rows ``[B * Hkv * NB, bs]`` (the rows of ``cpu_k``)."""
+        return st.bias.view(-1, self.block_size)
+
+    def _zeros_like_score(self, st: LayerState) -> Tensor:
+        """A zero tensor where the layer keeps its per-token scores (pinned host memory when offloaded)."""
+        z = torch.zeros_like(st.score)
+        return _pin(z) if st.offloaded else z
 
     def _token_offsets(self, st: LayerState, pos: Tensor) -> Tensor:
         """Element offset ``[B * Hkv]`` of each sequence's new token in the host store."""
@@ -716,19 +768,25 @@ class NOSABlockCache(Cache):
         row = torch.arange(B, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device)[None, :]
         return (((row * NB + (pos // bs)[:, None]) * bs + (pos % bs)[:, None]) * D).reshape(-1)
 
-    def _move_uva(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
+    def _move_uva(self, st: LayerState, src: Tensor, dst: Tensor, tok: tuple) -> None:
         """Kernels read / write the pinned host store directly: no host synchronisation."""
         if not uva_available():
             raise RuntimeError("triton is not installed")
+        k1, v1, s1, b1 = tok
         D = st.spec.head_dim
-        uva_store_tokens(k1.reshape(-1, D).contiguous(), v1.reshape(-1, D).contiguous(), st.cpu_k, st.cpu_v,
-                              self._token_offsets(st, self.pos))
-        self._copy_rows(st, src, dst, st.gpu_k, st.gpu_v)
+        elem = self._token_offsets(st, self.pos)
+        uva_store_tokens(k1.reshape(-1, D).contiguous(), v1.reshape(-1, D).contiguous(), st.cpu_k, st.cpu_v, elem)
+        if s1 is not None:  # the token's score (and own bias) at its position: element offset / D
+            uva_store_values(s1.reshape(-1).contiguous(), st.score, elem // D)
+            if st.bias_mode == "own":
+                uva_store_values(b1.reshape(-1).contiguous(), st.bias, elem // D)
+        self._copy_rows(st, src, dst, st.gpu_k, st.gpu_v, st.gpu_b if b1 is not None else None)
 
-    def _move_copy(self, st: LayerState, src: Tensor, dst: Tensor, k1: Tensor, v1: Tensor) -> None:
+    def _move_copy(self, st: LayerState, src: Tensor, dst: Tensor, tok: tuple) -> None:
         """Host path: the new token goes device -> host, the missing blocks are gathered on the host
         into pinned staging and copied host -> device (one synchronisation per layer)."""
         pin = torch.cuda.is_available()
+        k1, v1, s1, b1 = tok
         k_host = torch.empty(k1.shape, dtype=k1.dtype, pin_memory=pin)
         v_host = torch.empty(v1.shape, dtype=v1.dtype, pin_memory=pin)
         off_host = torch.empty(k1.shape[0] * k1.shape[1], dtype=torch.long, pin_memory=pin)
@@ -742,11 +800,17 @@ class NOSABlockCache(Cache):
         idx = off_host[:, None] + torch.arange(D)
         st.cpu_k.view(-1)[idx] = k_host.reshape(-1, D)
         st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
-        self._host_gather(st, src_host, dst, st.gpu_k, st.gpu_v)
+        if s1 is not None:  # the token's score (and own bias) at its position (one more small copy each)
+            st.score.view(-1)[off_host // D] = s1.reshape(-1).cpu()
+            if st.bias_mode == "own":
+                st.bias.view(-1)[off_host // D] = b1.reshape(-1).cpu()
+        self._host_gather(st, src_host, dst, st.gpu_k, st.gpu_v, st.gpu_b if b1 is not None else None)
 
-    def _copy_rows(self, st: LayerState, src: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor) -> None:
+    def _copy_rows(self, st: LayerState, src: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor,
+                   out_b: Tensor | None = None) -> None:
         """Host-store rows ``src`` into rows ``dst`` of ``out_k / out_v [R, bs, D]`` (device) where
-        ``dst >= 0``: Triton kernels on the pinned store (``fetch=uva``) or a host gather + copy."""
+        ``dst >= 0``, and the rows' bias into ``out_b [R, bs]`` when given: Triton kernels on the pinned
+        store (``fetch=uva``) or a host gather + copy."""
         if self.fetch == "uva":
             stream = torch.cuda.current_stream(out_k.device) if self._fetch_chain is not None and out_k.is_cuda else None
             if stream is not None and self._fetch_chain[0] is not None:
@@ -755,18 +819,20 @@ class NOSABlockCache(Cache):
                 # fetching at once and then all computing at once
                 stream.wait_event(self._fetch_chain[0])
             uva_fetch_rows(st.cpu_k, st.cpu_v, out_k, out_v, src.reshape(-1), dst.reshape(-1),
-                           programs=self.fetch_programs)
+                           programs=self.fetch_programs,
+                           host_b=None if out_b is None else self._host_bias_rows(st), slot_b=out_b)
             if stream is not None:
                 self._fetch_chain[0] = torch.cuda.Event()
                 self._fetch_chain[0].record(stream)
             self.stats.fetched_dev += (dst >= 0).sum()  # in place: also counts in captured graph replays
             return
         moving = dst >= 0
-        self._host_gather(st, src[moving].cpu(), dst[moving], out_k, out_v)  # host sync: the copy list
+        self._host_gather(st, src[moving].cpu(), dst[moving], out_k, out_v, out_b)  # host sync: the copy list
 
-    def _host_gather(self, st: LayerState, src_host: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor) -> None:
+    def _host_gather(self, st: LayerState, src_host: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor,
+                     out_b: Tensor | None = None) -> None:
         """Host path of :meth:`_copy_rows`: rows ``src_host`` (CPU) gathered into pinned staging and
-        copied to rows ``dst`` of ``out_k / out_v``."""
+        copied to rows ``dst`` of ``out_k / out_v`` (and their bias rows to ``out_b``)."""
         pin = torch.cuda.is_available()
         n = int(src_host.numel())
         if n:
@@ -777,6 +843,12 @@ class NOSABlockCache(Cache):
             out_k.index_copy_(0, dst, stage_k.to(dst.device, non_blocking=True))
             out_v.index_copy_(0, dst, stage_v.to(dst.device, non_blocking=True))
             moved = 2 * stage_k.numel() * stage_k.element_size()
+            if out_b is not None:
+                host_b = self._host_bias_rows(st)
+                stage_b = torch.empty(n, host_b.shape[1], dtype=host_b.dtype, pin_memory=pin)
+                torch.index_select(host_b, 0, src_host, out=stage_b)
+                out_b.index_copy_(0, dst, stage_b.to(dst.device, non_blocking=True))
+                moved += stage_b.numel() * stage_b.element_size()
             self.stats.h2d_bytes += moved
             self._step_h2d += moved
             self.stats.fetched_blocks += n
@@ -791,14 +863,16 @@ class NOSABlockCache(Cache):
         """Bytes held on the device and in host memory by this cache."""
         dev = host = 0
         for st in self.states:
-            for name in ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "gpu_k", "gpu_v", "slot_of", "slot_block"):
-                t = getattr(st, name)
-                if t is not None:
-                    dev += t.numel() * t.element_size()
+            held = {name: getattr(st, name) for name in ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "gpu_k",
+                                                         "gpu_v", "gpu_b", "slot_of", "slot_block", "cpu_k", "cpu_v")}
             if st.bias_mode == "own":
-                dev += st.bias.numel() * st.bias.element_size()
-            for name in ("cpu_k", "cpu_v"):
-                t = getattr(st, name)
-                if t is not None:
+                held["bias"] = st.bias
+            for name, t in held.items():
+                if t is None:
+                    continue
+                in_host_store = name.startswith("cpu_") or (st.offloaded and name in ("score", "bias"))
+                if in_host_store:
                     host += t.numel() * t.element_size()
+                else:
+                    dev += t.numel() * t.element_size()
         return {"device": dev, "host": host}

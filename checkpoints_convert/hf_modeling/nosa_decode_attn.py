@@ -15,7 +15,8 @@ the input dtype for ``p @ v``, as FlashAttention does (``attend`` keeps them in 
 differences of the order of the input dtype's rounding, 2^-9 for bf16).
 
 Shapes: ``B`` sequences, ``Hkv`` KV heads, ``G`` query heads per KV head, ``K`` selected blocks of
-``bs`` tokens, head dim ``D``; pools are ``[rows, bs, D]`` with one block of one KV head per row.
+``bs`` tokens, head dim ``D``; pools are ``[rows, bs, D]`` with one block of one KV head per row,
+and the additive bias (fp32) is ``[rows, bs]`` at the same rows (it travels with its block).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _build() -> dict:
         return _KERNELS
 
     @triton.jit
-    def decode_attn(Q, PK, PV, HK, HV, ROWS, HROWS, BLOCKS, OK, BIAS, POS, M_OUT, L_OUT, ACC_OUT, scale,
-                    Hkv, K, cap, n_split, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    def decode_attn(Q, PK, PV, PB, HK, HV, HB, ROWS, HROWS, BLOCKS, OK, POS, M_OUT, L_OUT, ACC_OUT, scale,
+                    Hkv, K, n_split, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     PER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HOST: tl.constexpr, FP32: tl.constexpr):
         """Program ``(bh, s)``: query rows ``[G, D]`` of sequence-head ``bh`` against selected blocks
         ``s * PER ... s * PER + PER - 1``; writes the split's running max, sum and ``p @ v``."""
@@ -73,24 +74,32 @@ def _build() -> dict:
             if ok:
                 blk = tl.load(BLOCKS + bh * K + jj)
                 r = tl.load(ROWS + bh * K + jj)
+                # a block's bias row lies with its keys and values: in the pool or in the host store
+                bias = tl.zeros([BS], tl.float32)
                 if HAS_HOST:
                     if r >= 0:
                         k = tl.load(PK + r * (BS * D) + tile)
                         v = tl.load(PV + r * (BS * D) + tile)
+                        if HAS_BIAS:
+                            bias = tl.load(PB + r * BS + t)
                     else:
                         h = tl.load(HROWS + bh * K + jj)
                         k = tl.load(HK + h * (BS * D) + tile)
                         v = tl.load(HV + h * (BS * D) + tile)
+                        if HAS_BIAS:
+                            bias = tl.load(HB + h * BS + t)
                 else:
                     k = tl.load(PK + r * (BS * D) + tile)
                     v = tl.load(PV + r * (BS * D) + tile)
+                    if HAS_BIAS:
+                        bias = tl.load(PB + r * BS + t)
                 if FP32:
                     x = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, BS]
                 else:
                     x = tl.dot(q, tl.trans(k)) * scale
                 tok = blk * BS + t
                 if HAS_BIAS:
-                    x = x + tl.load(BIAS + bh * cap + tok)[None, :]
+                    x = x + bias[None, :]
                 x = tl.where((tok <= pos)[None, :], x, float("-inf"))
                 m_new = tl.maximum(m, tl.max(x, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -112,9 +121,9 @@ def _build() -> dict:
 
 
 def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, blocks: Tensor, ok: Tensor,
-                     pos: Tensor, scale: float, bias: Tensor | None = None, host_k: Tensor | None = None,
-                     host_v: Tensor | None = None, host_rows: Tensor | None = None, per_prog: int = PER_PROG,
-                     num_warps: int = 4) -> Tensor:
+                     pos: Tensor, scale: float, pool_bias: Tensor | None = None, host_k: Tensor | None = None,
+                     host_v: Tensor | None = None, host_rows: Tensor | None = None,
+                     host_bias: Tensor | None = None, per_prog: int = PER_PROG, num_warps: int = 4) -> Tensor:
     """Attention of one query token per sequence over its selected blocks, read in place.
     ``q`` and the pools share one dtype (fp32, bf16 or fp16).
 
@@ -122,7 +131,8 @@ def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, bl
     each selected block, or -1 where it is read from ``host_k / host_v [R', bs, D]`` at
     ``host_rows [B, Hkv, K]`` (pinned host memory on a GPU); ``blocks [B, Hkv, K]`` the block index
     in the sequence (its tokens ``blocks * bs + [0, bs)``); ``ok [B, Hkv, K]`` bool (False: skipped);
-    keys past ``pos [B]`` are masked; ``bias [B, Hkv, cap]`` fp32 additive, indexed by token.
+    keys past ``pos [B]`` are masked; ``pool_bias [R, bs]`` / ``host_bias [R', bs]`` fp32 additive bias
+    rows, at the same rows as the blocks' keys (``host_bias`` is needed with ``pool_bias`` and host rows).
     ``per_prog`` selected blocks per program and ``num_warps`` are launch settings (results change only
     in summation order). Returns ``[B, Hkv, G, D]`` fp32 (a row with no key left is NaN, as in ``attend``).
     """
@@ -137,12 +147,17 @@ def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, bl
     lsum = torch.empty_like(m)
     acc = torch.empty(B * Hkv, n_split, GP, D, dtype=torch.float32, device=dev)
     has_host = host_k is not None
-    has_bias = bias is not None
+    has_bias = pool_bias is not None
+    if has_bias and (pool_bias.shape[-1] != bs or not pool_bias.is_contiguous()
+                     or (has_host and (host_bias is None or host_bias.shape[-1] != bs or not host_bias.is_contiguous()))):
+        raise ValueError("bias rows: contiguous [rows, block_size] fp32, for the pool and (with host rows) the host")
     _build()["attn"][(B * Hkv, n_split)](
-        q.contiguous(), pool_k, pool_v, host_k if has_host else pool_k, host_v if has_host else pool_v,
+        q.contiguous(), pool_k, pool_v, pool_bias if has_bias else m,
+        host_k if has_host else pool_k, host_v if has_host else pool_v,
+        host_bias if has_bias and has_host else m,
         rows.contiguous(), host_rows.contiguous() if has_host else rows, blocks.contiguous(),
-        ok.contiguous().view(torch.uint8), bias.contiguous() if has_bias else m, pos.contiguous(), m, lsum, acc, scale,
-        Hkv, K, bias.shape[-1] if has_bias else 0, n_split, G=G, GP=GP, D=D, BS=bs, PER=per_prog,
+        ok.contiguous().view(torch.uint8), pos.contiguous(), m, lsum, acc, scale,
+        Hkv, K, n_split, G=G, GP=GP, D=D, BS=bs, PER=per_prog,
         HAS_BIAS=has_bias, HAS_HOST=has_host, FP32=q.dtype == torch.float32, num_warps=num_warps)
     top = m.amax(dim=1, keepdim=True)
     w = torch.exp(m - top).nan_to_num(0.0)  # splits with no key: exp(-inf - x) = 0 (or NaN: -inf - -inf)

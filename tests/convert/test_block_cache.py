@@ -13,7 +13,8 @@
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import importlib.util
 import os
 
 import pytest
@@ -47,6 +48,9 @@ def export_dirs(tmp_path_factory):
             variant="nosa", layer_pattern=["dense", "infllm_v2"], nosa=geo, backend="reference")),
         "triton": write_random_export(root / "triton", _model_cfg(head_dim=16, heads=8, layers=1),
                                       AttentionConfig(variant="nosa", nosa=geo, backend="triton")),
+        # S-DMA: a bias of its own (s - stopgrad(s)), stored apart from the score
+        "s_dma": write_random_export(root / "s_dma", _model_cfg(), AttentionConfig(
+            variant="nosa", nosa=dataclasses.replace(geo, eviction_head="s_dma"), backend="reference")),
     }
 
 
@@ -200,10 +204,15 @@ def test_offloaded_cache_equals_full_cache(export_dirs):
         assert torch.equal(logits, full_logits)
         assert all(torch.equal(a[i][b], c[i][b]) for a, c in zip(sels, full_sels) for i in a for b in range(2))
         fetched[(gpu_blocks, fetch)] = cache.fetched_blocks()
+        # the per-token scores (this model's bias) live in the host store with their blocks; the slots
+        # hold the bias rows of the resident blocks
+        nosa_states = [st for st in cache.states if st.cpu_k is not None]
+        assert nosa_states and all(st.bias is st.score and st.gpu_b is not None for st in nosa_states)
+        assert cache.memory_bytes()["host"] == sum(2 * st.cpu_k.nbytes + st.score.nbytes for st in nosa_states)
         if fetch == "copy":
             st = cache.stats
             steps = st.per_step_h2d
-            block_bytes = 2 * 16 * 8 * 8  # K and V of one 16-token block, D = 8, fp64
+            block_bytes = 2 * 16 * 8 * 8 + 16 * 8  # K and V of one 16-token block (D = 8) and its bias row, fp64
             assert steps[0] == 2 * 2 * 2 * topk * block_bytes  # layers x seqs x heads x whole selection
             if gpu_blocks is None or gpu_blocks >= topk:
                 assert all(s < steps[0] for s in steps[1:]) and sum(steps[1:]) > 0
@@ -213,6 +222,24 @@ def test_offloaded_cache_equals_full_cache(export_dirs):
     if not torch.cuda.is_available():
         assert fetched[(None, "uva")] == fetched[(None, "copy")] >= fetched[(9, "copy")]
         assert fetched[(4, "uva")] == fetched[(4, "copy")] > fetched[(None, "copy")]
+
+
+def test_offloaded_cache_with_a_separate_bias_equals_full_cache(export_dirs):
+    """An eviction head whose bias is not its score (S-DMA): the offloaded cache keeps both in the host
+    store and the bias rows in the slots; logits equal the GPU-resident cache with both transfer paths."""
+    model = _load(export_dirs["s_dma"])
+    ids, mask = _batch([150, 90])
+    new = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(9))
+    full_logits, _, _ = _run(model, model.new_cache(), ids, mask, new, record=False)
+    for gpu_blocks, fetch in ((None, "copy"), (4, "copy"), (4, "uva")):
+        if fetch == "uva" and (importlib.util.find_spec("triton") is None or torch.cuda.is_available()):
+            continue
+        logits, _, cache = _run(model, model.new_cache(offload=True, gpu_blocks=gpu_blocks, fetch=fetch), ids, mask,
+                                new, record=False)
+        states = [st for st in cache.states if st.cpu_k is not None]
+        assert states and all(st.bias_mode == "own" and st.bias is not st.score for st in states)
+        assert cache.memory_bytes()["host"] == sum(2 * st.cpu_k.nbytes + 2 * st.score.nbytes for st in states)
+        assert torch.equal(logits, full_logits), (gpu_blocks, fetch)
 
 
 def test_generate_batch_equals_single_prompts_and_beam_search(export_dirs):
@@ -296,18 +323,22 @@ def test_decode_attention_kernel_equals_attend(export_dirs, G, K, seed):
     # the pool: a random row per selected block, only some of them resident (the rest: host rows)
     R = B * Hkv * K + 5
     pool_k, pool_v = torch.randn(R, bs, D, generator=g), torch.randn(R, bs, D, generator=g)
+    pool_b = torch.randn(R, bs, generator=g)  # bias rows travel with their blocks
     dest = torch.randperm(R, generator=g)[:B * Hkv * K].view(B, Hkv, K)
     resident = torch.rand(B, Hkv, K, generator=g) < 0.6
     pool_k[dest[resident]], pool_v[dest[resident]] = store_k[src[resident]], store_v[src[resident]]
+    store_b = bias.view(B * Hkv * NB, bs)
+    pool_b[dest[resident]] = store_b[src[resident]]
     on = {"device": dev}
     args = [t.to(**on) for t in (q, pool_k, pool_v, torch.where(resident, dest, -1), sel, ok, pos)]
     for with_bias in (True, False):
         want = ref.attend(q, kb, vb, bias_sel.reshape(B, Hkv, K * bs) if with_bias else None, allowed, 0.3)
-        b = bias.to(**on) if with_bias else None
+        b = store_b.to(**on) if with_bias else None
         got_in_pool = kern.decode_attention(q.to(**on), store_k.to(**on), store_v.to(**on), src.to(**on),
                                             *args[4:], 0.3, b)
-        got_split = kern.decode_attention(*args, 0.3, b, host_k=store_k.to(**on), host_v=store_v.to(**on),
-                                          host_rows=src.to(**on))
+        got_split = kern.decode_attention(*args, 0.3, pool_b.to(**on) if with_bias else None,
+                                          host_k=store_k.to(**on), host_v=store_v.to(**on), host_rows=src.to(**on),
+                                          host_bias=b)
         for got in (got_in_pool, got_split):
             assert got.dtype == torch.float32 and got.shape == (B, Hkv, G, D)
             torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
