@@ -1,0 +1,46 @@
+"""Compile the Triton kernels shipped with sparse exports (decode attention, host-store transfers) for
+the sm80 and sm90 targets, without a GPU; prints one JSON line per kernel variant and target. Run by
+``test_export_kernels.py`` in a process without ``TRITON_INTERPRET``."""
+
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from checkpoints_convert.hf_modeling import nosa_decode_attn, nosa_uva
+
+
+def variants():
+    """(name, jit function, signature, constexprs) of every shipped kernel in the variants a cache runs."""
+    attn = nosa_decode_attn._build()["attn"]
+    uva = nosa_uva._build()
+    for fp32 in (False, True):
+        x = "*fp32" if fp32 else "*bf16"
+        for has_bias in (False, True):
+            for has_host in (False, True):
+                const = dict(G=8, GP=16, D=128, BS=64, PER=8, HAS_BIAS=has_bias, HAS_HOST=has_host, FP32=fp32)
+                ptr = dict(Q=x, PK=x, PV=x, PB="*fp32", HK=x, HV=x, HB="*fp32", ROWS="*i64", HROWS="*i64",
+                           BLOCKS="*i64", OK="*u8", POS="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
+                           scale="fp32", Hkv="i32", K="i32", n_split="i32")
+                yield f"decode_attn fp32={fp32} bias={has_bias} host={has_host}", attn, ptr, const
+    for has_b in (False, True):
+        ptr = dict(src_k="*bf16", src_v="*bf16", src_b="*fp32", dst_k="*bf16", dst_v="*bf16", dst_b="*fp32",
+                   src_row="*i64", dst_row="*i64", n="i32")
+        yield f"fetch_rows bias={has_b}", uva["fetch"], ptr, dict(ELEMS=8192, CHUNK=1024, BELEMS=64, HAS_B=has_b)
+    yield "store_tokens", uva["store"], dict(k="*bf16", v="*bf16", dst_k="*bf16", dst_v="*bf16", dst_elem="*i64"), \
+        dict(D=128)
+    yield "store_values", uva["store_values"], dict(x="*fp32", dst="*fp32", dst_elem="*i64", n="i32"), dict(BLOCK=128)
+
+
+def main() -> None:
+    for arch, cap in (("sm80", 80), ("sm90", 90)):
+        for name, fn, ptr, const in variants():
+            sig = {p.name: ("constexpr" if p.name in const else ptr[p.name]) for p in fn.params}
+            compiled = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", cap, 32),
+                                      options=dict(num_warps=4))
+            print(json.dumps(dict(arch=arch, kernel=name, shared=compiled.metadata.shared)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
