@@ -693,7 +693,8 @@ class NOSABlockCache(Cache):
     def _make_resident(self, st: LayerState, sel: Tensor, sel_ok: Tensor, tok: tuple, blk: Tensor,
                        off: Tensor) -> tuple[Tensor, Tensor]:
         """Offloaded mode: bring the selected blocks (keys, values, bias rows) into GPU slots (moving only
-        those not resident) and write the new token ``tok = (k1, v1, s1, b1)`` (GPU slot and host store). Returns ``(slots, src)`` ``[B, Hkv, K]``: the slot
+        those not resident) and write the new token ``tok = (k1, v1, s1, b1)`` (GPU slot and host store).
+        Returns ``(slots, src)`` ``[B, Hkv, K]``: the slot
         of each selected block (-1: none; with fewer slots ``C`` than selected blocks ``K``, the missing
         blocks beyond the free slots, in selection order) and its row in the host store."""
         B, Hkv, K = sel.shape
@@ -812,7 +813,8 @@ class NOSABlockCache(Cache):
         ``dst >= 0``, and the rows' bias into ``out_b [R, bs]`` when given: Triton kernels on the pinned
         store (``fetch=uva``) or a host gather + copy."""
         if self.fetch == "uva":
-            stream = torch.cuda.current_stream(out_k.device) if self._fetch_chain is not None and out_k.is_cuda else None
+            chained = self._fetch_chain is not None and out_k.is_cuda
+            stream = torch.cuda.current_stream(out_k.device) if chained else None
             if stream is not None and self._fetch_chain[0] is not None:
                 # parts of a step: wait for the previous part's fetch, so the fetches take the host link
                 # one at a time (part 1 fetches layer l while part 0 computes it) instead of all parts

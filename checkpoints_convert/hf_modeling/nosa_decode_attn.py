@@ -148,8 +148,8 @@ def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, bl
     acc = torch.empty(B * Hkv, n_split, GP, D, dtype=torch.float32, device=dev)
     has_host = host_k is not None
     has_bias = pool_bias is not None
-    if has_bias and (pool_bias.shape[-1] != bs or not pool_bias.is_contiguous()
-                     or (has_host and (host_bias is None or host_bias.shape[-1] != bs or not host_bias.is_contiguous()))):
+    bias_rows = [pool_bias] + ([host_bias] if has_host else [])
+    if has_bias and any(b is None or b.shape[-1] != bs or not b.is_contiguous() for b in bias_rows):
         raise ValueError("bias rows: contiguous [rows, block_size] fp32, for the pool and (with host rows) the host")
     _build()["attn"][(B * Hkv, n_split)](
         q.contiguous(), pool_k, pool_v, pool_bias if has_bias else m,
