@@ -357,11 +357,11 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 and x.is_cuda and self.cache_options.get("cuda_graphs", True) and not torch.is_grad_enabled()
                 and not any(layer.self_attn.record_selection for layer in self.layers))
 
-    def _decode_body(self, h: Tensor, position_embeddings, cache) -> Tensor:
+    def _decode_body(self, h: Tensor, position_embeddings, cache: NOSABlockCache) -> Tensor:
         """Every layer's decode step; with ``decode_streams`` > 1 the batch runs in parts, layer by
         layer, each part on its own CUDA stream (``NOSABlockCache.decode_parts``)."""
         recording = any(layer.self_attn.record_selection for layer in self.layers)
-        parts = [] if recording or not isinstance(cache, NOSABlockCache) else cache.decode_parts()
+        parts = [] if recording else cache.decode_parts()
         if not parts:
             for layer in self.layers:
                 h = layer(h, None, position_embeddings, cache)

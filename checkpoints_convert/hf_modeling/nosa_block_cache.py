@@ -97,6 +97,12 @@ class LayerState:
         return self.cpu_k is not None
 
 
+# LayerState tensors by their first axis: one entry per sequence (``bias`` follows ``score`` or is its
+# own), or ``rows per sequence`` entries per sequence (host store and slots: ``[B * rows, ...]``)
+PER_SEQUENCE = ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "slot_of", "slot_block")
+PER_ROW = ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b")
+
+
 @dataclass
 class TransferStats:
     """Bytes moved by the offloaded cache (all layers) and how many decode steps moved them."""
@@ -115,7 +121,7 @@ def _pin(t: Tensor) -> Tensor:
 
 def _select_rows(t: Tensor, idx: Tensor, cpu_idx: Tensor) -> Tensor:
     """``t.index_select(0, ...)`` on the tensor's own side: device tensors with ``idx``, host-store tensors
-    (pinned, CPU) with ``cpu_idx`` into new pinned memory."""
+    (pinned, CPU) with ``cpu_idx`` straight into new pinned memory (no second copy)."""
     if t.device == idx.device:
         return t.index_select(0, idx)
     out = torch.empty(int(cpu_idx.numel()), *t.shape[1:], dtype=t.dtype, pin_memory=torch.cuda.is_available())
@@ -227,26 +233,17 @@ class NOSABlockCache(Cache):
         idx = indices.to(self.device).long()
         cpu_idx = idx.cpu()
         for st in self.states:
-            for name in ("k", "v", "kc", "wsc", "ring_k", "ring_s", "score", "slot_of", "slot_block"):
+            for name in PER_SEQUENCE:
                 t = getattr(st, name)
                 if t is not None:
                     setattr(st, name, _select_rows(t, idx, cpu_idx))
             st.bias = st.score if st.bias_mode == "score" else (
                 None if st.bias is None else _select_rows(st.bias, idx, cpu_idx))
-            if st.offloaded:
-                for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b"):
-                    t = getattr(st, name)
-                    if t is None:
-                        continue
-                    per = t.shape[0] // self.batch
-                    src = t.view(self.batch, per, *t.shape[1:])
-                    if t.device.type == "cpu":  # straight into new pinned memory (no second copy)
-                        new = torch.empty(int(cpu_idx.numel()), *src.shape[1:], dtype=t.dtype,
-                                          pin_memory=torch.cuda.is_available())
-                        torch.index_select(src, 0, cpu_idx, out=new)
-                    else:
-                        new = src.index_select(0, idx)
-                    setattr(st, name, new.view(-1, *t.shape[1:]))
+            for name in PER_ROW:
+                t = getattr(st, name)
+                if t is not None:
+                    per_seq = t.view(self.batch, t.shape[0] // self.batch, *t.shape[1:])
+                    setattr(st, name, _select_rows(per_seq, idx, cpu_idx).view(-1, *t.shape[1:]))
         self.lens = self.lens.index_select(0, idx)
         self.batch = int(idx.numel())
         self.version += 1
@@ -298,13 +295,13 @@ class NOSABlockCache(Cache):
     def _state_rows(self, st: LayerState, a: int, b: int) -> LayerState:
         """``st`` restricted to sequences ``a .. b - 1`` (views of the same storage)."""
         out = dataclasses.replace(st)
-        for name in ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "slot_of", "slot_block"):
+        for name in PER_SEQUENCE:
             t = getattr(st, name)
             if t is not None:
                 setattr(out, name, t[a:b])
         out.bias = out.score if st.bias is not None and st.bias is st.score else (
             None if st.bias is None else st.bias[a:b])
-        for name in ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b"):  # [B * rows per sequence, bs(, D)]
+        for name in PER_ROW:
             t = getattr(st, name)
             if t is not None:
                 per = t.shape[0] // self.batch
@@ -372,9 +369,7 @@ class NOSABlockCache(Cache):
         self.capacity = self._round(max(need, 2 * old_cap))
         B, oNB, NB = self.batch, old_cap // self.block_size, self.capacity // self.block_size
         for st in self.states:
-            old = LayerState(st.spec, **{k: getattr(st, k) for k in ("k", "v", "score", "bias", "kc", "wsc", "ring_k",
-                                                                      "ring_s", "cpu_k", "cpu_v", "gpu_k", "gpu_v",
-                                                                      "gpu_b", "slot_of", "slot_block")})
+            old = dataclasses.replace(st)
             mode = st.bias_mode
             self._allocate(st, B)
             st.bias_mode = mode
@@ -581,7 +576,7 @@ class NOSABlockCache(Cache):
         lie (no gathered copies)."""
         B, Hkv, K = sel.shape
         qg = qg.to(self.dtype)
-        row = torch.arange(B * Hkv, device=sel.device).view(B, Hkv, 1)
+        row = self._head_rows(Hkv, sel.device)
         has_bias = tok[3] is not None
         if st.offloaded:
             slots, src = self._make_resident(st, sel, sel_ok, tok, blk, off)
@@ -643,6 +638,11 @@ class NOSABlockCache(Cache):
         return self._per_step(("bi_hi", Hkv), lambda: (torch.arange(self.batch, device=device)[:, None],
                                                        torch.arange(Hkv, device=device)[None, :]))
 
+    def _head_rows(self, Hkv: int, device) -> Tensor:
+        """``[B, Hkv, 1]`` row ``b * Hkv + h`` of each (sequence, KV head): with ``* NB + block`` (or
+        ``* C + slot``) a row of the block pools, host store and slots."""
+        return self._per_step(("rows", Hkv), lambda: torch.arange(self.batch * Hkv, device=device).view(-1, Hkv, 1))
+
     def _per_step(self, key, make):
         """``make()`` once per decode step (values that depend only on the positions, shared by layers)."""
         if key not in self._derived:
@@ -684,7 +684,7 @@ class NOSABlockCache(Cache):
         vb = st.gpu_v.view(B, Hkv, C, *st.gpu_v.shape[1:])[at]
         bb = st.gpu_b.view(B, Hkv, C, -1)[at] if tok[3] is not None else None
         if C < K:  # selected blocks without a slot: from the host store into this step's copies
-            row = (bi * Hkv + hi)[..., None]
+            row = self._head_rows(Hkv, sel.device)
             spill = torch.where(sel_ok & (slots < 0), (row * K + torch.arange(K, device=sel.device)), -1)
             self._copy_rows(st, src, spill, kb.view(-1, *kb.shape[3:]), vb.view(-1, *vb.shape[3:]),
                             None if bb is None else bb.view(-1, bb.shape[-1]))
@@ -720,7 +720,7 @@ class NOSABlockCache(Cache):
         st.slot_of.scatter_(-1, torch.where(missing, sel, NB), target)
         st.slot_of[..., NB] = -1
         st.slot_block.scatter_(-1, torch.where(missing, target, C), sel)
-        row = (bi * Hkv + hi)[..., None]
+        row = self._head_rows(Hkv, dev)
         src = row * NB + sel
         dst = torch.where(missing, row * C + target, -1)
         if self.fetch == "uva":
@@ -764,9 +764,9 @@ class NOSABlockCache(Cache):
 
     def _token_offsets(self, st: LayerState, pos: Tensor) -> Tensor:
         """Element offset ``[B * Hkv]`` of each sequence's new token in the host store."""
-        B, Hkv, D, bs = self.batch, st.spec.num_kv_heads, st.spec.head_dim, self.block_size
+        Hkv, D, bs = st.spec.num_kv_heads, st.spec.head_dim, self.block_size
         NB = st.slot_of.shape[-1] - 1
-        row = torch.arange(B, device=pos.device)[:, None] * Hkv + torch.arange(Hkv, device=pos.device)[None, :]
+        row = self._head_rows(Hkv, pos.device)[..., 0]
         return (((row * NB + (pos // bs)[:, None]) * bs + (pos % bs)[:, None]) * D).reshape(-1)
 
     def _move_uva(self, st: LayerState, src: Tensor, dst: Tensor, tok: tuple) -> None:
@@ -788,23 +788,24 @@ class NOSABlockCache(Cache):
         into pinned staging and copied host -> device (one synchronisation per layer)."""
         pin = torch.cuda.is_available()
         k1, v1, s1, b1 = tok
-        k_host = torch.empty(k1.shape, dtype=k1.dtype, pin_memory=pin)
-        v_host = torch.empty(v1.shape, dtype=v1.dtype, pin_memory=pin)
-        off_host = torch.empty(k1.shape[0] * k1.shape[1], dtype=torch.long, pin_memory=pin)
-        k_host.copy_(k1, non_blocking=True)
-        v_host.copy_(v1, non_blocking=True)
-        off_host.copy_(self._token_offsets(st, self.pos), non_blocking=True)
+        D = st.spec.head_dim
+
+        def staged(x: Tensor) -> Tensor:  # device -> pinned host, queued
+            return torch.empty(x.shape, dtype=x.dtype, pin_memory=pin).copy_(x, non_blocking=True)
+
+        off_host = staged(self._token_offsets(st, self.pos))
+        # (host store, the token's values for it): keys / values [N, D], the score and an own bias [N]
+        writes = [(st.cpu_k, staged(k1.reshape(-1, D))), (st.cpu_v, staged(v1.reshape(-1, D)))]
+        if s1 is not None:
+            writes.append((st.score, staged(s1.reshape(-1))))
+            if st.bias_mode == "own":
+                writes.append((st.bias, staged(b1.reshape(-1))))
         moving = dst >= 0
         src, dst = src[moving], dst[moving]
         src_host = src.cpu()  # host sync: the copy list, and the token copies above have landed
-        D = st.spec.head_dim
-        idx = off_host[:, None] + torch.arange(D)
-        st.cpu_k.view(-1)[idx] = k_host.reshape(-1, D)
-        st.cpu_v.view(-1)[idx] = v_host.reshape(-1, D)
-        if s1 is not None:  # the token's score (and own bias) at its position (one more small copy each)
-            st.score.view(-1)[off_host // D] = s1.reshape(-1).cpu()
-            if st.bias_mode == "own":
-                st.bias.view(-1)[off_host // D] = b1.reshape(-1).cpu()
+        token_elems, token_cells = off_host[:, None] + torch.arange(D), off_host // D
+        for store, values in writes:
+            store.view(-1)[token_elems if values.dim() == 2 else token_cells] = values
         self._host_gather(st, src_host, dst, st.gpu_k, st.gpu_v, st.gpu_b if b1 is not None else None)
 
     def _copy_rows(self, st: LayerState, src: Tensor, dst: Tensor, out_k: Tensor, out_v: Tensor,
@@ -838,19 +839,15 @@ class NOSABlockCache(Cache):
         pin = torch.cuda.is_available()
         n = int(src_host.numel())
         if n:
-            stage_k = torch.empty(n, *st.cpu_k.shape[1:], dtype=st.cpu_k.dtype, pin_memory=pin)
-            stage_v = torch.empty_like(stage_k, pin_memory=pin)
-            torch.index_select(st.cpu_k, 0, src_host, out=stage_k)
-            torch.index_select(st.cpu_v, 0, src_host, out=stage_v)
-            out_k.index_copy_(0, dst, stage_k.to(dst.device, non_blocking=True))
-            out_v.index_copy_(0, dst, stage_v.to(dst.device, non_blocking=True))
-            moved = 2 * stage_k.numel() * stage_k.element_size()
+            pairs = [(st.cpu_k, out_k), (st.cpu_v, out_v)]
             if out_b is not None:
-                host_b = self._host_bias_rows(st)
-                stage_b = torch.empty(n, host_b.shape[1], dtype=host_b.dtype, pin_memory=pin)
-                torch.index_select(host_b, 0, src_host, out=stage_b)
-                out_b.index_copy_(0, dst, stage_b.to(dst.device, non_blocking=True))
-                moved += stage_b.numel() * stage_b.element_size()
+                pairs.append((self._host_bias_rows(st), out_b))
+            moved = 0
+            for host, out in pairs:
+                stage = torch.empty(n, *host.shape[1:], dtype=host.dtype, pin_memory=pin)
+                torch.index_select(host, 0, src_host, out=stage)
+                out.index_copy_(0, dst, stage.to(dst.device, non_blocking=True))
+                moved += stage.numel() * stage.element_size()
             self.stats.h2d_bytes += moved
             self._step_h2d += moved
             self.stats.fetched_blocks += n
@@ -865,8 +862,7 @@ class NOSABlockCache(Cache):
         """Bytes held on the device and in host memory by this cache."""
         dev = host = 0
         for st in self.states:
-            held = {name: getattr(st, name) for name in ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "gpu_k",
-                                                         "gpu_v", "gpu_b", "slot_of", "slot_block", "cpu_k", "cpu_v")}
+            held = {name: getattr(st, name) for name in PER_SEQUENCE + PER_ROW}
             if st.bias_mode == "own":
                 held["bias"] = st.bias
             for name, t in held.items():
