@@ -421,18 +421,42 @@ class Bench:
 
     @torch.no_grad()
     def step_memory(self, model, batch: int, offload: bool, mode: str) -> dict:
-        """Device memory that two decode steps (warm-up and capture) allocate on top of the built cache
-        at ``batch``, at its peak, by the line that allocated it (``bench/memory_trace.py``)."""
+        """Device memory at the peak of two decode steps (warm-up and capture) at ``batch``: the
+        blocks live then, by the Python line that allocated them (``bench/memory_trace.py``). The
+        history starts before the cache is built, so what the prefill and the batch repeat leave
+        behind is listed next to the cache itself; ``step_*`` is what the steps add on top."""
         self.free()
-        cache, tok = self.prefilled_cache(model, self.long, batch, offload=offload)
-        events = memory_trace.record(lambda: self.decode_rate(model, cache, tok, steps=1, warm=1), self.dev)
-        peak, blocks = memory_trace.peak_allocations(events)
+        built = {}
+
+        def run(mark):
+            built["cache"], built["tok"] = self.prefilled_cache(model, self.long, batch, offload=offload)
+            mark()
+            built["allocated"] = torch.cuda.memory_allocated(self.dev)
+            self.decode_rate(model, built["cache"], built["tok"], steps=1, warm=1)
+
+        events, start = memory_trace.record(run, self.dev, marked=True)
+        live_before, _ = memory_trace.peak_allocations(events[:start], start=start)
+        peak, blocks = memory_trace.peak_allocations(events, start=start)
+        step_peak, _ = memory_trace.peak_allocations(events[start:])
+        cache_mib = built["cache"].memory_bytes()["device"] / 2**20
         sites = memory_trace.top_sites(blocks, 20)
         for s in sites:
             log(f"  {s['mib']:10.2f} MiB in {s['blocks']:5d} blocks  {s['site']}")
+        # live before the steps and not the cache's tensors: what the build left behind
+        other = live_before / 2**20 - cache_mib
+        # allocated before the history started (weights, cuBLAS workspaces of the streams used so far, ...)
+        weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t.is_cuda)
+        unrecorded = (built["allocated"] - live_before - weights) / 2**20
+        log(f"  at the steps' start: {live_before / 2**20:.1f} MiB recorded live, cache {cache_mib:.1f} MiB, "
+            f"other {other:.1f} MiB ({other / batch:.2f} MiB per sequence); allocated before the record, "
+            f"not weights: {unrecorded:.1f} MiB")
+        del built
         return {"model": "nosa", "mode": mode, "batch": batch, "context": self.long,
-                "step_peak_mib": round(peak / 2**20, 1), "step_peak_mib_per_seq": round(peak / 2**20 / batch, 2),
-                "cache_mib": round(cache.memory_bytes()["device"] / 2**20, 1), "step_peak_sites": sites}
+                "step_peak_mib": round(step_peak / 2**20, 1), "step_peak_mib_per_seq": round(step_peak / 2**20 / batch, 2),
+                "cache_mib": round(cache_mib, 1), "live_at_step_start_mib": round(live_before / 2**20, 1),
+                "other_at_step_start_mib_per_seq": round(other / batch, 2),
+                "allocated_before_record_not_weights_mib": round(unrecorded, 1),
+                "peak_recorded_mib": round(peak / 2**20, 1), "peak_sites": sites}
 
     # ------------------------------------------------------------------ output
     def write(self, quiet: bool = False) -> None:

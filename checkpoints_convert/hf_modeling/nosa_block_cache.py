@@ -37,6 +37,7 @@ import copy
 import dataclasses
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,22 @@ class LayerState:
 PER_SEQUENCE = ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "slot_of", "slot_block")
 PER_ROW = ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b")
 
+
+
+_STREAMS: dict = {}  # (device index, purpose, thread) -> [torch.cuda.Stream], see shared_streams
+
+
+def shared_streams(device, purpose: str, n: int) -> list:
+    """``n`` CUDA streams of ``device`` for ``purpose`` ("graph": decode-graph capture, "part": batch
+    parts of a step), shared by every cache of this thread. A stream that has run a matmul keeps a
+    cuBLAS workspace (32 MiB on Hopper) for the rest of the process, so streams made per cache
+    would each add one, up to the size of PyTorch's stream pool (32 streams, about 1 GiB)."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    pool = _STREAMS.setdefault((index, purpose, threading.get_ident()), [])
+    while len(pool) < n:
+        pool.append(torch.cuda.Stream(device=index))
+    return pool[:n]
 
 @dataclass
 class TransferStats:
@@ -179,7 +196,6 @@ class NOSABlockCache(Cache):
         self.fetch_programs: int | None = None  # grid of the direct-access fetch (None: one program per row)
         self.part_fetch_programs_per_sm = 2  # grid of a batch part's fetch, per SM (a tuning knob)
         self._fetch_chain: list | None = None  # parts of a step: [event of the last host fetch issued]
-        self._streams: list = []
         self.fetch = fetch  # offload transfers: "uva" kernels on pinned memory, or "copy" through the host
         self.reserve = reserve  # tokens per sequence to allocate up front (default: prompt + CAPACITY_MARGIN)
         self.batch = 0
@@ -277,14 +293,12 @@ class NOSABlockCache(Cache):
             self._step_h2d += p._step_h2d
 
     def part_streams(self, n: int) -> list:
-        """``n`` CUDA streams of this cache for the parts of a decode step (made once)."""
-        while len(self._streams) < n:
-            self._streams.append(torch.cuda.Stream(device=self.device))
-        return self._streams[:n]
+        """``n`` CUDA streams for the parts of a decode step (shared with the thread's other caches)."""
+        return shared_streams(self.device, "part", n)
 
     def _view(self, a: int, b: int, fetch_programs: int, fetch_chain: list) -> "NOSABlockCache":
         view = copy.copy(self)
-        view.batch, view.part_range, view.graph, view._streams = b - a, (a, b), None, []
+        view.batch, view.part_range, view.graph = b - a, (a, b), None
         view.fetch_programs, view._fetch_chain = fetch_programs, fetch_chain
         view.lens, view.pos, view.valid_new = self.lens[a:b], self.pos[a:b], self.valid_new[a:b]
         view._derived, view._step_h2d = {}, 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .nosa_block_cache import NOSABlockCache
+from .nosa_block_cache import NOSABlockCache, shared_streams
 
 
 class DecodeGraph:
@@ -22,7 +22,7 @@ class DecodeGraph:
     def __init__(self, cache: NOSABlockCache) -> None:
         self.version = cache.version
         self.batch = cache.batch
-        self.stream = torch.cuda.Stream()
+        self.stream = shared_streams(cache.device, "graph", 1)[0]
         self.graph = None
         self.warm = False
         self.static: dict = {}

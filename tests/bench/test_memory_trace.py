@@ -54,18 +54,38 @@ def test_peak_equals_brute_force_on_random_traces():
                 size = rng.randrange(1, 1000)
                 live[addr] = size
                 ev.append({"action": "alloc", "addr": addr, "size": size, "frames": _frames(addr % 7)})
-        # brute force: live bytes after every prefix
-        best, best_live, cur = 0, set(), {}
-        for e in ev:
-            if e["action"] == "alloc":
-                cur[e["addr"]] = e["size"]
-            else:
-                cur.pop(e["addr"])
-            if sum(cur.values()) > best:
+        start = rng.choice([0, rng.randrange(len(ev) + 1)])
+        # brute force: live bytes after every prefix of at least ``start`` events
+        best, best_live, cur = None, set(), {}
+        for n in range(len(ev) + 1):
+            if n:
+                e = ev[n - 1]
+                if e["action"] == "alloc":
+                    cur[e["addr"]] = e["size"]
+                else:
+                    cur.pop(e["addr"])
+            if n >= start and (best is None or sum(cur.values()) > best):
                 best, best_live = sum(cur.values()), set(cur)
-        peak, blocks = m.peak_allocations(ev)
-        assert peak == best, seed
-        assert {b["addr"] for b in blocks} == best_live, seed
+        peak, blocks = m.peak_allocations(ev, start=start)
+        assert peak == best, (seed, start)
+        assert {b["addr"] for b in blocks} == best_live, (seed, start)
+
+
+def test_peak_after_a_mark_counts_what_was_built_before_it():
+    m = _mod()
+    ev = [
+        {"action": "alloc", "addr": 1, "size": 1000, "frames": _frames(1)},  # set-up transient
+        {"action": "alloc", "addr": 2, "size": 300, "frames": _frames(2)},  # kept (a cache)
+        {"action": "free_completed", "addr": 1, "size": 1000},
+        # mark: the measured stretch starts here
+        {"action": "alloc", "addr": 3, "size": 40, "frames": _frames(3)},
+        {"action": "free_completed", "addr": 3, "size": 40},
+    ]
+    assert m.peak_allocations(ev)[0] == 1300
+    peak, live = m.peak_allocations(ev, start=3)
+    assert peak == 340 and sorted(b["addr"] for b in live) == [2, 3]
+    peak, live = m.peak_allocations(ev, start=len(ev))
+    assert peak == 300 and [b["addr"] for b in live] == [2]
 
 
 def test_site_skips_torch_frames_and_record_needs_cuda():

@@ -380,6 +380,37 @@ def test_triton_decode_attention_in_the_cache(export_dirs):
         model.new_cache(attention="fast")
 
 
+def test_decode_streams_are_shared_by_caches(export_dirs, monkeypatch):
+    """Every cache of a thread takes its graph-capture and batch-part streams from one pool per
+    (device, purpose): a new cache makes no new stream (each stream that runs a matmul keeps a cuBLAS
+    workspace for the life of the process). Another thread gets its own streams."""
+    import threading
+
+    model = _load(export_dirs["nosa"])
+    bc = _shipped(model, "nosa_block_cache")
+    made = []
+
+    class FakeStream:
+        def __init__(self, device=None):
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(bc, "_STREAMS", {})
+    a, b = model.new_cache(decode_streams=3), model.new_cache(decode_streams=3)
+    a.device = b.device = torch.device("cuda", 0)
+    parts = a.part_streams(3)
+    assert len(made) == 3 and len(set(map(id, parts))) == 3
+    assert b.part_streams(2) == parts[:2] and b.part_streams(4)[:3] == parts and len(made) == 4
+    graph = bc.shared_streams("cuda:0", "graph", 1)
+    assert graph[0] not in parts and bc.shared_streams(torch.device("cuda", 0), "graph", 1) == graph
+    assert bc.shared_streams("cuda:1", "graph", 1) != graph
+    other = []
+    t = threading.Thread(target=lambda: other.extend(bc.shared_streams("cuda:0", "part", 2)))
+    t.start()
+    t.join()
+    assert len(other) == 2 and not set(map(id, other)) & set(map(id, parts))
+
+
 def test_decode_in_batch_parts_equals_one_part(export_dirs):
     """``decode_streams`` = 2 / 3 (the batch decoded in parts over views of the cache): the logits of the
     unsplit step (GEMM rounding only), the same blocks moved and the cache left in the same state
