@@ -395,16 +395,13 @@ class Bench:
                 out = {"model": "nosa", "mode": mode, "context": self.long, **r,
                        "first_step_ms": first["step_ms"], "attention": cache.attention}
                 if offload:
-                    block_bytes = 2 * self.geo.block_size * self.shape.kv_channels * 2  # K and V, bf16
-                    if any(getattr(st, "gpu_b", None) is not None for st in cache.states):
-                        block_bytes += self.geo.block_size * 4  # the block's fp32 bias row travels with it
+                    block_bytes = cache.fetched_block_bytes()  # K, V and the block's bias row
                     steady = (cache.fetched_blocks() - blocks0) / (self.args.offload_steps + 1)
                     out.update({
                         "fetch": cache.fetch,
                         "first_step_h2d_mib": round(blocks0 * block_bytes / 2**20, 2),
                         "h2d_bytes_per_token": int(steady * block_bytes / B),
-                        "d2h_bytes_per_token": 2 * self.shape.kv_channels * 2 * self.shape.num_kv_heads
-                        * self.shape.num_layers,
+                        "d2h_bytes_per_token": cache.token_d2h_bytes(),
                         "fetched_blocks_per_step_per_head": round(
                             steady / (B * self.shape.num_kv_heads * self.shape.num_layers), 2),
                     })

@@ -647,9 +647,13 @@ class NOSABlockCache(Cache):
         self.pos = pos
         self._derived: dict = {}
 
+    def _batch_arange(self, device) -> Tensor:
+        """``arange(B)``, made once per step."""
+        return self._per_step("arange_b", lambda: torch.arange(self.batch, device=device))
+
     def _batch_head(self, Hkv: int, device) -> tuple[Tensor, Tensor]:
         """``arange(B)[:, None]`` and ``arange(Hkv)[None, :]``: the index grids of a step's tensors."""
-        return self._per_step(("bi_hi", Hkv), lambda: (torch.arange(self.batch, device=device)[:, None],
+        return self._per_step(("bi_hi", Hkv), lambda: (self._batch_arange(device)[:, None],
                                                        torch.arange(Hkv, device=device)[None, :]))
 
     def _head_rows(self, Hkv: int, device) -> Tensor:
@@ -673,7 +677,7 @@ class NOSABlockCache(Cache):
     def _update_windows(self, st: LayerState, cfg: NOSAConfig, k1: Tensor, s1: Tensor | None) -> None:
         """Ring write of the new key / score; a completed window goes into ``kc`` / ``wsc``."""
         sink = st.kc.shape[2] - 1
-        bi = self._per_step("arange_b", lambda: torch.arange(k1.shape[0], device=k1.device))
+        bi = self._batch_arange(k1.device)
         slot, w = self._per_step(("win", cfg.kernel_size, cfg.kernel_stride, sink),
                                  lambda: self._window_targets(cfg, sink))
         st.ring_k[bi, :, slot] = k1.to(st.ring_k.dtype)
@@ -715,7 +719,7 @@ class NOSABlockCache(Cache):
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
-        k1, v1, _, b1 = tok
+        k1, v1, s1, b1 = tok
         bi, hi = self._batch_head(Hkv, dev)
         # slot bookkeeping on the device: the j-th missing block of a row takes its j-th free slot
         cur = st.slot_of.gather(-1, sel)
@@ -748,7 +752,9 @@ class NOSABlockCache(Cache):
                 self.fetch = "copy"
         if self.fetch != "uva":
             self._move_copy(st, src, dst, tok)
-        self.stats.d2h_bytes += 2 * k1.numel() * k1.element_size()
+        # the new token's keys / values, score and own bias go device -> host
+        self.stats.d2h_bytes += 2 * k1.nbytes + (0 if s1 is None else s1.nbytes) + (
+            b1.nbytes if b1 is not None and st.bias_mode == "own" else 0)
         # the new token into its block's slot (resident unless it overflowed: then the host store has it)
         own = st.slot_of[bi, hi, blk[:, None]]
         gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
@@ -870,6 +876,29 @@ class NOSABlockCache(Cache):
         """Blocks moved host -> device so far (all layers; reads the device counter of the UVA path)."""
         dev = 0 if self.stats.fetched_dev is None else int(self.stats.fetched_dev)
         return self.stats.fetched_blocks + dev
+
+    def fetched_block_bytes(self) -> int:
+        """Bytes one block fetch moves host -> device: the block's keys and values (cache dtype) and,
+        where its layer's slots hold bias rows, its fp32 bias row (``fetched_blocks() *`` this is the
+        traffic). 0 without offloaded layers."""
+        sizes = {2 * st.cpu_k[0].nbytes + (0 if st.gpu_b is None else st.gpu_b[0].nbytes)
+                 for st in self.states if st.offloaded}
+        if len(sizes) > 1:  # one fetch counter serves every layer
+            raise ValueError(f"offloaded layers move blocks of different sizes: {sorted(sizes)} bytes")
+        return sizes.pop() if sizes else 0
+
+    def token_d2h_bytes(self) -> int:
+        """Bytes one decode token of one sequence moves device -> host: per offloaded layer and KV
+        head its key and value (cache dtype), its fp32 score and, for a separate bias, that too.
+        (``stats.d2h_bytes`` counts the same on eager steps; a replayed CUDA graph does not count.)"""
+        total = 0
+        for st in self.states:
+            if st.offloaded:
+                per_head = 2 * st.cpu_k.shape[-1] * st.cpu_k.element_size()
+                if st.score is not None:
+                    per_head += st.score.element_size() * (2 if st.bias_mode == "own" else 1)
+                total += st.spec.num_kv_heads * per_head
+        return total
 
     # ------------------------------------------------------------------ reporting
     def memory_bytes(self) -> dict:

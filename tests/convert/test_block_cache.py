@@ -219,6 +219,10 @@ def test_offloaded_cache_equals_full_cache(export_dirs):
             else:  # at least the selected blocks beyond the slots, every step
                 assert all(s >= 2 * 2 * 2 * (topk - gpu_blocks) * block_bytes for s in steps[1:])
             assert st.h2d_bytes == sum(steps) == st.fetched_blocks * block_bytes and st.decode_steps == 40
+        assert cache.fetched_block_bytes() == 2 * 16 * 8 * 8 + 16 * 8  # the same on both transfer paths
+        # device -> host per decode token: K, V (D = 8, fp64) and the score, per layer and KV head
+        assert cache.token_d2h_bytes() == 2 * 2 * (2 * 8 * 8 + 8)
+        assert cache.stats.d2h_bytes == 40 * 2 * cache.token_d2h_bytes()  # eager steps: 40 x 2 sequences
     if not torch.cuda.is_available():
         assert fetched[(None, "uva")] == fetched[(None, "copy")] >= fetched[(9, "copy")]
         assert fetched[(4, "uva")] == fetched[(4, "copy")] > fetched[(None, "copy")]
