@@ -512,9 +512,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
                    help="NOSA decode attention over the selected blocks: the Triton kernel reading them in "
                         "place, or gathered copies + PyTorch (auto: triton on CUDA)")
-    p.add_argument("--decode-streams", type=int, default=1,
+    p.add_argument("--decode-streams", type=int, default=None,
                    help="offloaded NOSA decode: the batch in this many parts on their own CUDA streams "
-                        "(fetch / compute overlap; GPU-resident rows keep one stream)")
+                        "(fetch / compute overlap; default: the cache's, 4; GPU-resident rows keep one stream)")
     p.add_argument("--profile", action="store_true",
                    help="offload rows: also the device time per decode step by kernel (top 20)")
     p.add_argument("--part-fetch-grid", type=int, default=None,
@@ -531,7 +531,7 @@ def main(argv=None) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return 2
-    if args.decode_streams < 1:
+    if args.decode_streams is not None and args.decode_streams < 1:
         print(f"error: --decode-streams must be >= 1, got {args.decode_streams}", file=sys.stderr)
         return 2
     if args.part_fetch_grid is not None and args.part_fetch_grid < 1:

@@ -428,7 +428,7 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
                   reserve: int | None = None, fetch: str = "auto", attention: str = "auto",
-                  decode_streams: int = 1):
+                  decode_streams: int | None = None):
         """An empty KV cache for this model: the block cache (``offload=True``: blocks in pinned CPU
         memory, ``gpu_blocks`` slots per sequence and KV head on the GPU; ``reserve`` tokens per sequence
         allocated up front; ``fetch``: how offloaded blocks move, ``uva`` = Triton kernels reading pinned host
@@ -436,7 +436,7 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         copied, ``auto`` = ``uva`` when Triton and CUDA are there; ``attention``: the decode attention over
         the selected blocks, ``triton`` = a kernel reading them in place, ``torch`` = gathered copies,
         ``auto`` = ``triton`` on CUDA when installed; ``decode_streams``: parts of the batch decoded on
-        their own CUDA streams, see ``NOSABlockCache``), or with ``dynamic=True`` transformers'
+        their own CUDA streams, default 4 offloaded and 1 otherwise, see ``NOSABlockCache``), or with ``dynamic=True`` transformers'
         ``DynamicCache`` (the slow reference decode path)."""
         if dynamic:
             try:
@@ -541,14 +541,14 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
 
     def new_cache(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
                   reserve: int | None = None, fetch: str = "auto", attention: str = "auto",
-                  decode_streams: int = 1):
+                  decode_streams: int | None = None):
         """An empty KV cache to pass to ``generate(..., cache=...)`` (see ``NOSALlamaModel.new_cache``)."""
         return self.model.new_cache(offload=offload, gpu_blocks=gpu_blocks, dynamic=dynamic, reserve=reserve,
                                     fetch=fetch, attention=attention, decode_streams=decode_streams)
 
     def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
                           cuda_graphs: bool = True, fetch: str = "auto", attention: str = "auto",
-                          decode_streams: int = 1) -> None:
+                          decode_streams: int | None = None) -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
         ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
         self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,

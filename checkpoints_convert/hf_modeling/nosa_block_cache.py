@@ -60,6 +60,9 @@ if TYPE_CHECKING:  # the graph module imports this one
     from .nosa_decode_graph import DecodeGraph
 
 CAPACITY_MARGIN = 1024  # tokens allocated past the prompt before the cache grows (doubling)
+# batch parts of an offloaded decode step by default: their host fetches take turns with the other
+# parts' compute (1B shape, 16K, H200: 1.16-1.26x the tokens/s of one part; docs/BENCHMARKS.md)
+OFFLOAD_DECODE_STREAMS = 4
 
 
 @dataclass
@@ -162,7 +165,8 @@ class NOSABlockCache(Cache):
     device when Triton is installed. ``decode_streams`` > 1 splits a decode step's batch into that
     many contiguous parts that run layer by layer on their own CUDA streams, so one part's
     host-to-device fetch can overlap another part's compute (:meth:`decode_parts`; results equal the
-    unsplit step up to GEMM rounding; default 1). ``get_seq_length()`` is the number of
+    unsplit step up to GEMM rounding; default ``OFFLOAD_DECODE_STREAMS`` = 4 for an offloaded cache,
+    1 otherwise: a GPU-resident step has nothing to fetch and runs faster whole). ``get_seq_length()`` is the number of
     attention-mask columns seen (padding included), as for transformers' own caches.
     """
 
@@ -170,7 +174,7 @@ class NOSABlockCache(Cache):
 
     def __init__(self, specs: list[LayerSpec], offload: bool = False, gpu_blocks: int | None = None,
                  reserve: int | None = None, fetch: str = "auto", attention: str = "auto",
-                 decode_streams: int = 1) -> None:
+                 decode_streams: int | None = None) -> None:
         super().__init__(layers=[])
         self.specs = specs
         self.offload = offload
@@ -189,6 +193,8 @@ class NOSABlockCache(Cache):
         if attention == "triton" and not attn_kernel_available():
             raise ValueError("attention='triton' needs triton installed")
         self.attention = attention  # decode attention over the selected blocks: Triton kernel or torch
+        if decode_streams is None:
+            decode_streams = OFFLOAD_DECODE_STREAMS if offload else 1
         if decode_streams < 1:
             raise ValueError(f"decode_streams must be >= 1, got {decode_streams}")
         self.decode_streams = decode_streams

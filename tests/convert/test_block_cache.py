@@ -451,6 +451,12 @@ def test_decode_in_batch_parts_equals_one_part(export_dirs):
         _run(model, recorded, ids[:, :50], mask[:, :50], new[:, :3])
     with pytest.raises(ValueError, match="decode_streams"):
         model.new_cache(decode_streams=0)
+    # defaults: an offloaded cache decodes in OFFLOAD_DECODE_STREAMS parts (fetch / compute overlap), a
+    # GPU-resident one whole; an explicit value wins
+    bc = _shipped(model, "nosa_block_cache")
+    assert model.new_cache(offload=True).decode_streams == bc.OFFLOAD_DECODE_STREAMS == 4
+    assert model.new_cache().decode_streams == 1
+    assert model.new_cache(offload=True, decode_streams=1).decode_streams == 1
 
 
 @pytest.mark.gpu
