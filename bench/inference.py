@@ -449,7 +449,8 @@ class Bench:
             f"not weights: {unrecorded:.1f} MiB")
         del built
         return {"model": "nosa", "mode": mode, "batch": batch, "context": self.long,
-                "step_peak_mib": round(step_peak / 2**20, 1), "step_peak_mib_per_seq": round(step_peak / 2**20 / batch, 2),
+                "step_peak_mib": round(step_peak / 2**20, 1),
+                "step_peak_mib_per_seq": round(step_peak / 2**20 / batch, 2),
                 "cache_mib": round(cache_mib, 1), "live_at_step_start_mib": round(live_before / 2**20, 1),
                 "other_at_step_start_mib_per_seq": round(other / batch, 2),
                 "allocated_before_record_not_weights_mib": round(unrecorded, 1),

@@ -436,8 +436,8 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         copied, ``auto`` = ``uva`` when Triton and CUDA are there; ``attention``: the decode attention over
         the selected blocks, ``triton`` = a kernel reading them in place, ``torch`` = gathered copies,
         ``auto`` = ``triton`` on CUDA when installed; ``decode_streams``: parts of the batch decoded on
-        their own CUDA streams, default 4 offloaded and 1 otherwise, see ``NOSABlockCache``), or with ``dynamic=True`` transformers'
-        ``DynamicCache`` (the slow reference decode path)."""
+        their own CUDA streams, default 4 offloaded and 1 otherwise, see ``NOSABlockCache``), or with
+        ``dynamic=True`` transformers' ``DynamicCache`` (the slow reference decode path)."""
         if dynamic:
             try:
                 return DynamicCache(config=self.config)

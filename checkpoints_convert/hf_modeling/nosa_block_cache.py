@@ -107,7 +107,6 @@ PER_SEQUENCE = ("k", "v", "score", "kc", "wsc", "ring_k", "ring_s", "slot_of", "
 PER_ROW = ("cpu_k", "cpu_v", "gpu_k", "gpu_v", "gpu_b")
 
 
-
 _STREAMS: dict = {}  # (device index, purpose, thread) -> [torch.cuda.Stream], see shared_streams
 
 
@@ -122,6 +121,7 @@ def shared_streams(device, purpose: str, n: int) -> list:
     while len(pool) < n:
         pool.append(torch.cuda.Stream(device=index))
     return pool[:n]
+
 
 @dataclass
 class TransferStats:
@@ -166,8 +166,9 @@ class NOSABlockCache(Cache):
     many contiguous parts that run layer by layer on their own CUDA streams, so one part's
     host-to-device fetch can overlap another part's compute (:meth:`decode_parts`; results equal the
     unsplit step up to GEMM rounding; default ``OFFLOAD_DECODE_STREAMS`` = 4 for an offloaded cache,
-    1 otherwise: a GPU-resident step has nothing to fetch and runs faster whole). ``get_seq_length()`` is the number of
-    attention-mask columns seen (padding included), as for transformers' own caches.
+    1 otherwise: a GPU-resident step has nothing to fetch and runs faster whole).
+    ``get_seq_length()`` is the number of attention-mask columns seen (padding included), as for
+    transformers' own caches.
     """
 
     is_compileable = False
