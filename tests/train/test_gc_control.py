@@ -24,11 +24,12 @@ def test_manual_mode_disables_automatic_gc_and_collects_every_n_steps(monkeypatc
 
 
 def test_interval_zero_leaves_python_gc_alone(monkeypatch):
+    # every call into the collector is recorded (comparing freeze counts is racy: a frozen object
+    # that is freed leaves the permanent generation at any time)
     calls = []
-    frozen = gc.get_freeze_count()
-    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+    for name in ("collect", "freeze", "unfreeze", "disable", "enable"):
+        monkeypatch.setattr(gc, name, lambda *a, name=name: calls.append(name) or 0)
     with GarbageCollection(0) as col:
-        assert gc.isenabled() and gc.get_freeze_count() == frozen
         for step in range(1, 5):
             col.after_step(step)
     assert calls == [] and gc.isenabled()
