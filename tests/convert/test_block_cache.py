@@ -428,7 +428,8 @@ def test_decode_in_batch_parts_equals_one_part(export_dirs):
             pytest.importorskip("triton")
             if torch.cuda.is_available():
                 continue  # CPU tensors under the interpreter; the gpu test covers CUDA
-        want_logits, _, want = _run(model, model.new_cache(**opts), ids, mask, new, record=False)
+        # the unsplit step (an offloaded cache would decode in parts by default)
+        want_logits, _, want = _run(model, model.new_cache(decode_streams=1, **opts), ids, mask, new, record=False)
         parts_seen = []
         for n in (2, 3):
             cache = model.new_cache(decode_streams=n, **opts)
