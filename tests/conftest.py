@@ -30,6 +30,7 @@ def _deterministic_torch():
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     """Work groups for pytest-xdist's ``--dist loadgroup`` (``scripts/test.sh`` runs two workers):
     one folder per worker, so each folder's session fixtures (tiny checkpoints, reference runs) are
@@ -38,3 +39,16 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
         group = "/".join(parts[:2]) if parts[0] == "train" else parts[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config):
+    """``--dist loadgroup`` needs a pytest that pytest-xdist can group under: xdist <= 3.8 marks a
+    group as an ``@group`` suffix written to ``item._nodeid``, which pytest 9 no longer reads, so the
+    groups would silently spread over all workers (each folder's session fixtures built on each)."""
+    if config.getoption("dist", "no") != "loadgroup" or int(pytest.__version__.split(".")[0]) < 9:
+        return
+    import xdist
+
+    if tuple(int(x) for x in xdist.__version__.split(".")[:2]) <= (3, 8):
+        raise pytest.UsageError(f"--dist loadgroup does not group tests with pytest {pytest.__version__} and "
+                                f"pytest-xdist {xdist.__version__}: install pytest<9 (pyproject.toml's dev extra)")
