@@ -726,7 +726,7 @@ class NOSABlockCache(Cache):
         NB = st.slot_of.shape[-1] - 1
         C = st.slot_block.shape[-1] - 1
         dev = sel.device
-        k1, v1, s1, b1 = tok
+        k1, v1, _, b1 = tok
         bi, hi = self._batch_head(Hkv, dev)
         # slot bookkeeping on the device: the j-th missing block of a row takes its j-th free slot
         cur = st.slot_of.gather(-1, sel)
@@ -759,9 +759,7 @@ class NOSABlockCache(Cache):
                 self.fetch = "copy"
         if self.fetch != "uva":
             self._move_copy(st, src, dst, tok)
-        # the new token's keys / values, score and own bias go device -> host
-        self.stats.d2h_bytes += 2 * k1.nbytes + (0 if s1 is None else s1.nbytes) + (
-            b1.nbytes if b1 is not None and st.bias_mode == "own" else 0)
+        self.stats.d2h_bytes += self.batch * self._layer_token_d2h_bytes(st)
         # the new token into its block's slot (resident unless it overflowed: then the host store has it)
         own = st.slot_of[bi, hi, blk[:, None]]
         gk = st.gpu_k.view(B, Hkv, C, *st.gpu_k.shape[1:])
@@ -895,17 +893,17 @@ class NOSABlockCache(Cache):
         return sizes.pop() if sizes else 0
 
     def token_d2h_bytes(self) -> int:
-        """Bytes one decode token of one sequence moves device -> host: per offloaded layer and KV
-        head its key and value (cache dtype), its fp32 score and, for a separate bias, that too.
-        (``stats.d2h_bytes`` counts the same on eager steps; a replayed CUDA graph does not count.)"""
-        total = 0
-        for st in self.states:
-            if st.offloaded:
-                per_head = 2 * st.cpu_k.shape[-1] * st.cpu_k.element_size()
-                if st.score is not None:
-                    per_head += st.score.element_size() * (2 if st.bias_mode == "own" else 1)
-                total += st.spec.num_kv_heads * per_head
-        return total
+        """Bytes one decode token of one sequence moves device -> host over all offloaded layers
+        (``stats.d2h_bytes`` counts the same on eager steps; a replayed CUDA graph does not count)."""
+        return sum(self._layer_token_d2h_bytes(st) for st in self.states if st.offloaded)
+
+    def _layer_token_d2h_bytes(self, st: LayerState) -> int:
+        """Offloaded layer: bytes one sequence's new token writes to the host store, per KV head its key
+        and value (cache dtype), its fp32 score and, for a separate bias, that too."""
+        per_head = 2 * st.cpu_k.shape[-1] * st.cpu_k.element_size()
+        if st.score is not None:
+            per_head += st.score.element_size() * (2 if st.bias_mode == "own" else 1)
+        return st.spec.num_kv_heads * per_head
 
     # ------------------------------------------------------------------ reporting
     def memory_bytes(self) -> dict:
