@@ -19,7 +19,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
-       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep] [--dq-sweep]
+       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep]
 """
 
 from __future__ import annotations
@@ -301,13 +301,6 @@ FWD_CANDIDATES = [dict(fwd=dict(num_warps=w, num_stages=s), dq=dict(num_warps=w,
 TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r), dq=dict(rows=r)) for r in (64, 32, 16)]
 
 
-# where the backward computes dQ (attention_op.DQ_MODES): the separate dQ kernel (7 matmuls per list
-# entry in all) against dS K added inside the dK/dV kernel by tensor-memory reduce-adds (5 matmuls);
-# the extra fp32 [M, D] tile of the fused kernel may want other launch settings
-DQ_CANDIDATES = [dict(dkdv=dict(dq=m, blocks=b, rows=r, num_warps=w, num_stages=s)) for m, b, r, w, s in (
-    ("separate", 2, 32, 8, 4), ("tma", 2, 32, 8, 4), ("tma", 2, 32, 8, 3), ("tma", 1, 64, 8, 3), ("tma", 1, 64, 4, 2))]
-
-
 def _sweep_cases(T, HQ):
     """(name, selection, useful keys, inputs) of the P1 lists and real NOSA selections (iid, smooth)."""
     cfg = NOSAConfig()
@@ -520,8 +513,6 @@ def main():
     ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only query tiles of 64 / 32 / 16 rows (fewer tokens per tile) at every shape")
-    ap.add_argument("--dq-sweep", action="store_true",
-                    help="only the dQ placement sweep (separate kernel / inside dK/dV) at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -537,7 +528,7 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep or args.dq_sweep:
+    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep:
         for T, HQ in shapes:
             if args.fwd_sweep:
                 config_sweep("fwd_sweep", FWD_CANDIDATES, T, HQ, dense_ms)
@@ -545,8 +536,6 @@ def main():
                 config_sweep("tile_sweep", TILE_CANDIDATES, T, HQ, dense_ms)
             if args.dkdv_sweep:
                 config_sweep("dkdv_sweep", DKDV_CANDIDATES, T, HQ, dense_ms)
-            if args.dq_sweep:
-                config_sweep("dq_sweep", DQ_CANDIDATES, T, HQ, dense_ms)
         with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
             json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
         return

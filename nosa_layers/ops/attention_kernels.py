@@ -155,24 +155,17 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])
-def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, DQA, Blocks, InvPtr, QStart, Word,
+def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
                      PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
-                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, s_ab, s_at, s_ah, qk_scale, sm_scale,
+                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr,
-                     DQ_MODE: tl.constexpr):
+                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
     """dK, dV, db: one program per piece of the inverse list of one (key group of ``KB`` KV blocks,
     KV head); it walks its entries x head packs with the group's ``N = KB * BS`` keys, their values,
     bias and fp32 accumulators resident; db is the row sum of dS^T (no atomics). A piece of a split
     list writes fp32 partials ``WDK/WDV [slot, N, D]``, ``WDB [slot, N]`` (unscaled) for
-    ``_dkdv_reduce_kernel``; programs past the last piece idle.
-
-    ``DQ_MODE`` (see ``DQ_MODES`` in ``attention_op``): 0 leaves dQ to ``_bwd_dq_kernel``; otherwise
-    each (entry, head pack) also adds its scaled ``dS K`` ``[M, D]`` to the fp32 dQ accumulator
-    ``DQA [B, T, Hq, D]`` (strides ``s_ab, s_at, s_ah``): 1 with element atomics, 2 with one
-    tensor-memory reduce-add per tile (``DQA`` is then a TMA descriptor of block ``[1, QT, HP, D]``).
-    Either way the order of the additions is not fixed: dQ is not bitwise reproducible."""
+    ``_dkdv_reduce_kernel``; programs past the last piece idle."""
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * QT
     N: tl.constexpr = KB * BS
@@ -214,7 +207,6 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, D
     lbase = LSE + bk * s_lb + (h * G) * s_lh
     dbase = Delta + bk * s_lb + (h * G) * s_lh
     loff = hh * s_lh + r
-    dqoff = (r * s_at + hh * s_ah)[:, None] + offs_d[None, :]  # [M, D] rows of DQA (DQ_MODE 1)
     dk = tl.zeros([N, D], tl.float32)
     dv = tl.zeros([N, D], tl.float32)
     db = tl.zeros([N], tl.float32)
@@ -248,13 +240,6 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, D
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
         if NEED_DB:
             db += tl.sum(dsT, 1)
-        if DQ_MODE != 0:  # dQ rows of this tile: scale * dS K, added to the fp32 accumulator
-            dq = tl.dot(tl.trans((dsT * sm_scale).to(k.dtype)), k)
-            if DQ_MODE == 1:
-                tl.atomic_add(DQA + bk * s_ab + (qs.to(tl.int64) * s_at + (h * G + pk * HP) * s_ah) + dqoff, dq,
-                              mask=rvalid[:, None], sem="relaxed")
-            else:  # rows past the batch row's end are clipped by the descriptor; other padding rows add 0
-                DQA.atomic_add([bk.to(tl.int32), qs, h * G + pk * HP, 0], tl.reshape(dq, [1, QT, HP, D]))
     if live:
         if slot < 0:
             _store_dkdv(DK, DV, DB, dk * sm_scale, dv, db, bk, h, kp, kvalid, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,

@@ -28,23 +28,15 @@ CONFIG = {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK=1024, SLOTS=512, blocks=2, dq="separate"),
+        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK=1024, SLOTS=512, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1, dq="separate"),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
 }
-
-# Where the backward computes dQ (``CONFIG[...]["dkdv"]["dq"]``): "separate" runs ``_bwd_dq_kernel``
-# over the forward lists (P recomputed: 7 matmuls per list entry in all, deterministic); "atomic" and
-# "tma" add dS K to an fp32 accumulator inside the dK/dV kernel (5 matmuls; the accumulation order
-# varies from run to run) with element atomics, or with one tensor-memory reduce-add per tile
-# (Hopper and newer; the interpreter, which has no such reduce, runs it as "atomic"). Under
-# ``torch.use_deterministic_algorithms(True)`` or ``deterministic=True`` the backward is "separate".
-DQ_MODES = {"separate": 0, "atomic": 1, "tma": 2}
 
 
 def arch(device: torch.device) -> str:
@@ -123,30 +115,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     return o, lse
 
 
-def dq_mode(device: torch.device, deterministic: bool) -> int:
-    """``DQ_MODES`` value of the backward on ``device`` (0 when ``deterministic``)."""
-    mode = launch_config(device)["dkdv"].get("dq", "separate")
-    if mode not in DQ_MODES:
-        raise ValueError(f"nosa_layers.ops: CONFIG dkdv.dq must be one of {sorted(DQ_MODES)}, got {mode!r}")
-    if deterministic:
-        return 0
-    if mode == "tma" and interpreting():
-        return DQ_MODES["atomic"]
-    return DQ_MODES[mode]
-
-
-def _dq_accumulator(q: Tensor, mode: int, qt: int, hp: int):
-    """fp32 dQ accumulator ``[B, T, Hq, D]`` (zeros) and the kernel's handle on it."""
-    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    if mode != DQ_MODES["tma"]:
-        return acc, acc
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return acc, TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [1, qt, hp, q.shape[-1]])
-
-
-def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool,
-                       deterministic: bool = False):
+def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -165,20 +134,17 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         return dq, dk, dv, db
     bias_arg = q if bias is None else bias
     launch = launch_config(q.device)
-    mode = dq_mode(q.device, deterministic)
-    if mode == 0:
-        cfg = launch["dq"]
-        hp = heads_per_program(G, idx.qt, cfg["rows"])
-        _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
-            q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
-            idx.n_tiles, idx.cap,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-            *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    cfg = launch["dq"]
+    hp = heads_per_program(G, idx.qt, cfg["rows"])
+    _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
+        q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
+        idx.n_tiles, idx.cap,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
-    dqa, dqa_arg = _dq_accumulator(q, mode, idx.qt, hp) if mode else (dq, dq)
     dbs = db.stride() if need_db else (0, 0, 0)
     db_arg = dk if db is None else db
     N = idx.kb * BS  # keys of a dK/dV key group
@@ -187,37 +153,34 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     wdv = torch.empty_like(wdk)
     wdb = torch.empty(n_ws, N, dtype=torch.float32, device=q.device)
     _bwd_dkdv_kernel[(idx.max_pieces,)](
-        q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, dqa_arg, idx.layout.blocks, idx.inv_ptr,
+        q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.layout.blocks, idx.inv_ptr,
         idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, *dqa.stride()[:3], scale * LOG2E, scale,
+        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
         HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
-        DQ_MODE=mode, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](
         wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],
         *v.stride()[:3], *dbs, scale, HKV=Hkv, N=N, D=D, NEED_DB=need_db, num_warps=4)
-    if mode:
-        dq.copy_(dqa)
     return dq, dk, dv, db
 
 
 class _NosaSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, idx, scale, deterministic):
+    def forward(ctx, q, k, v, bias, idx, scale):
         o, lse = attention_forward(q, k, v, bias, idx, scale)
         ctx.save_for_backward(q, k, v, bias, o, lse)
-        ctx.idx, ctx.scale, ctx.has_bias, ctx.deterministic = idx, scale, bias is not None, deterministic
+        ctx.idx, ctx.scale, ctx.has_bias = idx, scale, bias is not None
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, o, lse = ctx.saved_tensors
         need_db = ctx.has_bias and ctx.needs_input_grad[3]
-        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db,
-                                            ctx.deterministic)
+        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db)
         if db is not None:
             db = db.to(bias.dtype)
-        return dq, dk, dv, db, None, None, None
+        return dq, dk, dv, db, None, None
 
 
 def _prep(x: Tensor) -> Tensor:
@@ -227,18 +190,14 @@ def _prep(x: Tensor) -> Tensor:
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, index: SparseIndex, bias: Tensor | None = None,
-                     softmax_scale: float | None = None, deterministic: bool | None = None) -> Tensor:
+                     softmax_scale: float | None = None) -> Tensor:
     """Block-sparse attention over the selection that ``index`` (``build_sparse_index``) encodes.
 
     q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, bias ``[B, T, Hkv]`` (additive logit bias per key,
-    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias.
-    ``deterministic``: a bitwise reproducible backward (see ``DQ_MODES``); ``None`` follows
-    ``torch.are_deterministic_algorithms_enabled()``."""
+    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias."""
     check_device(q, k, v, bias)
     _check_shapes(q, k, v, index.block)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if bias is not None and bias.dtype != torch.float32 and bias.dtype != q.dtype:
         bias = bias.float()
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale), bool(deterministic))
+    return _NosaSparseAttention.apply(_prep(q), _prep(k), _prep(v), bias, index, float(scale))

@@ -13,10 +13,10 @@ from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
 from nosa_layers.ops import topk
-from nosa_layers.ops.attention_op import CONFIG, DQ_MODES, heads_per_program
+from nosa_layers.ops.attention_op import CONFIG, heads_per_program
 from nosa_layers.ops.sparse_index import query_tile
 
-FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA", "DQA"}
+FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
 FLOATS = {"qk_scale", "sm_scale"}
 INT_ARGS = {"T", "H", "K1", "K2", "NBW"}  # upper-case scalars
@@ -43,23 +43,11 @@ def cases(arch: str, G: int):
     qt, _ = query_tile(G, BS, cfg["tile"]["rows"])
     word = "*i64" if qt > 32 else "*i32"
     common = dict(HKV=2, G=G, QT=qt, BS=BS, D=D, HAS_BIAS=True)
-    for name, fn in (("fwd", ak._fwd_kernel), ("dq", ak._bwd_dq_kernel)):
+    for name, fn in (("fwd", ak._fwd_kernel), ("dq", ak._bwd_dq_kernel), ("dkdv", ak._bwd_dkdv_kernel)):
         c = cfg[name]
-        yield name, fn, dict(common, HP=heads_per_program(G, qt, c["rows"])), {"Word": word}, c["num_warps"], \
-            c["num_stages"]
-    # dK/dV as configured, and with dQ added inside it by element atomics (any target) and by
-    # tensor-memory reduce-adds (Hopper and newer)
-    c = cfg["dkdv"]
-    hp = heads_per_program(G, qt, c["rows"])
-    modes = {"dkdv": DQ_MODES[c["dq"]], "dkdv_dq_atomic": DQ_MODES["atomic"]}
-    if arch == "sm90":
-        modes["dkdv_dq_tma"] = DQ_MODES["tma"]
-    for name, mode in modes.items():
-        ptr = {"Word": word}
-        if mode == DQ_MODES["tma"]:
-            ptr["DQA"] = f"tensordesc<fp32[1, {qt}, {hp}, {D}]>"
-        const = dict(common, HP=hp, KB=c["blocks"], NEED_DB=True, DQ_MODE=mode)
-        yield name, ak._bwd_dkdv_kernel, const, ptr, c["num_warps"], c["num_stages"]
+        const = dict(common, HP=heads_per_program(G, qt, c["rows"]),
+                     **({"KB": c["blocks"], "NEED_DB": True} if name == "dkdv" else {}))
+        yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
     kb = cfg["dkdv"]["blocks"]
     yield "dkdv_reduce", ak._dkdv_reduce_kernel, dict(HKV=2, N=kb * BS, D=D, NEED_DB=True), {}, 4, 3
     yield "delta", ak._bwd_delta_kernel, dict(BM=64, D=D), {}, 4, 3

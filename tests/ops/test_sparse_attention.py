@@ -84,45 +84,6 @@ def test_key_groups(dev, kb):
                      chunk=2, max_slots=5), fp32_tol(dev))
 
 
-@pytest.mark.parametrize("mode", ["atomic", "tma"])
-def test_dq_in_the_dkdv_kernel(dev, mode, monkeypatch):
-    """dQ accumulated inside the dK/dV kernel (element atomics, or one tensor-memory reduce-add per
-    tile on Hopper) equals the reference: packed documents with padding rows past a document's end,
-    GQA 8 and 16, two batch rows (rows past the first row's end must not reach the second), key
-    groups of one and two blocks, split lists."""
-    import nosa_layers.ops.attention_op as sa
-
-    if mode == "tma" and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
-        pytest.skip("tensor-memory reduce-add needs a Hopper GPU (the interpreter runs it as 'atomic')")
-    for arch in sa.CONFIG.values():
-        monkeypatch.setitem(arch, "dkdv", dict(arch["dkdv"], dq=mode))
-    tol = fp32_tol(dev)
-    _all_close(*_run(dev, 1, 150, 8, 1, 16, cu=[0, 37, 37, 101, 150], seed=41), tol)
-    _all_close(*_run(dev, 2, 67, 16, 1, 32, seed=42), tol)
-    cfg = tiny_cfg(topk=3, local_blocks=1, select_blocks=1)
-    for kb in (1, 2):
-        _all_close(*_run(dev, 1, 200, 8, 2, 16, cu=[0, 37, 37, 101, 200], seed=43 + kb, cfg=cfg, kb=kb,
-                         chunk=2, max_slots=5), tol)
-
-
-def test_dq_mode_choice(monkeypatch):
-    """The launch config picks where dQ is computed; deterministic runs always take the separate
-    kernel, the interpreter runs "tma" as "atomic", and an unknown mode is a one-line error."""
-    import nosa_layers.ops.attention_op as sa
-
-    cpu = torch.device("cpu")
-    for mode, want in (("separate", 0), ("atomic", 1), ("tma", 2)):
-        monkeypatch.setitem(sa.CONFIG["sm90"], "dkdv", dict(sa.CONFIG["sm90"]["dkdv"], dq=mode))
-        monkeypatch.setattr(sa, "interpreting", lambda: False)
-        assert sa.dq_mode(cpu, deterministic=False) == want
-        assert sa.dq_mode(cpu, deterministic=True) == 0
-        monkeypatch.setattr(sa, "interpreting", lambda: True)
-        assert sa.dq_mode(cpu, deterministic=False) == min(want, 1)
-    monkeypatch.setitem(sa.CONFIG["sm90"], "dkdv", dict(sa.CONFIG["sm90"]["dkdv"], dq="fused"))
-    with pytest.raises(ValueError, match="dkdv.dq must be one of"):
-        sa.dq_mode(cpu, deterministic=False)
-
-
 def test_fp16_and_no_bias(dev):
     got, ref = _run(dev, 1, 90, 8, 1, 16, dtype=torch.float16, seed=3)
     _close(got[0], ref[0], 5e-3, "out")
@@ -184,12 +145,10 @@ def test_strided_views_of_a_fused_qkv_buffer(dev):
 
 
 def test_poisoned_outputs_determinism_and_causality(dev, monkeypatch):
-    """Every output element is written (buffers pre-filled with NaN), two deterministic runs are
-    bitwise equal, and perturbing tokens from t0 on (dO zero from their tile on) leaves out and dQ of
-    every earlier query tile bitwise unchanged and the key-side gradients of earlier tokens unchanged
-    up to rounding (the perturbed tiles' entries move the dK/dV piece boundaries and the
-    partial-slot budget). The default backward (dQ accumulated in the dK/dV kernel where the
-    launch config says so) equals the deterministic one up to rounding."""
+    """Every output element is written (buffers pre-filled with NaN), two runs are bitwise equal, and
+    perturbing tokens from t0 on (dO zero from their tile on) leaves out and dQ of every earlier query
+    tile bitwise unchanged and the key-side gradients of earlier tokens unchanged up to rounding (the
+    perturbed tiles' entries move the dK/dV piece boundaries and the partial-slot budget)."""
     import nosa_layers.ops.attention_op as sa
 
     monkeypatch.setattr(sa, "POISON_OUTPUTS", True)
@@ -202,19 +161,16 @@ def test_poisoned_outputs_determinism_and_causality(dev, monkeypatch):
     do = torch.randn_like(q)
     do[:, t_tile:] = 0
 
-    def run(q, k, v, s, sel, deterministic=True):
+    def run(q, k, v, s, sel):
         index = build_sparse_index(sel, cfg, T, num_q_heads=8, chunk=2)
         xs = [x.clone().requires_grad_(True) for x in (q, k, v, s)]
-        out = sparse_attention(*xs[:3], index, bias=xs[3], deterministic=deterministic)
+        out = sparse_attention(*xs[:3], index, bias=xs[3])
         return (out, *torch.autograd.grad(out, xs, do))
 
     a, b = run(q, k, v, s, sel), run(q, k, v, s, sel)
     for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), a, b):
         assert torch.isfinite(x).all(), f"{name} has unwritten (NaN) entries"
         assert torch.equal(x, y), f"{name} is not bitwise deterministic"
-    for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), a, run(q, k, v, s, sel, deterministic=False)):
-        assert torch.isfinite(y).all(), f"{name} (default backward) has unwritten (NaN) entries"
-        _close(y, x, fp32_tol(dev), name)
     q2, k2, v2, s2 = (x.clone() for x in (q, k, v, s))
     for x in (q2, k2, v2, s2):
         x[:, t0:] = torch.randn_like(x[:, t0:]) * 3
