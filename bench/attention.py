@@ -19,7 +19,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
-       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep]
+       [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep] [--balance-sweep]
 """
 
 from __future__ import annotations
@@ -301,6 +301,13 @@ FWD_CANDIDATES = [dict(fwd=dict(num_warps=w, num_stages=s), dq=dict(num_warps=w,
 TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r), dq=dict(rows=r)) for r in (64, 32, 16)]
 
 
+# dK/dV load balance: list pieces of CHUNK units (64 query rows x one KV block) and the budget of fp32
+# partial slots (one-block partials); lists past the budget run whole in one program. Real NOSA
+# selections share their query-agnostic blocks across all later queries: long inverse lists.
+BALANCE_CANDIDATES = [dict(dkdv=dict(CHUNK=c, SLOTS=s)) for c, s in (
+    (1024, 512), (1024, 4096), (1024, 16384), (512, 8192), (512, 16384), (256, 16384))]
+
+
 def _sweep_cases(T, HQ):
     """(name, selection, useful keys, inputs) of the P1 lists and real NOSA selections (iid, smooth)."""
     cfg = NOSAConfig()
@@ -311,6 +318,19 @@ def _sweep_cases(T, HQ):
         sel = select_blocks_triton(q, k, bias, cfg)
         cases.append(("smooth" if smooth else "iid", sel, useful_keys(sel, cfg.block_size), (q, k, v, bias)))
     return cfg, cases
+
+
+def _longest_piece(idx) -> int:
+    """List entries of the longest dK/dV program (a piece of a split list, or a whole list)."""
+    n = torch.diff(idx.inv_ptr.long())
+    split = idx.slot_ptr[:-1].long() >= 0
+    return int(torch.where(split, n.clamp(max=idx.chunk), n).max()) if n.numel() else 0
+
+
+def _workspace_mib(idx) -> float:
+    """MiB of the fp32 dK/dV/db partials the backward allocates for this index."""
+    n = max(idx.workspace_slots(), 1) * idx.kb * idx.block
+    return n * (2 * D + 1) * 4 / 2**20
 
 
 def config_sweep(kind, candidates, T, HQ, dense_ms):
@@ -337,7 +357,9 @@ def config_sweep(kind, candidates, T, HQ, dense_ms):
                 tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
                 emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, fwd_ms=tf, bwd_ms=tb,
                      fwd_x_ideal=tf / (dens * dense_ms[(T, HQ)][0]), bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]),
-                     fwd_entries=int(idx.fwd_count.sum()), inv_entries=int(idx.inv_ptr[-1]), max_diff_vs_first=diff)
+                     fwd_entries=int(idx.fwd_count.sum()), inv_entries=int(idx.inv_ptr[-1]),
+                     dkdv_pieces=int(idx.piece_ptr[-1]), longest_piece=_longest_piece(idx),
+                     dkdv_workspace_mib=_workspace_mib(idx), max_diff_vs_first=diff)
             except Exception as e:  # noqa: BLE001
                 emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
         live.update(old)
@@ -513,6 +535,8 @@ def main():
     ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only query tiles of 64 / 32 / 16 rows (fewer tokens per tile) at every shape")
+    ap.add_argument("--balance-sweep", action="store_true",
+                    help="only the dK/dV piece length / partial-slot budget sweep at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -528,7 +552,7 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep:
+    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep or args.balance_sweep:
         for T, HQ in shapes:
             if args.fwd_sweep:
                 config_sweep("fwd_sweep", FWD_CANDIDATES, T, HQ, dense_ms)
@@ -536,6 +560,8 @@ def main():
                 config_sweep("tile_sweep", TILE_CANDIDATES, T, HQ, dense_ms)
             if args.dkdv_sweep:
                 config_sweep("dkdv_sweep", DKDV_CANDIDATES, T, HQ, dense_ms)
+            if args.balance_sweep:
+                config_sweep("balance_sweep", BALANCE_CANDIDATES, T, HQ, dense_ms)
         with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
             json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
         return

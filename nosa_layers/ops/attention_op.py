@@ -16,19 +16,26 @@ from .sparse_index import SparseIndex, largest_divisor
 # rows // qt, at most G), warps, pipeline stages. Forward and dQ take one KV block per list entry
 # (128-key entries were slower on the H200 in every case measured). dK/dV: ``blocks`` KV blocks per
 # key group (keys resident in one program, see ``sparse_index``), ``CHUNK`` units of work per list
-# piece (a unit = 64 query rows x one KV block; an entry is qt x G rows x ``blocks``) and ``SLOTS`` one-block fp32
-# partials (64 KiB each at D = 128; a group's partial takes ``blocks`` of them) for the pieces of
-# split lists. Two-block groups on sm90 (bench/attention.py --dkdv-sweep on the H200: backward up to
+# piece (a unit = 64 query rows x one KV block; an entry is qt x G rows x ``blocks``; "auto": about
+# ``CHUNK_WAVES`` pieces per SM of the attention's estimated work, see ``sparse_index.chunk_units``)
+# and ``SLOTS``, the budget of one-block fp32 partials (64 KiB each at D = 128; a group's partial
+# takes ``blocks`` of them) for the pieces of split lists; the backward allocates only the slots an
+# index uses. Real NOSA selections share their query-agnostic blocks across all later queries, so
+# their inverse lists are long; lists past the budget run whole in one program and the kernel waits
+# on them (bench/attention.py --balance-sweep on the H200: budget 512 -> 16384 and "auto" chunks took
+# the backward on smooth selections from 33.2 to 25.2 ms at 32K/32 and 7.29 to 6.16 ms at 16K/16).
+# Two-block groups on sm90 (bench/attention.py --dkdv-sweep on the H200: backward up to
 # 22% faster than one block; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
 # 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
-# kernel under 100 KB of shared memory; ``test_arch`` compiles every kernel for both targets.
+# kernel under 100 KB of shared memory and its measured piece settings (the balance sweep ran on the
+# H200 only); ``test_arch`` compiles every kernel for both targets.
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
-        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK=1024, SLOTS=512, blocks=2),
+        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK="auto", SLOTS=16384, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
@@ -148,7 +155,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     dbs = db.stride() if need_db else (0, 0, 0)
     db_arg = dk if db is None else db
     N = idx.kb * BS  # keys of a dK/dV key group
-    n_ws = max(min(idx.max_slots, idx.max_pieces), 1)
+    n_ws = max(idx.workspace_slots(), 1)
     wdk = torch.empty(n_ws, N, D, dtype=torch.float32, device=q.device)
     wdv = torch.empty_like(wdk)
     wdb = torch.empty(n_ws, N, dtype=torch.float32, device=q.device)

@@ -24,12 +24,19 @@ the group, 0 where it did not select it); the lists of the other blocks of a gro
 no dK/dV program. dK/dV work: each list is cut into pieces of at most ``chunk`` entries (``piece_ptr``,
 ``piece_list``: the list of each piece); the pieces of a split list write fp32 partials to
 consecutive slots from ``slot_ptr[l]`` (``-1``: one program does the whole list), at most
-``max_slots`` slots in all (lists past that budget stay whole). Everything is ordered, so every
-reduction in the backward is deterministic.
+``max_slots`` slots in all (lists past that budget stay whole); ``slot_ptr[n_lists]`` is the number
+of slots the split lists use. Everything is ordered, so every reduction in the backward is
+deterministic.
+
+The backward allocates the slots the index uses, not the budget: the count goes to pinned host
+memory right after the index build, without blocking (``SparseIndex.workspace_slots``); the
+backward, which runs long after, reads it once the copy has landed (else it takes the budget).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,14 +67,23 @@ class SparseIndex:
     chunk: int            # entries per dK/dV piece
     piece_ptr: Tensor     # int32 [n_lists + 1]
     piece_list: Tensor    # int32 [max_pieces]
-    slot_ptr: Tensor      # int32 [n_lists]
+    slot_ptr: Tensor      # int32 [n_lists + 1]: first slot of each list (-1: whole), then the slots used
     max_pieces: int       # grid bound of the dK/dV kernel
-    max_slots: int        # fp32 partial slots the dK/dV workspace holds
+    max_slots: int        # budget of fp32 partial slots (key-group partials) for split lists
     kb: int = 1           # KV blocks per key group (keys resident in one dK/dV program: kb * block)
+    slots_host: Tensor | None = None  # int32 [1] host copy of slot_ptr[n_lists] (pinned on CUDA)
+    slots_copied: object = None       # torch.cuda.Event recorded after that copy (None: synchronous)
 
     @property
     def n_lists(self) -> int:
         return self.layout.n_blocks * self.hkv
+
+    def workspace_slots(self) -> int:
+        """Partial slots the dK/dV backward needs: the count the index build produced once its copy to
+        the host has landed (always by the backward of a training step), else the upper bound."""
+        if self.slots_host is not None and (self.slots_copied is None or self.slots_copied.query()):
+            return int(self.slots_host[0])
+        return min(self.max_slots, self.max_pieces)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
@@ -155,8 +171,8 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.con
 @triton.jit(do_not_specialize=UNSPECIALIZED["_scan_kernel"])
 def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, CH: tl.constexpr):
     """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
-    the split lists (lists are split in order while the slot budget lasts). A count of -1 marks a
-    block inside a key group: an empty list without a piece."""
+    the split lists (lists are split in order while the slot budget lasts) with their total. A count
+    of -1 marks a block inside a key group: an empty list without a piece."""
     carry_e = 0
     carry_p = 0
     carry_s = 0
@@ -178,6 +194,7 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
         carry_s += tl.sum(tl.where(split, need, 0), axis=0)
     tl.store(InvPtr + n_lists, carry_e)
     tl.store(PiecePtr + n_lists, carry_p)
+    tl.store(SlotPtr + n_lists, carry_s)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_fill_kernel"])
@@ -232,6 +249,22 @@ def query_tile(G: int, block: int, rows: int = 64) -> tuple[int, int]:
     return qt, heads
 
 
+CHUNK_WAVES = 4  # dK/dV pieces per SM that an "auto" chunk aims at
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def chunk_units(work_units: int, device: torch.device) -> int:
+    """dK/dV piece length in units (64 query rows x one KV block) for an attention of about
+    ``work_units`` units: ``CHUNK_WAVES`` pieces per SM, a power of two in 256..1024 (shorter pieces
+    balance better and cost more fp32 partials; 1B shapes: 512 at 16K/16, 1024 at 32K/32)."""
+    target = max(work_units, 1) / (_sm_count(device) * CHUNK_WAVES)
+    return int(min(1024, max(256, 2 ** round(math.log2(target)))))
+
+
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
                        chunk: int | None = None, max_slots: int | None = None, kb: int | None = None) -> SparseIndex:
@@ -265,7 +298,11 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     if kb not in (1, 2):
         raise ValueError(f"a dK/dV key group holds 1 or 2 KV blocks, got {kb}")
     cap = max(1, min(nbw, qt * row_budget) if row_budget else nbw)
-    chunk = max(1, chunk or launch["dkdv"]["CHUNK"] * 64 // (qt * G * kb))  # entry: qt x G rows, kb blocks
+    if chunk is None:  # CHUNK units of 64 query rows x one block; an entry is qt x G rows x kb blocks
+        units = launch["dkdv"]["CHUNK"]
+        if units == "auto":
+            units = chunk_units(B * T * num_q_heads * min(nbw, row_budget or nbw) // 64, selected.device)
+        chunk = max(1, units * 64 // (qt * G * kb))
     max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
     dev = selected.device
     wdt = torch.int64 if qt > 32 else torch.int32
@@ -275,7 +312,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     fwd_word = torch.empty(n_tiles * Hkv, cap, dtype=wdt, device=dev)
     inv_ptr = torch.empty(n_lists + 1, **i32)
     piece_ptr = torch.empty(n_lists + 1, **i32)
-    slot_ptr = torch.empty(n_lists, **i32)
+    slot_ptr = torch.empty(n_lists + 1, **i32)
     nnz_cap = n_tiles * Hkv * cap
     max_pieces = n_lists + -(-nnz_cap // chunk)
     inv_qs = torch.empty(max(nnz_cap, 1), **i32)
@@ -295,8 +332,22 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     else:
         inv_ptr.zero_()
         piece_ptr.zero_()
+        slot_ptr.zero_()
+    slots_host, copied = _slots_to_host(slot_ptr[n_lists:])
     return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
-                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb)
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, slots_host, copied)
+
+
+def _slots_to_host(used: Tensor) -> tuple[Tensor, object]:
+    """The slot count ``[1]`` on the host: copied from the device without blocking (pinned buffer and
+    an event to test), or read directly on the CPU."""
+    if used.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return (used.clone(), None) if used.device.type != "cuda" else (None, None)
+    host = torch.empty(1, dtype=used.dtype, pin_memory=True)
+    host.copy_(used, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nosa_layers.ops import build_sparse_index
-from nosa_layers.ops.sparse_index import query_tile, union_inflation
+from nosa_layers.ops.sparse_index import chunk_units, query_tile, union_inflation
 from tests.nosa.common import tiny_cfg
 
 
@@ -94,6 +94,8 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb):
             else:
                 assert n_pieces == 1
     assert used_slots == list(range(len(used_slots))) and len(used_slots) <= slots  # consecutive, in order
+    # the backward's workspace holds the slots the lists use (their count reaches the host), not the budget
+    assert int(slot[idx.n_lists]) == len(used_slots) == idx.workspace_slots()
     assert int(pieces[-1]) <= idx.max_pieces
 
 
@@ -131,7 +133,22 @@ def test_dkdv_pieces_hold_the_same_work_for_every_query_tile(dev):
     cfg = tiny_cfg()
     sel = _random_selection(1, 2, 40, [(0, 40)], cfg.block_size, torch.Generator().manual_seed(3)).to(dev)
     units = launch_config(dev)["dkdv"]["CHUNK"]
+    if units == "auto":  # sized from the attention's work: 40 tokens x 16 heads x every block
+        units = chunk_units(40 * 16 * sel.shape[-1] // 64, dev)
     for qt in (16, 4):
         for kb in (1, 2):
             idx = build_sparse_index(sel, cfg, 40, num_q_heads=16, qt=qt, kb=kb)  # G = 8
             assert idx.chunk == units * 64 // (qt * 8 * kb)
+
+
+def test_auto_chunk_aims_at_a_few_pieces_per_sm():
+    """"auto" dK/dV pieces: about CHUNK_WAVES per SM of the estimated work (64-row x one-block
+    units), a power of two in 256..1024: 512 for the 1B shape at 16K/16 (topk 64) on 132 SMs,
+    1024 at 32K/32, 256 for short sequences."""
+    from nosa_layers.ops.sparse_index import CHUNK_WAVES, _sm_count
+
+    cpu = torch.device("cpu")
+    assert _sm_count(cpu) == 132 and CHUNK_WAVES == 4
+    assert chunk_units(16384 * 16 * 64 // 64, cpu) == 512
+    assert chunk_units(32768 * 32 * 64 // 64, cpu) == 1024
+    assert chunk_units(4096 * 16 * 64 // 64, cpu) == 256 and chunk_units(0, cpu) == 256
