@@ -505,6 +505,36 @@ def profile_index(T, HQ):
                   for e in ops})
 
 
+def index_host_check(T, HQ, builds=56):
+    """Host time of ``builds`` index builds (one training step's worth at 28 layers x 2 micro-batches)
+    queued behind about 20 ms of GPU work, with and without the non-blocking copy of the slot count to
+    the host ring: a build that blocked would wait for that work (host time up, GPU wait down)."""
+    import nosa_layers.ops.sparse_index as si
+
+    cfg = NOSAConfig()
+    q, k, _, bias = make_inputs(T, HQ)
+    sel = select_blocks_triton(q, k, bias, cfg)
+    ring = si._slot_count_ring
+    x = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    for name, fn in (("ring", ring), ("no_ring", lambda dev: (None, 0)), ("ring", ring)):
+        si._slot_count_ring = fn
+        try:
+            keep = [index_for(sel, cfg, T, HQ) for _ in range(8)]
+            torch.cuda.synchronize()
+            keep.clear()
+            for _ in range(20):
+                x @ x
+            t0 = time.perf_counter()
+            keep = [index_for(sel, cfg, T, HQ) for _ in range(builds)]
+            host = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            emit(kind="index_host_check", T=T, HQ=HQ, variant=name, builds=builds, host_ms=round(host, 2),
+                 gpu_wait_ms=round((time.perf_counter() - t1) * 1e3, 1), workspace_slots=keep[-1].workspace_slots())
+        finally:
+            si._slot_count_ring = ring
+
+
 def table():
     lines = ["| case | T | HQ | density | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x ideal | bwd x ideal | notes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -548,6 +578,7 @@ def main():
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.index_profile:
         profile_index(*shapes[0])
+        index_host_check(*shapes[0])
         return
     dense_ms: dict = {}
     for T, HQ in shapes:

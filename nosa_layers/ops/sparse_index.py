@@ -24,19 +24,21 @@ the group, 0 where it did not select it); the lists of the other blocks of a gro
 no dK/dV program. dK/dV work: each list is cut into pieces of at most ``chunk`` entries (``piece_ptr``,
 ``piece_list``: the list of each piece); the pieces of a split list write fp32 partials to
 consecutive slots from ``slot_ptr[l]`` (``-1``: one program does the whole list), at most
-``max_slots`` slots in all (lists past that budget stay whole); ``slot_ptr[n_lists]`` is the number
-of slots the split lists use. Everything is ordered, so every reduction in the backward is
+``max_slots`` slots in all (lists past that budget stay whole); ``slot_ptr[n_lists] % 65536`` is the
+number of slots the split lists use. Everything is ordered, so every reduction in the backward is
 deterministic.
 
-The backward allocates the slots the index uses, not the budget: the count goes to pinned host
-memory right after the index build, without blocking (``SparseIndex.workspace_slots``); the
-backward, which runs long after, reads it once the copy has landed (else it takes the budget).
+The backward allocates the slots the index uses, not the budget: right after the index build the
+count is copied, without blocking, to an entry of a pinned host ring (``_SlotCountRing``); the
+backward, which runs long after, reads it once the copy has landed and takes the budget otherwise
+(``SparseIndex.workspace_slots``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +73,7 @@ class SparseIndex:
     max_pieces: int       # grid bound of the dK/dV kernel
     max_slots: int        # budget of fp32 partial slots (key-group partials) for split lists
     kb: int = 1           # KV blocks per key group (keys resident in one dK/dV program: kb * block)
-    slots_host: Tensor | None = None  # int32 [1] host copy of slot_ptr[n_lists] (pinned on CUDA)
-    slots_copied: object = None       # torch.cuda.Event recorded after that copy (None: synchronous)
+    slots_count: object = None  # where slot_ptr[n_lists] reaches the host: (_SlotCountRing, entry) or an int
 
     @property
     def n_lists(self) -> int:
@@ -81,9 +82,10 @@ class SparseIndex:
     def workspace_slots(self) -> int:
         """Partial slots the dK/dV backward needs: the count the index build produced once its copy to
         the host has landed (always by the backward of a training step), else the upper bound."""
-        if self.slots_host is not None and (self.slots_copied is None or self.slots_copied.query()):
-            return int(self.slots_host[0])
-        return min(self.max_slots, self.max_pieces)
+        count = self.slots_count
+        if isinstance(count, tuple):
+            count = count[0].read(count[1])
+        return count if count is not None and count >= 0 else min(self.max_slots, self.max_pieces)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
@@ -169,9 +171,10 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.con
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_scan_kernel"])
-def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, CH: tl.constexpr):
+def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, tag, CH: tl.constexpr):
     """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
-    the split lists (lists are split in order while the slot budget lasts) with their total. A count
+    the split lists (lists are split in order while the slot budget lasts) with their total, stored
+    as ``total + tag * 65536`` (``tag``: the build's host-ring entry, see ``_SlotCountRing``). A count
     of -1 marks a block inside a key group: an empty list without a piece."""
     carry_e = 0
     carry_p = 0
@@ -194,7 +197,7 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
         carry_s += tl.sum(tl.where(split, need, 0), axis=0)
     tl.store(InvPtr + n_lists, carry_e)
     tl.store(PiecePtr + n_lists, carry_p)
-    tl.store(SlotPtr + n_lists, carry_s)
+    tl.store(SlotPtr + n_lists, carry_s + tag * 65536)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_fill_kernel"])
@@ -318,6 +321,8 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     inv_qs = torch.empty(max(nnz_cap, 1), **i32)
     inv_word = torch.empty(max(nnz_cap, 1), kb, dtype=wdt, device=dev)
     piece_list = torch.empty(max(max_pieces, 1), **i32)
+    ring, entry = _slot_count_ring(dev)
+    tag = _SlotCountRing.tag(entry) if ring is not None else 0
     if n_tiles:
         sel = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
         words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
@@ -326,28 +331,70 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
                                            cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
         _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
                                                   CB=128)
-        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, CH=1024)
+        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, tag, CH=1024)
         _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
                                                  inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb, CB=128)
     else:
         inv_ptr.zero_()
         piece_ptr.zero_()
         slot_ptr.zero_()
-    slots_host, copied = _slots_to_host(slot_ptr[n_lists:])
+        slot_ptr[n_lists] = tag * 65536
+    if ring is None:  # CPU: read it now; while a CUDA graph is captured: unknown (the budget)
+        count = int(slot_ptr[n_lists]) % 65536 if dev.type != "cuda" else None
+    else:
+        ring.copy(entry, slot_ptr[n_lists:])
+        count = (ring, entry)
     return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
-                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, slots_host, copied)
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, count)
 
 
-def _slots_to_host(used: Tensor) -> tuple[Tensor, object]:
-    """The slot count ``[1]`` on the host: copied from the device without blocking (pinned buffer and
-    an event to test), or read directly on the CPU."""
-    if used.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return (used.clone(), None) if used.device.type != "cuda" else (None, None)
-    host = torch.empty(1, dtype=used.dtype, pin_memory=True)
-    host.copy_(used, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+class _SlotCountRing:
+    """Pinned host entries that slot counts are copied to without blocking, one per index build in
+    turn. The count arrives tagged with its build's entry number, so an entry that still holds -1
+    (copy not landed) or another build's count (reused after ``SIZE`` builds) is not trusted and the
+    backward takes the upper bound instead."""
+
+    SIZE = 4096
+
+    def __init__(self):
+        self.host = torch.full((self.SIZE,), -1, dtype=torch.int32).pin_memory()
+        self.view = self.host.numpy()
+        self.builds = 0
+
+    @staticmethod
+    def tag(entry: int) -> int:
+        return entry % 32768  # tag * 65536 + count stays a positive int32
+
+    def next_entry(self) -> int:
+        entry = self.builds
+        self.builds += 1
+        self.view[entry % self.SIZE] = -1
+        return entry
+
+    def copy(self, entry: int, count: Tensor) -> None:
+        i = entry % self.SIZE
+        self.host[i:i + 1].copy_(count, non_blocking=True)
+
+    def read(self, entry: int) -> int | None:
+        v = int(self.view[entry % self.SIZE])
+        if self.builds - entry > self.SIZE or v < 0 or v // 65536 != self.tag(entry):
+            return None
+        return v % 65536
+
+
+_RINGS: dict[tuple, _SlotCountRing] = {}
+
+
+def _slot_count_ring(device: torch.device) -> tuple[_SlotCountRing | None, int]:
+    """The host ring of this (GPU, thread) and this build's entry; none on the CPU or while a CUDA
+    graph is being captured (a captured copy would land at replay, not now)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None, 0
+    key = (device, threading.get_ident())
+    ring = _RINGS.get(key)
+    if ring is None:
+        ring = _RINGS[key] = _SlotCountRing()
+    return ring, ring.next_entry()
 
 
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:

@@ -95,7 +95,7 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb):
                 assert n_pieces == 1
     assert used_slots == list(range(len(used_slots))) and len(used_slots) <= slots  # consecutive, in order
     # the backward's workspace holds the slots the lists use (their count reaches the host), not the budget
-    assert int(slot[idx.n_lists]) == len(used_slots) == idx.workspace_slots()
+    assert int(slot[idx.n_lists]) % 65536 == len(used_slots) == idx.workspace_slots()
     assert int(pieces[-1]) <= idx.max_pieces
 
 
@@ -139,6 +139,28 @@ def test_dkdv_pieces_hold_the_same_work_for_every_query_tile(dev):
         for kb in (1, 2):
             idx = build_sparse_index(sel, cfg, 40, num_q_heads=16, qt=qt, kb=kb)  # G = 8
             assert idx.chunk == units * 64 // (qt * 8 * kb)
+
+
+def test_slot_count_ring_trusts_only_its_own_landed_count():
+    """The host ring that slot counts reach without blocking: an entry reads as unknown until its
+    tagged count lands, then as the count; another build's count (same entry after ``SIZE`` builds,
+    or a stale copy landing late) and entries older than ``SIZE`` builds are not trusted."""
+    from nosa_layers.ops.sparse_index import _SlotCountRing
+
+    ring = object.__new__(_SlotCountRing)  # the ring without pinning (no CUDA here)
+    ring.host = torch.full((_SlotCountRing.SIZE,), -1, dtype=torch.int32)
+    ring.view, ring.builds = ring.host.numpy(), 0
+    a = ring.next_entry()
+    assert ring.read(a) is None  # copy not landed
+    ring.view[a] = ring.tag(a) * 65536 + 37  # what the scan kernel writes and the copy brings
+    assert ring.read(a) == 37
+    for _ in range(_SlotCountRing.SIZE):
+        b = ring.next_entry()
+    assert b % _SlotCountRing.SIZE == a and ring.read(a) is None  # reused: no longer trusted
+    ring.view[a] = ring.tag(a) * 65536 + 37  # a late copy of the old build lands in the new entry
+    assert ring.read(b) is None
+    ring.view[a] = ring.tag(b) * 65536 + 5
+    assert ring.read(b) == 5
 
 
 def test_auto_chunk_aims_at_a_few_pieces_per_sm():
