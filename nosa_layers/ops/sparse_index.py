@@ -30,8 +30,8 @@ deterministic.
 
 The backward allocates the slots the index uses, not the budget: right after the index build the
 count is copied, without blocking, to an entry of a pinned host ring (``_SlotCountRing``); the
-backward, which runs long after, reads it once the copy has landed and takes the budget otherwise
-(``SparseIndex.workspace_slots``).
+backward, which runs long after, reads it (``SparseIndex.workspace_slots``; it waits for the copy
+in the rare case it has not landed yet).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -80,12 +81,13 @@ class SparseIndex:
         return self.layout.n_blocks * self.hkv
 
     def workspace_slots(self) -> int:
-        """Partial slots the dK/dV backward needs: the count the index build produced once its copy to
-        the host has landed (always by the backward of a training step), else the upper bound."""
+        """Partial slots the dK/dV backward needs: the count the index build produced, once its copy to
+        the host has landed (waiting for it in the rare case it has not, e.g. a backward that follows
+        its forward at once); the upper bound only where no count can come (a CUDA graph capture)."""
         count = self.slots_count
         if isinstance(count, tuple):
             count = count[0].read(count[1])
-        return count if count is not None and count >= 0 else min(self.max_slots, self.max_pieces)
+        return count if count is not None else min(self.max_slots, self.max_pieces)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
@@ -307,6 +309,8 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
             units = chunk_units(B * T * num_q_heads * min(nbw, row_budget or nbw) // 64, selected.device)
         chunk = max(1, units * 64 // (qt * G * kb))
     max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
+    if not 0 <= max_slots < 65536:  # the scan kernel packs the count used below a 16-bit tag
+        raise ValueError(f"max_slots (the dK/dV partial budget) must be in 0..65535, got {max_slots}")
     dev = selected.device
     wdt = torch.int64 if qt > 32 else torch.int32
     i32 = dict(dtype=torch.int32, device=dev)
@@ -350,11 +354,13 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
 
 class _SlotCountRing:
     """Pinned host entries that slot counts are copied to without blocking, one per index build in
-    turn. The count arrives tagged with its build's entry number, so an entry that still holds -1
-    (copy not landed) or another build's count (reused after ``SIZE`` builds) is not trusted and the
-    backward takes the upper bound instead."""
+    turn. The count arrives tagged with its build's entry number: an entry that still holds -1 (copy
+    not landed) or another build's count is waited on, and one reused by a build ``SIZE`` builds
+    later is not trusted (the upper bound is taken). Waiting, not the bound, because the bound can
+    be a GiB of partials at 32K: a backward right after its forward would otherwise raise the peak."""
 
     SIZE = 4096
+    TIMEOUT_S = 60.0
 
     def __init__(self):
         self.host = torch.full((self.SIZE,), -1, dtype=torch.int32).pin_memory()
@@ -376,10 +382,19 @@ class _SlotCountRing:
         self.host[i:i + 1].copy_(count, non_blocking=True)
 
     def read(self, entry: int) -> int | None:
-        v = int(self.view[entry % self.SIZE])
-        if self.builds - entry > self.SIZE or v < 0 or v // 65536 != self.tag(entry):
-            return None
-        return v % 65536
+        """The count of build ``entry`` (waits until its copy lands); None if its entry was reused."""
+        deadline = None
+        while self.builds - entry <= self.SIZE:
+            v = int(self.view[entry % self.SIZE])
+            if v >= 0 and v // 65536 == self.tag(entry):
+                return v % 65536
+            now = time.monotonic()
+            deadline = deadline or now + self.TIMEOUT_S
+            if now > deadline:
+                raise RuntimeError(f"nosa_layers.ops: the dK/dV slot count of index build {entry} did not reach "
+                                   f"the host in {self.TIMEOUT_S:.0f} s (is the GPU stream stalled?)")
+            time.sleep(20e-6)
+        return None
 
 
 _RINGS: dict[tuple, _SlotCountRing] = {}

@@ -141,26 +141,49 @@ def test_dkdv_pieces_hold_the_same_work_for_every_query_tile(dev):
             assert idx.chunk == units * 64 // (qt * 8 * kb)
 
 
-def test_slot_count_ring_trusts_only_its_own_landed_count():
-    """The host ring that slot counts reach without blocking: an entry reads as unknown until its
-    tagged count lands, then as the count; another build's count (same entry after ``SIZE`` builds,
-    or a stale copy landing late) and entries older than ``SIZE`` builds are not trusted."""
+def _ring_without_pinning():
     from nosa_layers.ops.sparse_index import _SlotCountRing
 
-    ring = object.__new__(_SlotCountRing)  # the ring without pinning (no CUDA here)
+    ring = object.__new__(_SlotCountRing)  # no CUDA here: an unpinned host buffer
     ring.host = torch.full((_SlotCountRing.SIZE,), -1, dtype=torch.int32)
     ring.view, ring.builds = ring.host.numpy(), 0
+    return ring
+
+
+def _land_later(ring, i, value, delay_s=0.05):
+    """Write ``value`` to entry ``i`` after ``delay_s``, as the device-to-host copy would."""
+    import threading
+    import time
+
+    t = threading.Thread(target=lambda: (time.sleep(delay_s), ring.view.__setitem__(i, value)))
+    t.start()
+    return t
+
+
+def test_slot_count_ring_waits_for_its_own_count():
+    """The host ring that slot counts reach without blocking: reading an entry whose copy has not
+    landed waits for it; another build's count in the entry (a stale copy landing late) is not
+    taken; an entry reused ``SIZE`` builds later is not trusted at all (None: the budget)."""
+    ring = _ring_without_pinning()
     a = ring.next_entry()
-    assert ring.read(a) is None  # copy not landed
-    ring.view[a] = ring.tag(a) * 65536 + 37  # what the scan kernel writes and the copy brings
+    t = _land_later(ring, a, ring.tag(a) * 65536 + 37)  # what the scan kernel writes and the copy brings
     assert ring.read(a) == 37
-    for _ in range(_SlotCountRing.SIZE):
+    t.join()
+    assert ring.read(a) == 37  # landed: no wait
+    for _ in range(ring.SIZE):
         b = ring.next_entry()
-    assert b % _SlotCountRing.SIZE == a and ring.read(a) is None  # reused: no longer trusted
+    assert b % ring.SIZE == a and ring.read(a) is None  # reused: no longer trusted
     ring.view[a] = ring.tag(a) * 65536 + 37  # a late copy of the old build lands in the new entry
-    assert ring.read(b) is None
-    ring.view[a] = ring.tag(b) * 65536 + 5
-    assert ring.read(b) == 5
+    t = _land_later(ring, a, ring.tag(b) * 65536 + 5)
+    assert ring.read(b) == 5  # waited past the stale value for its own
+    t.join()
+
+
+def test_slot_budget_must_fit_below_the_tag(dev):
+    cfg = tiny_cfg()
+    sel = _random_selection(1, 1, 40, [(0, 40)], cfg.block_size, torch.Generator().manual_seed(3)).to(dev)
+    with pytest.raises(ValueError, match="max_slots"):
+        build_sparse_index(sel, cfg, 40, num_q_heads=1, max_slots=65536)
 
 
 def test_auto_chunk_aims_at_a_few_pieces_per_sm():
