@@ -329,8 +329,8 @@ def _longest_piece(idx) -> int:
 
 def _workspace_mib(idx) -> float:
     """MiB of the fp32 dK/dV/db partials the backward allocates for this index."""
-    n = max(idx.workspace_slots(), 1) * idx.kb * idx.block
-    return n * (2 * D + 1) * 4 / 2**20
+    slots, keys = idx.workspace_shape()
+    return slots * keys * (2 * D + 1) * 4 / 2**20  # dK and dV [slots, keys, D] and db [slots, keys], fp32
 
 
 def config_sweep(kind, candidates, T, HQ, dense_ms):

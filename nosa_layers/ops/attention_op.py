@@ -154,8 +154,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     dbs = db.stride() if need_db else (0, 0, 0)
     db_arg = dk if db is None else db
-    N = idx.kb * BS  # keys of a dK/dV key group
-    n_ws = max(idx.workspace_slots(), 1)
+    n_ws, N = idx.workspace_shape()  # N: keys of a dK/dV key group
     wdk = torch.empty(n_ws, N, D, dtype=torch.float32, device=q.device)
     wdv = torch.empty_like(wdk)
     wdb = torch.empty(n_ws, N, dtype=torch.float32, device=q.device)

@@ -24,9 +24,9 @@ the group, 0 where it did not select it); the lists of the other blocks of a gro
 no dK/dV program. dK/dV work: each list is cut into pieces of at most ``chunk`` entries (``piece_ptr``,
 ``piece_list``: the list of each piece); the pieces of a split list write fp32 partials to
 consecutive slots from ``slot_ptr[l]`` (``-1``: one program does the whole list), at most
-``max_slots`` slots in all (lists past that budget stay whole); ``slot_ptr[n_lists] % 65536`` is the
-number of slots the split lists use. Everything is ordered, so every reduction in the backward is
-deterministic.
+``max_slots`` slots in all (lists past that budget stay whole); ``slot_ptr[n_lists]`` is the number
+of slots the split lists use, tagged for the host ring (``_SlotCountRing.tagged``). Everything is
+ordered, so every reduction in the backward is deterministic.
 
 The backward allocates the slots the index uses, not the budget: right after the index build the
 count is copied, without blocking, to an entry of a pinned host ring (``_SlotCountRing``); the
@@ -88,6 +88,11 @@ class SparseIndex:
         if isinstance(count, tuple):
             count = count[0].read(count[1])
         return count if count is not None else min(self.max_slots, self.max_pieces)
+
+    def workspace_shape(self) -> tuple[int, int]:
+        """``(slots, keys)`` of the dK/dV backward's fp32 partials: ``WDK / WDV [slots, keys, D]`` and
+        ``WDB [slots, keys]`` (at least one slot, so the kernels always get a buffer)."""
+        return max(self.workspace_slots(), 1), self.kb * self.block
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
@@ -173,10 +178,10 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.con
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_scan_kernel"])
-def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, tag, CH: tl.constexpr):
+def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, tag_base, CH: tl.constexpr):
     """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
     the split lists (lists are split in order while the slot budget lasts) with their total, stored
-    as ``total + tag * 65536`` (``tag``: the build's host-ring entry, see ``_SlotCountRing``). A count
+    as ``tag_base + total`` (``_SlotCountRing.tagged``: the build's host-ring entry). A count
     of -1 marks a block inside a key group: an empty list without a piece."""
     carry_e = 0
     carry_p = 0
@@ -199,7 +204,7 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
         carry_s += tl.sum(tl.where(split, need, 0), axis=0)
     tl.store(InvPtr + n_lists, carry_e)
     tl.store(PiecePtr + n_lists, carry_p)
-    tl.store(SlotPtr + n_lists, carry_s + tag * 65536)
+    tl.store(SlotPtr + n_lists, tag_base + carry_s)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_fill_kernel"])
@@ -309,8 +314,9 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
             units = chunk_units(B * T * num_q_heads * min(nbw, row_budget or nbw) // 64, selected.device)
         chunk = max(1, units * 64 // (qt * G * kb))
     max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
-    if not 0 <= max_slots < 65536:  # the scan kernel packs the count used below a 16-bit tag
-        raise ValueError(f"max_slots (the dK/dV partial budget) must be in 0..65535, got {max_slots}")
+    if not 0 <= max_slots < _SlotCountRing.TAG_UNIT:  # the count used is packed below its build's tag
+        raise ValueError(f"max_slots (the dK/dV partial budget) must be in 0..{_SlotCountRing.TAG_UNIT - 1}, "
+                         f"got {max_slots}")
     dev = selected.device
     wdt = torch.int64 if qt > 32 else torch.int32
     i32 = dict(dtype=torch.int32, device=dev)
@@ -326,7 +332,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     inv_word = torch.empty(max(nnz_cap, 1), kb, dtype=wdt, device=dev)
     piece_list = torch.empty(max(max_pieces, 1), **i32)
     ring, entry = _slot_count_ring(dev)
-    tag = _SlotCountRing.tag(entry) if ring is not None else 0
+    tag_base = _SlotCountRing.tagged(entry) if ring is not None else 0
     if n_tiles:
         sel = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
         words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
@@ -335,16 +341,15 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
                                            cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
         _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
                                                   CB=128)
-        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, tag, CH=1024)
+        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, tag_base, CH=1024)
         _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
                                                  inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb, CB=128)
     else:
         inv_ptr.zero_()
         piece_ptr.zero_()
-        slot_ptr.zero_()
-        slot_ptr[n_lists] = tag * 65536
-    if ring is None:  # CPU: read it now; while a CUDA graph is captured: unknown (the budget)
-        count = int(slot_ptr[n_lists]) % 65536 if dev.type != "cuda" else None
+        slot_ptr.fill_(tag_base)  # no lists: only the tagged count, 0
+    if ring is None:  # CPU (untagged): read it now; while a CUDA graph is captured: unknown (the budget)
+        count = int(slot_ptr[n_lists]) if dev.type != "cuda" else None
     else:
         ring.copy(entry, slot_ptr[n_lists:])
         count = (ring, entry)
@@ -360,6 +365,7 @@ class _SlotCountRing:
     be a GiB of partials at 32K: a backward right after its forward would otherwise raise the peak."""
 
     SIZE = 4096
+    TAG_UNIT = 65536  # a tagged count is tag * TAG_UNIT + count (count < TAG_UNIT, tag < 32768: a positive int32)
     TIMEOUT_S = 60.0
 
     def __init__(self):
@@ -367,9 +373,10 @@ class _SlotCountRing:
         self.view = self.host.numpy()
         self.builds = 0
 
-    @staticmethod
-    def tag(entry: int) -> int:
-        return entry % 32768  # tag * 65536 + count stays a positive int32
+    @classmethod
+    def tagged(cls, entry: int, count: int = 0) -> int:
+        """``count`` as build ``entry`` writes it (the scan kernel adds its count to ``tagged(entry)``)."""
+        return entry % 32768 * cls.TAG_UNIT + count
 
     def next_entry(self) -> int:
         entry = self.builds
@@ -386,8 +393,8 @@ class _SlotCountRing:
         deadline = None
         while self.builds - entry <= self.SIZE:
             v = int(self.view[entry % self.SIZE])
-            if v >= 0 and v // 65536 == self.tag(entry):
-                return v % 65536
+            if v >= 0 and v - self.tagged(entry) in range(self.TAG_UNIT):
+                return v - self.tagged(entry)
             now = time.monotonic()
             deadline = deadline or now + self.TIMEOUT_S
             if now > deadline:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nosa_layers.ops import build_sparse_index
-from nosa_layers.ops.sparse_index import chunk_units, query_tile, union_inflation
+from nosa_layers.ops.sparse_index import _SlotCountRing, chunk_units, query_tile, union_inflation
 from tests.nosa.common import tiny_cfg
 
 
@@ -95,7 +95,9 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb):
                 assert n_pieces == 1
     assert used_slots == list(range(len(used_slots))) and len(used_slots) <= slots  # consecutive, in order
     # the backward's workspace holds the slots the lists use (their count reaches the host), not the budget
-    assert int(slot[idx.n_lists]) % 65536 == len(used_slots) == idx.workspace_slots()
+    tagged = int(slot[idx.n_lists])  # tagged with the build's ring entry on a GPU
+    assert tagged % _SlotCountRing.TAG_UNIT == len(used_slots) == idx.workspace_slots()
+    assert idx.workspace_shape() == (max(len(used_slots), 1), kb * bs)
     assert int(pieces[-1]) <= idx.max_pieces
 
 
@@ -142,8 +144,6 @@ def test_dkdv_pieces_hold_the_same_work_for_every_query_tile(dev):
 
 
 def _ring_without_pinning():
-    from nosa_layers.ops.sparse_index import _SlotCountRing
-
     ring = object.__new__(_SlotCountRing)  # no CUDA here: an unpinned host buffer
     ring.host = torch.full((_SlotCountRing.SIZE,), -1, dtype=torch.int32)
     ring.view, ring.builds = ring.host.numpy(), 0
@@ -166,15 +166,15 @@ def test_slot_count_ring_waits_for_its_own_count():
     taken; an entry reused ``SIZE`` builds later is not trusted at all (None: the budget)."""
     ring = _ring_without_pinning()
     a = ring.next_entry()
-    t = _land_later(ring, a, ring.tag(a) * 65536 + 37)  # what the scan kernel writes and the copy brings
+    t = _land_later(ring, a, ring.tagged(a, 37))  # what the scan kernel writes and the copy brings
     assert ring.read(a) == 37
     t.join()
     assert ring.read(a) == 37  # landed: no wait
     for _ in range(ring.SIZE):
         b = ring.next_entry()
     assert b % ring.SIZE == a and ring.read(a) is None  # reused: no longer trusted
-    ring.view[a] = ring.tag(a) * 65536 + 37  # a late copy of the old build lands in the new entry
-    t = _land_later(ring, a, ring.tag(b) * 65536 + 5)
+    ring.view[a] = ring.tagged(a, 37)  # a late copy of the old build lands in the new entry
+    t = _land_later(ring, a, ring.tagged(b, 5))
     assert ring.read(b) == 5  # waited past the stale value for its own
     t.join()
 
@@ -183,7 +183,7 @@ def test_slot_budget_must_fit_below_the_tag(dev):
     cfg = tiny_cfg()
     sel = _random_selection(1, 1, 40, [(0, 40)], cfg.block_size, torch.Generator().manual_seed(3)).to(dev)
     with pytest.raises(ValueError, match="max_slots"):
-        build_sparse_index(sel, cfg, 40, num_q_heads=1, max_slots=65536)
+        build_sparse_index(sel, cfg, 40, num_q_heads=1, max_slots=_SlotCountRing.TAG_UNIT)
 
 
 def test_auto_chunk_aims_at_a_few_pieces_per_sm():
