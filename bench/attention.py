@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from triton.testing import do_bench  # noqa: E402
 
 from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
+from nosa_layers.megatron.dense_varlen import causal_varlen_attention  # noqa: E402
 from nosa_layers.ops import SEL_CONFIG, build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
 from nosa_layers.ops.attention_op import launch_config  # noqa: E402
 from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
@@ -450,8 +451,21 @@ def packed_documents(T, HQ):
         t = bench(step)[0]
         sel = prepare_selection(q, k, bias, cfg, cu, backend="triton").selected
         keys = sum(useful_keys(sel[:, :, a:e], cfg.block_size) for a, e in zip(cu.tolist(), cu.tolist()[1:]))
+        # the dense baseline of training on the same packing: FlashAttention-2 varlen, forward + backward
+        longest = int(torch.diff(cu).max())
+        qd, kd, vd = (x[0].detach().clone().requires_grad_(True) for x in (q, k, v))
+
+        def dense_step():
+            o = causal_varlen_attention(qd, kd, vd, cu, longest)
+            torch.autograd.grad(o, (qd, kd, vd), do[0])
+
+        dense_step()
+        td = bench(dense_step)[0]
+        causal_keys = sum((e - a) * (e - a + 1) // 2 for a, e in zip(cu.tolist(), cu.tolist()[1:]))
         emit(kind="packed_documents", T=T, HQ=HQ, n_docs=n_docs, step_ms=t, us_per_ktoken=1e3 * t / (T / 1024),
-             useful_tflops=3.5 * 4.0 * HQ * keys * D / t / 1e9)
+             useful_tflops=3.5 * 4.0 * HQ * keys * D / t / 1e9, dense_varlen_ms=td,
+             dense_useful_tflops=3.5 * 4.0 * HQ * causal_keys * D / td / 1e9, nosa_over_dense=t / td,
+             density=keys / causal_keys)
 
 
 def profile_kernels(T, HQ):
