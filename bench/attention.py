@@ -312,8 +312,6 @@ TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r), dq=dict(rows=r)) fo
 # selections share their query-agnostic blocks across all later queries: long inverse lists.
 BALANCE_CANDIDATES = [dict(dkdv=dict(CHUNK=c, SLOTS=s)) for c, s in (
     (1024, 512), (1024, 4096), (1024, 16384), (512, 8192), (512, 16384), (256, 16384))]
-# only lists longer than SPLIT x the piece length are cut ("auto" pieces are a quarter of an SM's share)
-SPLIT_CANDIDATES = [dict(dkdv=dict(SPLIT=f)) for f in (1, 2, 4)]
 
 
 def _sweep_cases(T, HQ):
@@ -584,8 +582,6 @@ def main():
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
     ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
-    ap.add_argument("--split-sweep", action="store_true",
-                    help="only the dK/dV split threshold (lists longer than SPLIT x the piece length are cut)")
     ap.add_argument("--ws-sweep", action="store_true",
                     help="only the forward / dQ with TMA loads and warp specialisation against the default")
     ap.add_argument("--tile-sweep", action="store_true",
@@ -608,15 +604,12 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep or args.balance_sweep or args.ws_sweep \
-            or args.split_sweep:
+    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep or args.balance_sweep or args.ws_sweep:
         for T, HQ in shapes:
             if args.fwd_sweep:
                 config_sweep("fwd_sweep", FWD_CANDIDATES, T, HQ, dense_ms)
             if args.ws_sweep:
                 config_sweep("ws_sweep", WS_CANDIDATES, T, HQ, dense_ms)
-            if args.split_sweep:
-                config_sweep("split_sweep", SPLIT_CANDIDATES, T, HQ, dense_ms)
             if args.tile_sweep:
                 config_sweep("tile_sweep", TILE_CANDIDATES, T, HQ, dense_ms)
             if args.dkdv_sweep:

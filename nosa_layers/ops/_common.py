@@ -35,7 +35,7 @@ UNSPECIALIZED = {
     "_sel_block_kernel": ("s_ob", "s_oh", "s_ot"),
     "_pack_lists_kernel": ("s_sb", "s_sh", "s_st", "cap", "NBW"),
     "_inv_count_kernel": ("NBW",),
-    "_scan_kernel": ("n_lists", "chunk", "split_min", "max_slots", "tag_base"),
+    "_scan_kernel": ("n_lists", "chunk", "max_slots", "tag_base"),
     "_inv_fill_kernel": ("NBW",),
     "_fwd_kernel": ("n_tiles", "cap"),
     "_fwd_ws_kernel": ("n_tiles", "cap"),

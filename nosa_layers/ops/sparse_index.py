@@ -178,11 +178,9 @@ def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.con
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_scan_kernel"])
-def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, split_min, max_slots, tag_base,
-                 CH: tl.constexpr):
-    """One program: CSR offsets of the inverse lists, their dK/dV pieces (lists of more than
-    ``split_min`` entries are cut into pieces of ``chunk``), and the partial slots of the split
-    lists (lists are split in order while the slot budget lasts) with their total, stored
+def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots, tag_base, CH: tl.constexpr):
+    """One program: CSR offsets of the inverse lists, their dK/dV pieces, and the partial slots of
+    the split lists (lists are split in order while the slot budget lasts) with their total, stored
     as ``tag_base + total`` (``_SlotCountRing.tagged``: the build's host-ring entry). A count
     of -1 marks a block inside a key group: an empty list without a piece."""
     carry_e = 0
@@ -194,7 +192,7 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, split_min,
         raw = tl.load(InvCount + idx, mask=ok, other=0)
         cnt = tl.maximum(raw, 0)
         tl.store(InvPtr + idx, carry_e + tl.cumsum(cnt, axis=0) - cnt, mask=ok)
-        pieces = tl.where(ok & (raw >= 0), tl.where(cnt > split_min, (cnt + chunk - 1) // chunk, 1), 0)
+        pieces = tl.where(ok & (raw >= 0), tl.maximum((cnt + chunk - 1) // chunk, 1), 0)
         need = tl.where(pieces > 1, pieces, 0)
         s_end = carry_s + tl.cumsum(need, axis=0)
         split = (need > 0) & (s_end <= max_slots)
@@ -279,8 +277,7 @@ def chunk_units(work_units: int, device: torch.device) -> int:
 
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
-                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None,
-                       split: float | None = None) -> SparseIndex:
+                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
     ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
     heads.
@@ -288,8 +285,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     The query tile follows ``query_tile`` (``qt`` overrides it); ``row_budget``: most blocks any one
     row selects (``cfg.topk`` for NOSA selections), which bounds the forward lists at
     ``qt * row_budget`` entries instead of ``nb``; ``chunk`` (dK/dV piece length in list entries;
-    default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``split``
-    (only lists longer than ``split x chunk`` entries are cut; default: ``SPLIT``, 1), ``max_slots``
+    default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``max_slots``
     and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration."""
     from .attention_op import launch_config
 
@@ -317,9 +313,6 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         if units == "auto":
             units = chunk_units(B * T * num_q_heads * min(nbw, row_budget or nbw) // 64, selected.device)
         chunk = max(1, units * 64 // (qt * G * kb))
-    if split is None:
-        split = launch["dkdv"].get("SPLIT", 1)
-    split_min = max(chunk, int(split * chunk))  # lists up to this many entries stay whole
     max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
     if not 0 <= max_slots < _SlotCountRing.TAG_UNIT:  # the count used is packed below its build's tag
         raise ValueError(f"max_slots (the dK/dV partial budget) must be in 0..{_SlotCountRing.TAG_UNIT - 1}, "
@@ -348,8 +341,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
                                            cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
         _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
                                                   CB=128)
-        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, split_min, max_slots, tag_base,
-                           CH=1024)
+        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, tag_base, CH=1024)
         _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
                                                  inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb, CB=128)
     else:

@@ -47,23 +47,21 @@ def _brute_force(sel, spans, bs, qt, kb=1):
     return fwd, inv
 
 
-@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots,kb,split", [
-    pytest.param(2, 70, 2, None, 4, 3, 100, 1, 1, id="B2-qt4"),
-    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, 1, 1, id="varlen-slot-budget"),
-    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, 1, 1, id="qt1-whole-lists"),
-    pytest.param(1, 150, 2, [0, 37, 37, 101, 150], 4, 2, 5, 2, 1, id="key-pairs-varlen"),
-    pytest.param(2, 83, 1, None, 16, 1000, 0, 2, 1, id="key-pairs-B2-qt16"),
-    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 8, 3, 4, 2, 1, id="key-pairs-qt8-slot-budget"),
-    pytest.param(1, 150, 2, [0, 37, 37, 101, 150], 4, 2, 100, 1, 2.5, id="split-only-long-lists"),
+@pytest.mark.parametrize("B,T,Hkv,cu,qt,chunk,slots,kb", [
+    pytest.param(2, 70, 2, None, 4, 3, 100, 1, id="B2-qt4"),
+    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 16, 2, 3, 1, id="varlen-slot-budget"),
+    pytest.param(1, 90, 2, [0, 1, 90], 1, 1000, 0, 1, id="qt1-whole-lists"),
+    pytest.param(1, 150, 2, [0, 37, 37, 101, 150], 4, 2, 5, 2, id="key-pairs-varlen"),
+    pytest.param(2, 83, 1, None, 16, 1000, 0, 2, id="key-pairs-B2-qt16"),
+    pytest.param(1, 150, 1, [0, 37, 37, 101, 150], 8, 3, 4, 2, id="key-pairs-qt8-slot-budget"),
 ])
-def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb, split):
+def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb):
     cfg = tiny_cfg()
     bs = cfg.block_size
     spans = [(0, T)] if cu is None else [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
     sel = _random_selection(B, Hkv, T, spans, bs, torch.Generator().manual_seed(T + qt))
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
-    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots, kb=kb,
-                             split=split)
+    idx = build_sparse_index(sel.to(dev), cfg, T, cu_t, num_q_heads=Hkv, qt=qt, chunk=chunk, max_slots=slots, kb=kb)
     fwd, inv = _brute_force(sel, spans, bs, qt, kb)
     blocks = idx.layout.blocks.cpu().tolist()
     count, ks, word = idx.fwd_count.cpu(), idx.fwd_ks.cpu(), idx.fwd_word.cpu()
@@ -77,7 +75,7 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb, spli
             assert got == (fwd.get((b, q0, h), []) if q0 < de else []), (i, h)
     ptr, qs, iw = idx.inv_ptr.cpu(), idx.inv_qs.cpu(), idx.inv_word.cpu()
     pieces, plist, slot = idx.piece_ptr.cpu(), idx.piece_list.cpu(), idx.slot_ptr.cpu()
-    used_slots, lengths, whole_long = [], [], 0
+    used_slots = []
     lead = [(k0 - d0) // bs % kb == 0 for _, k0, d0, _ in blocks]
     for c, (b, k0, _, _) in enumerate(blocks):
         for h in range(Hkv):
@@ -90,17 +88,12 @@ def test_index_equals_brute_force(dev, B, T, Hkv, cu, qt, chunk, slots, kb, spli
                 assert n_pieces == 0 and int(slot[lst]) < 0
                 continue
             assert plist[int(pieces[lst]):int(pieces[lst + 1])].tolist() == [lst] * n_pieces
-            long_list = len(got) > max(chunk, int(split * chunk))
             if int(slot[lst]) >= 0:
-                assert long_list and n_pieces == -(-len(got) // chunk) > 1
+                assert n_pieces == -(-len(got) // chunk) > 1
                 used_slots += list(range(int(slot[lst]), int(slot[lst]) + n_pieces))
             else:
                 assert n_pieces == 1
-                whole_long += long_list
-            lengths.append(len(got))
     assert used_slots == list(range(len(used_slots))) and len(used_slots) <= slots  # consecutive, in order
-    if split > 1:  # the case holds lists that only the threshold keeps whole, and long lists that are cut
-        assert any(chunk < n <= split * chunk for n in lengths) and used_slots and not whole_long
     # the backward's workspace holds the slots the lists use (their count reaches the host), not the budget
     tagged = int(slot[idx.n_lists])  # tagged with the build's ring entry on a GPU
     assert tagged % _SlotCountRing.TAG_UNIT == len(used_slots) == idx.workspace_slots()
