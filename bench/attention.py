@@ -297,11 +297,6 @@ FWD_CANDIDATES = [dict(fwd=dict(num_warps=w, num_stages=s), dq=dict(num_warps=w,
                   for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 
 
-# forward / dQ with TMA loads and a warp-specialised loop (a producer warp group feeds the consumers)
-WS_CANDIDATES = [dict(fwd=dict(ws=False, num_warps=4, num_stages=2), dq=dict(ws=False, num_warps=4, num_stages=2))] + [
-    dict(fwd=dict(ws=True, num_warps=4, num_stages=s), dq=dict(ws=True, num_warps=4, num_stages=s)) for s in (2, 3)]
-
-
 # query tiles of fewer tokens (the G heads of a KV group x 8 / 4 / 2 tokens at G = 8): smaller unions of
 # the tokens' selections (less work on real selections) against smaller matmuls per list entry
 TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r), dq=dict(rows=r)) for r in (64, 32, 16)]
@@ -582,8 +577,6 @@ def main():
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
     ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
-    ap.add_argument("--ws-sweep", action="store_true",
-                    help="only the forward / dQ with TMA loads and warp specialisation against the default")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only query tiles of 64 / 32 / 16 rows (fewer tokens per tile) at every shape")
     ap.add_argument("--balance-sweep", action="store_true",
@@ -604,12 +597,10 @@ def main():
     dense_ms: dict = {}
     for T, HQ in shapes:
         dense(T, HQ, dense_ms)
-    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep or args.balance_sweep or args.ws_sweep:
+    if args.dkdv_sweep or args.fwd_sweep or args.tile_sweep or args.balance_sweep:
         for T, HQ in shapes:
             if args.fwd_sweep:
                 config_sweep("fwd_sweep", FWD_CANDIDATES, T, HQ, dense_ms)
-            if args.ws_sweep:
-                config_sweep("ws_sweep", WS_CANDIDATES, T, HQ, dense_ms)
             if args.tile_sweep:
                 config_sweep("tile_sweep", TILE_CANDIDATES, T, HQ, dense_ms)
             if args.dkdv_sweep:

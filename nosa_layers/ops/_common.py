@@ -38,8 +38,6 @@ UNSPECIALIZED = {
     "_scan_kernel": ("n_lists", "chunk", "max_slots", "tag_base"),
     "_inv_fill_kernel": ("NBW",),
     "_fwd_kernel": ("n_tiles", "cap"),
-    "_fwd_ws_kernel": ("n_tiles", "cap"),
-    "_bwd_dq_ws_kernel": ("n_tiles", "cap"),
     "_bwd_dq_kernel": ("n_tiles", "cap"),
     "_bwd_dkdv_kernel": ("n_lists", "chunk"),
 }

@@ -121,57 +121,6 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
     tl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=rvalid)
 
 
-@triton.jit(do_not_specialize=UNSPECIALIZED["_fwd_ws_kernel"])
-def _fwd_ws_kernel(QD, KD, VD, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap,
-                   s_bb, s_bt, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
-                   HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                   D: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``_fwd_kernel`` with tensor-descriptor (TMA) loads and a warp-specialised loop (Hopper): a
-    producer warp group loads each entry's K, V and bias while the consumer groups compute. ``QD``:
-    ``[B, T, Hq, D]`` block ``[1, QT, HP, D]``; ``KD`` / ``VD``: ``[B, T, Hkv, D]`` block ``[1, BS, 1, D]``
-    (rows and keys past ``T`` load as zeros); the bias is loaded through pointers. Every entry is
-    masked (a branch on the word keeps the loop from being warp-specialised)."""
-    S: tl.constexpr = BS // QT
-    M: tl.constexpr = HP * QT
-    FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    NP: tl.constexpr = G // HP
-    w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
-    b32 = b.to(tl.int32)
-    qs = kdiag + ((n_tiles - 1 - (tl.program_id(0) // NP) // HKV) % S) * QT
-    pack = tl.program_id(0) % NP
-    q = QD.load([b32, qs, h * G + pack * HP, 0]).reshape(M, D)
-    offs_n = tl.arange(0, BS)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    n = tl.minimum(tl.load(Count + w), cap)
-    for e in tl.range(0, n, warp_specialize=True):
-        ks = tl.load(KStart + w * cap + e)
-        word = tl.load(Word + w * cap + e)
-        k = KD.load([b32, ks, h, 0]).reshape(BS, D)
-        v = VD.load([b32, ks, h, 0]).reshape(BS, D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_BIAS:
-            s += tl.load(Bias + b * s_bb + h * s_bh + (ks + offs_n).to(tl.int64) * s_bt, mask=ks + offs_n < de,
-                         other=0.0).to(tl.float32)[None, :] * 1.4426950408889634
-        ktok = ks + offs_n
-        s = tl.where(_row_mask(word, r, ktok, tok, ktok < de), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    offs_d = tl.arange(0, D)
-    tl.store(O + b * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
-             o.to(O.dtype.element_ty), mask=rvalid[:, None])
-    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))
-    tl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=rvalid)
-
-
 @triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_kernel"])
 def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
@@ -203,48 +152,6 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
     dq = dq * sm_scale
     tl.store(DQ + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=rvalid[:, None])
-
-
-@triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_ws_kernel"])
-def _bwd_dq_ws_kernel(QD, KD, VD, Bias, DOD, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap,
-                      s_bb, s_bt, s_bh, s_qb, s_qt, s_qh, s_lb, s_lh, qk_scale, sm_scale,
-                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                      D: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``_bwd_dq_kernel`` with tensor-descriptor loads and a warp-specialised loop (see
-    ``_fwd_ws_kernel``); ``DOD`` is a descriptor of dO like ``QD``."""
-    S: tl.constexpr = BS // QT
-    M: tl.constexpr = HP * QT
-    NP: tl.constexpr = G // HP
-    w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
-    b32 = b.to(tl.int32)
-    qs = kdiag + ((n_tiles - 1 - (tl.program_id(0) // NP) // HKV) % S) * QT
-    h0 = h * G + (tl.program_id(0) % NP) * HP
-    q = QD.load([b32, qs, h0, 0]).reshape(M, D)
-    do = DOD.load([b32, qs, h0, 0]).reshape(M, D)
-    lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
-    delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
-    offs_n = tl.arange(0, BS)
-    dq = tl.zeros([M, D], tl.float32)
-    n = tl.minimum(tl.load(Count + w), cap)
-    for e in tl.range(0, n, warp_specialize=True):
-        ks = tl.load(KStart + w * cap + e)
-        word = tl.load(Word + w * cap + e)
-        k = KD.load([b32, ks, h, 0]).reshape(BS, D)
-        v = VD.load([b32, ks, h, 0]).reshape(BS, D)
-        ktok = ks + offs_n
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_BIAS:
-            s += tl.load(Bias + b * s_bb + h * s_bh + ktok.to(tl.int64) * s_bt, mask=ktok < de,
-                         other=0.0).to(tl.float32)[None, :] * 1.4426950408889634
-        s = tl.where(_row_mask(word, r, ktok, tok, ktok < de), s, float("-inf"))
-        p = tl.math.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v))
-        dsc = p * (dp - delta[:, None])
-        dq += tl.dot(dsc.to(k.dtype), k)
-    dq = dq * sm_scale
-    offs_d = tl.arange(0, D)
-    tl.store(DQ + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=rvalid[:, None])
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])

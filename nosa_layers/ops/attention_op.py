@@ -7,8 +7,7 @@ import triton
 from torch import Tensor
 
 from ._common import LOG2E, check_device, interpreting
-from .attention_kernels import (_bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_dq_ws_kernel,
-                                _dkdv_reduce_kernel, _fwd_kernel, _fwd_ws_kernel)
+from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
 from .sparse_index import SparseIndex, largest_divisor
 
 # Launch parameters per GPU architecture (compute capability major version; the interpreter uses
@@ -113,9 +112,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     cfg = launch_config(q.device)["fwd"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
-    if grid[0] and cfg.get("ws"):
-        _launch_fwd_ws(q, k, v, bias, o, lse, idx, scale, hp, grid, cfg)
-    elif grid[0]:
+    if grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
@@ -123,27 +120,6 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
-
-
-def _desc(x: Tensor, block: list[int]):
-    """Host tensor descriptor (TMA) of ``x`` with ``block``-shaped loads."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block)
-
-
-def _launch_fwd_ws(q, k, v, bias, o, lse, idx: SparseIndex, scale: float, hp: int, grid, cfg: dict) -> None:
-    """The forward with TMA loads and a warp-specialised loop (``_fwd_ws_kernel``; Hopper)."""
-    Hq, D = q.shape[2:]
-    Hkv = k.shape[2]
-    BS = idx.block
-
-    _fwd_ws_kernel[grid](_desc(q, [1, idx.qt, hp, D]), _desc(k, [1, BS, 1, D]), _desc(v, [1, BS, 1, D]),
-                         q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
-                         idx.fwd_word, idx.n_tiles, idx.cap, *_strides_bias(bias), *o.stride()[:3], lse.stride(0),
-                         lse.stride(1), scale * LOG2E,
-                         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool):
@@ -167,21 +143,13 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     launch = launch_config(q.device)
     cfg = launch["dq"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
-    if cfg.get("ws"):
-        _bwd_dq_ws_kernel[(idx.n_tiles * Hkv * (G // hp),)](
-            _desc(q, [1, idx.qt, hp, D]), _desc(k, [1, BS, 1, D]), _desc(v, [1, BS, 1, D]), bias_arg,
-            _desc(do, [1, idx.qt, hp, D]), lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
-            idx.fwd_word, idx.n_tiles, idx.cap, *_strides_bias(bias), *q.stride()[:3], lse.stride(0),
-            lse.stride(1), scale * LOG2E, scale, HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D,
-            HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    else:
-        _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
-            q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
-            idx.n_tiles, idx.cap,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-            *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
+        q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
+        idx.n_tiles, idx.cap,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+        *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
+        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     dbs = db.stride() if need_db else (0, 0, 0)

@@ -16,7 +16,7 @@ from nosa_layers.ops import topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program
 from nosa_layers.ops.sparse_index import query_tile
 
-FP32 = {"BD", "LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
+FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
 FLOATS = {"qk_scale", "sm_scale"}
 INT_ARGS = {"T", "H", "K1", "K2", "NBW"}  # upper-case scalars
@@ -48,13 +48,6 @@ def cases(arch: str, G: int):
         const = dict(common, HP=heads_per_program(G, qt, c["rows"]),
                      **({"KB": c["blocks"], "NEED_DB": True} if name == "dkdv" else {}))
         yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
-    if arch == "sm90":  # tensor-descriptor (TMA) and warp-specialised variants of the forward and dQ
-        kv = f"tensordesc<bf16[1,{BS},1,{D}]>"
-        for name, fn, rows_desc in (("fwd_ws", ak._fwd_ws_kernel, ("QD",)), ("dq_ws", ak._bwd_dq_ws_kernel, ("QD", "DOD"))):
-            c = cfg[name[:-3]]
-            hp = heads_per_program(G, qt, c["rows"])
-            ptr = {"Word": word, "KD": kv, "VD": kv, **{n: f"tensordesc<bf16[1,{qt},{hp},{D}]>" for n in rows_desc}}
-            yield name, fn, dict(common, HP=hp), ptr, c["num_warps"], c["num_stages"]
     kb = cfg["dkdv"]["blocks"]
     yield "dkdv_reduce", ak._dkdv_reduce_kernel, dict(HKV=2, N=kb * BS, D=D, NEED_DB=True), {}, 4, 3
     yield "delta", ak._bwd_delta_kernel, dict(BM=64, D=D), {}, 4, 3
@@ -85,8 +78,7 @@ def main(G: int) -> None:
         for name, fn, const, ptr, warps, stages in cases(arch, G):
             k = triton.compile(ASTSource(fn, signature(fn, const, ptr), const), target=GPUTarget("cuda", cap, 32),
                                options=dict(num_warps=warps, num_stages=stages))
-            print(json.dumps(dict(arch=arch, kernel=name, G=G, shared=k.metadata.shared, warps=warps,
-                                  compiled_warps=k.metadata.num_warps)), flush=True)
+            print(json.dumps(dict(arch=arch, kernel=name, G=G, shared=k.metadata.shared)), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from tests.ops.conftest import HAS_TRITON
 SHARED_PER_BLOCK = {"sm80": 166912, "sm90": 232448}  # bytes of shared memory one program may use
 KERNELS = {"fwd", "dq", "dkdv", "dkdv_reduce", "delta", "pack_lists", "inv_count", "scan", "inv_fill", "compress",
            "sel_lse", "sel_block", "topk_nb64", "topk_nb512"}
-HOPPER_ONLY = {"fwd_ws", "dq_ws"}  # tensor descriptors (TMA) and warp specialisation: an sm90 launch option
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -29,11 +28,6 @@ def test_every_kernel_compiles_for_ampere_and_hopper():
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     for arch, limit in SHARED_PER_BLOCK.items():
         mine = {row["kernel"]: row["shared"] for row in rows if row["arch"] == arch}
-        assert set(mine) == KERNELS | (HOPPER_ONLY if arch == "sm90" else set()), f"{arch}: compiled {sorted(mine)}"
+        assert set(mine) == KERNELS, f"{arch}: compiled {sorted(mine)}"
         too_big = {k: v for k, v in mine.items() if v > limit}
-        # the warp-specialised loops did get a producer warp group (a branch in the loop body, for one,
-        # makes Triton leave the loop as it is)
-        ws_warps = {row["kernel"]: (row["warps"], row["compiled_warps"]) for row in rows
-                    if row["arch"] == arch and row["kernel"] in HOPPER_ONLY}
-        assert all(c > w for w, c in ws_warps.values()), f"{arch}: not warp-specialised: {ws_warps}"
         assert not too_big, f"{arch}: shared memory over {limit} B: {too_big}"

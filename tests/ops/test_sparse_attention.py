@@ -57,32 +57,6 @@ def test_fp32_matches_reference(dev, B, T, Hq, Hkv, D, cu):
     _all_close(*_run(dev, B, T, Hq, Hkv, D, cu=cu, seed=T + Hq), fp32_tol(dev))
 
 
-@pytest.fixture
-def warp_specialised(dev, monkeypatch):
-    """The forward and dQ with TMA loads and a warp-specialised loop (``ws`` launch option, Hopper)."""
-    from nosa_layers.ops import attention_op
-
-    if attention_op.arch(dev) != "sm90":
-        pytest.skip("tensor-descriptor kernels: Hopper (or the interpreter)")
-    for kernel in ("fwd", "dq"):
-        monkeypatch.setitem(attention_op.CONFIG["sm90"], kernel, dict(attention_op.CONFIG["sm90"][kernel], ws=True))
-
-
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu", [CASES[1], CASES[2], CASES[3]])
-def test_warp_specialised_forward_and_dq(dev, warp_specialised, B, T, Hq, Hkv, D, cu):
-    """The TMA / warp-specialised forward and dQ (rows and keys past the batch row load as zeros,
-    every entry masked) equal the reference: odd lengths, B = 2, packed documents, GQA 2 and 16."""
-    _all_close(*_run(dev, B, T, Hq, Hkv, D, cu=cu, seed=T + Hq + 1), fp32_tol(dev))
-
-
-def test_warp_specialised_fp16_and_no_bias(dev, warp_specialised):
-    got, ref = _run(dev, 1, 90, 8, 1, 16, dtype=torch.float16, seed=3)
-    _close(got[0], ref[0], 5e-3, "out")
-    for a, r in zip(got[1:], ref[1:]):
-        _close(a, r, 1e-2)
-    _all_close(*_run(dev, 1, 53, 4, 2, 16, bias=False, seed=4), fp32_tol(dev))
-
-
 @pytest.mark.parametrize("qt", [1, 4, 16], ids=lambda x: f"qt{x}")
 def test_query_tile_layouts(dev, qt):
     """Any query tile (1 token x 8 heads up to a whole 16-token block x 1 head per program) computes
