@@ -384,7 +384,7 @@ def sweep_selection(T, HQ):
             old = SEL_CONFIG[kern]
             SEL_CONFIG[kern] = c
             try:
-                t = bench(lambda: block_scores_triton(q, kc, layout, cfg))[0]
+                t = bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0]
                 emit(kind="sweep", kernel="sel_" + kern, cfg=c, T=T, HQ=HQ, ms=t)
                 if best is None or t < best[0]:
                     best = (t, c)
@@ -402,7 +402,7 @@ def selection_breakdown(q, k, bias, cfg, total_ms):
     T, HQ = q.shape[1], q.shape[2]
     layout = block_layout(1, T, None, cfg.block_size, q.device)
     kc, ws = compress(k, bias, layout, cfg, q.dtype)
-    bq = block_scores_triton(q, kc, layout, cfg)
+    bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
     fused = select_from_block_scores(bq, ws, layout, cfg)
     exact = bool(torch.equal(fused, select_from_block_scores_torch(bq, ws, layout, cfg)))
     sel = select_blocks_triton(q, k, bias, cfg)
@@ -417,7 +417,7 @@ def selection_breakdown(q, k, bias, cfg, total_ms):
         torch.cuda.set_sync_debug_mode("default")
     emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=total_ms,
          compress_ms=bench(lambda: compress(k, bias, layout, cfg, q.dtype))[0],
-         scoring_kernels_ms=bench(lambda: block_scores_triton(q, kc, layout, cfg))[0],
+         scoring_kernels_ms=bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0],
          fused_topk_ms=bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0],
          index_build_ms=bench(lambda: index_for(sel, cfg, T, HQ))[0],
          prepare_ms=bench(lambda: prepare_selection(q, k, bias, cfg, backend="triton"))[0],
@@ -454,11 +454,38 @@ def packed_documents(T, HQ):
 
         dense_step()
         td = bench(dense_step)[0]
+        gpu = {"nosa": _gpu_ms_by_stage(step), "dense": _gpu_ms_by_stage(dense_step)}
         causal_keys = sum((e - a) * (e - a + 1) // 2 for a, e in zip(cu.tolist(), cu.tolist()[1:]))
         emit(kind="packed_documents", T=T, HQ=HQ, n_docs=n_docs, step_ms=t, us_per_ktoken=1e3 * t / (T / 1024),
              useful_tflops=3.5 * 4.0 * HQ * keys * D / t / 1e9, dense_varlen_ms=td,
              dense_useful_tflops=3.5 * 4.0 * HQ * causal_keys * D / td / 1e9, nosa_over_dense=t / td,
-             density=keys / causal_keys)
+             density=keys / causal_keys, gpu_ms=gpu,
+             gpu_nosa_over_dense=sum(gpu["nosa"].values()) / max(sum(gpu["dense"].values()), 1e-9))
+
+
+STAGES = {"selection": ("_compress", "_sel_lse", "_sel_block", "_select_kernel"),
+          "index": ("_pack_lists", "_inv_count", "_scan_kernel", "_inv_fill"),
+          "attention_forward": ("_fwd_kernel", "flash_fwd"),
+          "attention_backward": ("_bwd_", "_dkdv_reduce", "flash_bwd")}
+
+
+def _gpu_ms_by_stage(fn, n=5) -> dict:
+    """GPU kernel time of one ``fn()`` (torch.profiler, mean of ``n``) by stage: the NOSA selection,
+    index, attention forward, backward (ours or FlashAttention's), everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = dict.fromkeys([*STAGES, "other"], 0.0)
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:  # CUDA activity only: kernels, copies and fills
+            stage = next((st for st, names in STAGES.items() if any(x in ev.key for x in names)), "other")
+            out[stage] += t / 1e3 / n
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def profile_kernels(T, HQ):

@@ -74,13 +74,17 @@ def _compress_kernel(K, S, Blocks, KC, WS, s_kb, s_kt, s_kh, s_sb, s_st, s_sh, s
 
 
 @triton.jit
-def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale,
+def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale, covered,
                     G: tl.constexpr, BW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
                     ST: tl.constexpr, R: tl.constexpr):
+    """LSE of each (token, query head) of block ``c`` over the visible compressed keys; nothing for
+    blocks ``j < covered`` (the budget takes every block their rows see: no score is read)."""
     c = tl.program_id(0)
     head = tl.program_id(1)
     h = head // G
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)
+    if j < covered:
+        return
     t = ks + tl.arange(0, BS)
     tvalid = t < de
     p = t - ds
@@ -107,12 +111,14 @@ def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_sel_block_kernel"])
 def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale,
-                      HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr,
+                      covered, HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr,
                       BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                       EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)  # every row of this program is in block qb = j
+    if j < covered:  # the budget takes every block these rows see: their scores are never read
+        return
     t = ks + tl.arange(0, BS)
     tvalid = t < de
     p = t - ds
@@ -197,9 +203,10 @@ def compress(k: Tensor, score: Tensor | None, layout: BlockLayout, cfg: NOSAConf
 
 
 def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSAConfig,
-                        softmax_scale: float | None = None) -> Tensor:
+                        softmax_scale: float | None = None, covered: int = 0) -> Tensor:
     """Query-aware block scores (forced blocks +inf) fp32 ``[B, Hkv, T, nb]``; row ``t`` holds the
-    blocks ``m <= qb(t)`` of its document, later columns are unspecified."""
+    blocks ``m <= qb(t)`` of its document, later columns are unspecified; rows of the first
+    ``covered`` blocks of each document are not scored (unspecified)."""
     B, T, Hq, D = q.shape
     Hkv = kc.shape[1]
     G = Hq // Hkv
@@ -214,13 +221,13 @@ def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSACon
     c = SEL_CONFIG["lse"]
     _sel_lse_kernel[(layout.n_blocks, Hq)](
         q, kc, layout.blocks, lse, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1), scale * LOG2E,
-        G=G, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        covered, G=G, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = SEL_CONFIG["block"]
     EP = triton.next_power_of_2(max(E, 1))
     NBC = max(c["NW"] // R if q.is_cuda else 4, 16 // R, triton.cdiv(16, EP))
     _sel_block_kernel[(layout.n_blocks, Hkv)](
         q, kc, layout.blocks, lse, out, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
-        *out.stride()[:3], scale * LOG2E,
+        *out.stride()[:3], scale * LOG2E, covered,
         HKV=Hkv, G=G, NBC=NBC, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
         INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
@@ -244,6 +251,13 @@ def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: 
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
+    # Rows that see at most ``topk`` blocks select all of them: their blocks are not scored, and a
+    # batch whose documents all fit the budget (short packed documents) needs no scoring at all.
+    if layout.max_doc_blocks <= cfg.topk:  # (unread stand-ins keep the top-k kernel's compiled variant)
+        Hkv = k.shape[2]
+        b_qa = torch.empty(B, Hkv, T, layout.max_doc_blocks, dtype=torch.float32, device=q.device)
+        ws = None if evict_score is None else torch.empty(1, Hkv, dtype=torch.float32, device=q.device)
+        return select_from_block_scores(b_qa, ws, layout, cfg)
     kc, ws = compress(k, evict_score, layout, cfg, dt)
-    b_qa = block_scores_triton(q, kc, layout, cfg, softmax_scale)
+    b_qa = block_scores_triton(q, kc, layout, cfg, softmax_scale, covered=cfg.topk)
     return select_from_block_scores(b_qa, ws, layout, cfg)

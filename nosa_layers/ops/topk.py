@@ -82,6 +82,13 @@ def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s
     j = (ks - ds) // BS
     m = tl.arange(0, NBP)
     valid = m <= j
+    if j < K2:  # every row sees at most K2 blocks: all of them are selected, no score is read
+        for r0 in range(0, BS, BR):
+            t = ks + r0 + tl.arange(0, BR)
+            tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :],
+                     valid[None, :].to(tl.uint8) + tl.zeros([BR, NBP], tl.uint8),
+                     mask=(t < de)[:, None] & (m < NBW)[None, :])
+        return
     n_valid = tl.zeros([BR], tl.int32) + j + 1  # per row (all rows of the program are in block j)
     if EVICT:
         # pooled eviction score of each block (max over its windows), and the windows of block

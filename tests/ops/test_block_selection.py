@@ -49,6 +49,7 @@ CASES = [
     pytest.param(tiny_cfg(local_blocks=0, select_blocks=3), 1, 130, 4, 2, 16, None, True, id="tiny-local0"),
     pytest.param(tiny_cfg(kernel_size=16, kernel_stride=8), 1, 170, 4, 1, 32, [0, 5, 170], True, id="kernel16-short-doc"),
     pytest.param(NOSAConfig(topk=6, local_blocks=2, select_blocks=2), 1, 700, 8, 1, 16, None, True, id="default-geom"),
+    pytest.param(tiny_cfg(), 1, 112, 4, 2, 16, [0, 37, 37, 100, 112], True, id="all-docs-fit-the-budget"),
 ]
 
 
