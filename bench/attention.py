@@ -12,7 +12,9 @@ One process, one GPU, identical inputs. For every shape (T, HQ) with Hkv=2, D=12
   synthetic inputs: per-token lists, run by ours as union lists + token bitmask over query tiles of
   one KV group's heads (``_tiles64``: the same with 64-token tiles of one head, the earlier layout);
   reports the selection time, the index build time and the union inflation.
-* ``--packed``: selection + index + forward + backward per token with 1, 8 and 64 documents per sample.
+* ``--packed``: selection + index + forward + backward per token with 1, 8 and 64 documents per sample,
+  against FlashAttention-2 varlen forward + backward on the same packing (the dense document-masked
+  baseline of training), with the GPU kernel time of both by stage (torch.profiler).
 
 Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s (fwd = 4 x D x HQ
 x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
