@@ -299,9 +299,10 @@ FWD_CANDIDATES = [dict(fwd=dict(num_warps=w, num_stages=s), dq=dict(num_warps=w,
                   for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 
 
-# query tiles of fewer tokens (the G heads of a KV group x 8 / 4 / 2 tokens at G = 8): smaller unions of
-# the tokens' selections (less work on real selections) against smaller matmuls per list entry
-TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r), dq=dict(rows=r)) for r in (64, 32, 16)]
+# query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger
+# matmuls per list entry against larger unions of the tokens' selections (more work on real selections)
+TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r, num_warps=w), dq=dict(rows=r, num_warps=w))
+                   for r, w in ((64, 4), (128, 8), (128, 4), (32, 4))]
 
 
 # dK/dV load balance: list pieces of CHUNK units (64 query rows x one KV block) and the budget of fp32

@@ -245,12 +245,6 @@ def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: 
                          f"{cfg.block_size}/{cfg.kernel_stride}/{cfg.kernel_size}; use the reference selection")
     B, T = q.shape[:2]
     layout = block_layout(B, T, cu_seqlens, cfg.block_size, q.device)
-    dt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    q = q.to(dt)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
     # Rows that see at most ``topk`` blocks select all of them: their blocks are not scored, and a
     # batch whose documents all fit the budget (short packed documents) needs no scoring at all.
     if layout.max_doc_blocks <= cfg.topk:  # (unread stand-ins keep the top-k kernel's compiled variant)
@@ -258,6 +252,12 @@ def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: 
         b_qa = torch.empty(B, Hkv, T, layout.max_doc_blocks, dtype=torch.float32, device=q.device)
         ws = None if evict_score is None else torch.empty(1, Hkv, dtype=torch.float32, device=q.device)
         return select_from_block_scores(b_qa, ws, layout, cfg)
+    dt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    q = q.to(dt)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
     kc, ws = compress(k, evict_score, layout, cfg, dt)
     b_qa = block_scores_triton(q, kc, layout, cfg, softmax_scale, covered=cfg.topk)
     return select_from_block_scores(b_qa, ws, layout, cfg)

@@ -67,13 +67,13 @@ def test_compiled_variants_do_not_depend_on_document_lengths(monkeypatch, dev):
     a = _launches(monkeypatch, dev, [0, 37, 160], seed=1)  # longest document: 8 blocks (width 8)
     b = _launches(monkeypatch, dev, [0, 16, 32, 48, 160], seed=2)  # longest: 7 blocks (width 7)
     # ten 1-block documents: every row's blocks fit the budget, so the selection scores nothing
-    c = _launches(monkeypatch, dev, list(range(0, 161, 16)), seed=3)
+    short = _launches(monkeypatch, dev, list(range(0, 161, 16)), seed=3)
     assert set(a) >= {n for names in KERNELS.values() for n in names} - {"_dkdv_reduce_kernel"}
-    assert set(a) == set(b) and set(c) == set(a) - {"_compress_kernel", "_sel_lse_kernel", "_sel_block_kernel"}
-    for other in (b, c):
+    assert set(a) == set(b) and set(short) == set(a) - {"_compress_kernel", "_sel_lse_kernel", "_sel_block_kernel"}
+    for other in (b, short):
         for name in other:
-            consts_a = {c for c, _ in a[name]}
-            assert consts_a == {c for c, _ in other[name]}, f"{name}: compile-time constants depend on the data"
+            consts_a = {k for k, _ in a[name]}
+            assert consts_a == {k for k, _ in other[name]}, f"{name}: compile-time constants depend on the data"
             free = set(UNSPECIALIZED.get(name, ()))
             for (_, args_a) in a[name]:
                 for (_, args_b) in other[name]:
