@@ -30,6 +30,7 @@ from train.metrics import peak_flops, train_flops_per_token
 from train.optim import build_optimizer, build_scheduler, mixed_precision
 from train.preemption import StopSignal
 from train.profiling import StepProfiler
+from train.read_ahead import StepBatches
 
 
 SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
@@ -184,6 +185,7 @@ class Trainer:
                                        valid_samples=cfg.data.valid_samples or max(
                                            1, cfg.train.eval_iters * cfg.train.global_batch_size))
             self.train_loader, self.valid_loader = build_pretrain_loaders(dcfg, env.dp_rank, env.dp_size)
+        self.train_batches = StepBatches(self.train_loader, self.micro_batches)
 
     # ------------------------------------------------------------------ start point
     def restore(self) -> None:
@@ -261,12 +263,15 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = self._microbatches(self.train_loader)
+        mbs = [to_microbatch(b, self.env.device) for b in self.train_batches.take()]
         every = self.cfg.train.locality_interval
         record = bool(every) and (self.step + 1) % every == 0
         for m in self._nosa_modules() if record else []:
             m.record_selection = True
-        loss = self._loss_on_all_ranks(self._forward_backward(mbs, forward_only=False))
+        total = self._forward_backward(mbs, forward_only=False)
+        if self.step + 1 < self.cfg.train.max_steps:
+            self.train_batches.read_ahead()  # the GPU runs this step's work; the loss read below waits for it
+        loss = self._loss_on_all_ranks(total)
         stats = {}
         if record:
             stats = self._locality(mbs[-1])
@@ -357,7 +362,7 @@ class Trainer:
             raise NonFiniteError(f"the weights hold NaN/inf at step {self.step}: not saving a checkpoint "
                                  f"({self._newest_intact()})")
         ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
-                             self.train_loader.state_dict(),
+                             self.train_batches.state_dict(),
                              {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
                              keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
                              model_config={**configs_to_dict(self.cfg.model, self.cfg.attention),
