@@ -472,9 +472,19 @@ STAGES = {"selection": ("_compress", "_sel_lse", "_sel_block", "_select_kernel")
           "attention_backward": ("_bwd_", "_dkdv_reduce", "flash_bwd")}
 
 
-def _gpu_ms_by_stage(fn, n=5) -> dict:
-    """GPU kernel time of one ``fn()`` (torch.profiler, mean of ``n``) by stage: the NOSA selection,
-    index, attention forward, backward (ours or FlashAttention's), everything else."""
+def _gpu_ms_by_stage(fn) -> dict:
+    """GPU time of one ``fn()`` by stage (``_device_ms``): the NOSA selection, index, attention
+    forward, backward (ours or FlashAttention's), everything else."""
+    out = dict.fromkeys([*STAGES, "other"], 0.0)
+    for key, (ms, _) in _device_ms(fn).items():
+        stage = next((st for st, names in STAGES.items() if any(x in key for x in names)), "other")
+        out[stage] += ms
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def _device_ms(fn, n=5) -> dict:
+    """GPU time per call of each kernel (and copy / fill) that ``fn()`` launches: torch.profiler over
+    ``n`` calls, ``{name: (ms per call, launches per call)}``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -482,44 +492,34 @@ def _gpu_ms_by_stage(fn, n=5) -> dict:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    out = dict.fromkeys([*STAGES, "other"], 0.0)
+    out = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:  # CUDA activity only: kernels, copies and fills
-            stage = next((st for st, names in STAGES.items() if any(x in ev.key for x in names)), "other")
-            out[stage] += t / 1e3 / n
-    return {k: round(v, 4) for k, v in out.items()}
+        if t > 0:
+            out[ev.key] = (t / 1e3 / n, ev.count // n)
+    return out
 
 
 def profile_kernels(T, HQ):
     """Per-kernel device time (torch.profiler) of one forward + backward on the P1 lists, with the
     useful TFLOP/s of each attention kernel (dQ: 3 matmuls = 1.5x the forward FLOPs; dK/dV/db: 4 = 2x)."""
-    from torch.profiler import ProfilerActivity, profile
-
     sel, keys, cfg, idx, (qg, kg, vg, bg), do = p1_case(T, HQ)
-    n = 5
-    for _ in range(2):
+
+    def step():
         o = sparse_attention(qg, kg, vg, idx, bias=bg)
         torch.autograd.grad(o, (qg, kg, vg, bg), do)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            o = sparse_attention(qg, kg, vg, idx, bias=bg)
-            torch.autograd.grad(o, (qg, kg, vg, bg), do)
-        torch.cuda.synchronize()
+
+    for _ in range(2):
+        step()
     fwd_flops = 4.0 * HQ * keys * D
     mult = {"_fwd_kernel": 1.0, "_bwd_dq_kernel": 1.5, "_bwd_dkdv_kernel": 2.0}
     kernels = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t <= 0:
-            continue
-        ms = t / 1e3 / n
-        row = dict(ms=round(ms, 3), calls=ev.count // n)
+    for key, (ms, calls) in _device_ms(step).items():
+        row = dict(ms=round(ms, 3), calls=calls)
         for name, m in mult.items():
-            if name in ev.key:
+            if name in key:
                 row["tflops"] = round(m * fwd_flops / ms / 1e9, 1)
-        kernels[ev.key[:60]] = row
+        kernels[key[:60]] = row
     emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in config().items()}, kernels=kernels)
 
 
@@ -608,7 +608,8 @@ def main():
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
     ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
     ap.add_argument("--tile-sweep", action="store_true",
-                    help="only query tiles of 64 / 32 / 16 rows (fewer tokens per tile) at every shape")
+                    help="only query tiles of 64 / 128 / 32 rows (the KV group's heads x more or fewer tokens) "
+                         "at every shape")
     ap.add_argument("--balance-sweep", action="store_true",
                     help="only the dK/dV piece length / partial-slot budget sweep at every shape")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
