@@ -22,6 +22,7 @@ x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense caus
 
 Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
        [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep] [--balance-sweep]
+       [--selection [--sel-sweep]]
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from nosa_layers.ops.attention_op import launch_config  # noqa: E402
 from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
 from nosa_layers.ops.layout import block_layout  # noqa: E402
 from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
+from nosa_layers.ops import topk as topk_mod  # noqa: E402
 from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
 
 D, HKV = 128, 2
@@ -398,7 +400,57 @@ def sweep_selection(T, HQ):
             SEL_CONFIG[kern] = best[1]
 
 
-def selection_breakdown(q, k, bias, cfg, total_ms):
+# LSE scoring kernel: query heads per program (one compressed-key tile feeds HP x 64 rows), keys per
+# step, warps (block-score kernel fixed at its tuned setting)
+LSE_CANDIDATES = [dict(BW=bw, HP=hp, num_warps=w, num_stages=2) for hp, bw, w in (
+    (1, 64, 4), (2, 64, 4), (2, 64, 8), (4, 64, 8), (2, 128, 8), (4, 32, 8))]
+
+
+def selection_bench(T, HQ, dense_ms, sweep_lse: bool):
+    """The selection target: its stages on iid and smooth synthetic inputs against the sparse forward
+    of the P1 lists (``selection / forward``), optionally after picking the fastest LSE launch setting."""
+    cfg = NOSAConfig()
+    _, sel, keys = p1_lists(T, seed=1)
+    ours(T, HQ, sel, keys, dense_ms, "ours_p1_db", cfg, make_inputs(T, HQ))
+    del sel
+    fwd_ms = ROWS[-1]["fwd_ms"]
+    for smooth in (0, 1):
+        q, k, _, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
+        if sweep_lse and smooth == 0:
+            layout = block_layout(1, T, None, cfg.block_size, q.device)
+            kc, _ = compress(k, None, layout, cfg, q.dtype)
+            best = None
+            for c in LSE_CANDIDATES:
+                old = SEL_CONFIG["lse"]
+                SEL_CONFIG["lse"] = c
+                try:
+                    t = bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0]
+                    emit(kind="sel_sweep", kernel="sel_lse", cfg=c, T=T, HQ=HQ, scoring_ms=t)
+                    best = best if best is not None and best[0] <= t else (t, c)
+                except Exception as e:  # noqa: BLE001
+                    emit(kind="sel_sweep", kernel="sel_lse", cfg=c, T=T, HQ=HQ,
+                         error=(type(e).__name__ + ": " + str(e))[:300])
+                SEL_CONFIG["lse"] = old
+            if best:
+                SEL_CONFIG["lse"] = best[1]
+            # top-k kernel: elements per register tile (rows per step = TILE / width class)
+            bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
+            _, ws = compress(k, bias, layout, cfg, q.dtype)
+            best = None
+            for tile in (256, 512, 1024, 2048):
+                old, topk_mod.TILE = topk_mod.TILE, tile
+                t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
+                emit(kind="sel_sweep", kernel="topk", TILE=tile, T=T, HQ=HQ, topk_ms=t)
+                best = best if best is not None and best[0] <= t else (t, tile)
+                topk_mod.TILE = old
+            topk_mod.TILE = best[1]
+        t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
+        selection_breakdown(q, k, bias, cfg, t_sel, case="smooth" if smooth else "iid",
+                            selection_over_p1_forward=round(t_sel / fwd_ms, 3), lse_config=dict(SEL_CONFIG["lse"]),
+                            topk_tile=topk_mod.TILE)
+
+
+def selection_breakdown(q, k, bias, cfg, total_ms, **extra):
     """Selection stages (compression, scoring kernels, the fused top-k and the torch top-k it is
     checked against), the index build of the kernels, and whether preparing a selection (selection +
     index) runs without a host synchronisation (torch's sync debug mode raises on one)."""
@@ -424,7 +476,7 @@ def selection_breakdown(q, k, bias, cfg, total_ms):
          fused_topk_ms=bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0],
          index_build_ms=bench(lambda: index_for(sel, cfg, T, HQ))[0],
          prepare_ms=bench(lambda: prepare_selection(q, k, bias, cfg, backend="triton"))[0],
-         prepare_sync_free=sync_free, fused_equals_torch=exact)
+         prepare_sync_free=sync_free, fused_equals_torch=exact, **extra)
 
 
 def packed_documents(T, HQ):
@@ -612,6 +664,9 @@ def main():
                          "at every shape")
     ap.add_argument("--balance-sweep", action="store_true",
                     help="only the dK/dV piece length / partial-slot budget sweep at every shape")
+    ap.add_argument("--selection", action="store_true",
+                    help="only the selection: its stages on iid / smooth inputs against the P1 forward, at every shape")
+    ap.add_argument("--sel-sweep", action="store_true", help="with --selection: first pick the LSE kernel's launch setting")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()
@@ -639,6 +694,14 @@ def main():
             if args.balance_sweep:
                 config_sweep("balance_sweep", BALANCE_CANDIDATES, T, HQ, dense_ms)
         with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
+            json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+        return
+    if args.selection:
+        for T, HQ in shapes:
+            selection_bench(T, HQ, dense_ms, args.sel_sweep)
+            torch.cuda.empty_cache()
+        meta["wall_s"] = round(time.time() - t_start, 1)
+        with open(os.path.join(args.out, "attention_selection.json"), "w") as fh:
             json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
         return
     if args.sweep:

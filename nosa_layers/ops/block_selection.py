@@ -75,24 +75,28 @@ def _compress_kernel(K, S, Blocks, KC, WS, s_kb, s_kt, s_kh, s_sb, s_st, s_sh, s
 
 @triton.jit
 def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale, covered,
-                    G: tl.constexpr, BW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
-                    ST: tl.constexpr, R: tl.constexpr):
-    """LSE of each (token, query head) of block ``c`` over the visible compressed keys; nothing for
-    blocks ``j < covered`` (the budget takes every block their rows see: no score is read)."""
-    c = tl.program_id(0)
-    head = tl.program_id(1)
-    h = head // G
+                    G: tl.constexpr, HP: tl.constexpr, BW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr):
+    """LSE of each (token, query head) of block ``c`` over the visible compressed keys, for ``HP``
+    query heads of one KV group (``HP * BS`` rows, head-major: one compressed-key tile feeds them
+    all); nothing for blocks ``j < covered`` (the budget takes every block their rows see: no score
+    is read)."""
+    c = tl.num_programs(0) - 1 - tl.program_id(0)  # later blocks (longer rows) first: no long tail
+    head0 = tl.program_id(1) * HP
+    h = head0 // G
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)
     if j < covered:
         return
-    t = ks + tl.arange(0, BS)
+    offs_m = tl.arange(0, HP * BS)
+    head = head0 + offs_m // BS
+    t = ks + offs_m % BS
     tvalid = t < de
     p = t - ds
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
+    q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=tvalid[:, None], other=0.0)
-    m_i = tl.full([BS], float("-inf"), tl.float32)
-    l_i = tl.zeros([BS], tl.float32)
+    m_i = tl.full([HP * BS], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP * BS], tl.float32)
     p_last = tl.minimum(ks + BS, de) - 1 - ds
     n_vis = (p_last - KS + 1 + ST) // ST  # windows visible to the last row (may be <= 0)
     kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
@@ -114,7 +118,7 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
                       covered, HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr,
                       BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                       EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
-    c = tl.program_id(0)
+    c = tl.num_programs(0) - 1 - tl.program_id(0)  # later blocks (longer rows) first: no long tail
     h = tl.program_id(1)
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)  # every row of this program is in block qb = j
     if j < covered:  # the budget takes every block these rows see: their scores are never read
@@ -164,13 +168,19 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
                  mask=tvalid[:, None] & (m <= j)[None, :])
 
 
-# Launch parameters of the scoring kernels (LSE: compressed keys per step ``BW``; block scores:
-# windows per step ``NW``, i.e. NW / (block / stride) blocks). Tuned on one H200 for block 64,
-# D 128 (bench/attention.py --sweep); override for experiments.
+# Launch parameters of the scoring kernels (LSE: compressed keys per step ``BW`` and query heads per
+# program ``HP``, a divisor of the KV group's G is taken; block scores: windows per step ``NW``, i.e.
+# NW / (block / stride) blocks). Tuned on one H200 for block 64, D 128 (bench/attention.py --sweep,
+# --sel-sweep); override for experiments.
 SEL_CONFIG = {
-    "lse": dict(BW=64, num_warps=4, num_stages=2),
+    "lse": dict(BW=64, HP=1, num_warps=4, num_stages=2),
     "block": dict(NW=256, num_warps=8, num_stages=2),
 }
+
+
+def lse_heads_per_program(G: int) -> int:
+    """Query heads per program of the LSE kernel: the largest divisor of G up to ``SEL_CONFIG``'s HP."""
+    return max(d for d in range(1, min(G, SEL_CONFIG["lse"].get("HP", 1)) + 1) if G % d == 0)
 
 
 def _pow2(x: int) -> bool:
@@ -219,9 +229,11 @@ def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSACon
     if not layout.n_blocks:
         return out
     c = SEL_CONFIG["lse"]
-    _sel_lse_kernel[(layout.n_blocks, Hq)](
+    hp = lse_heads_per_program(G)
+    _sel_lse_kernel[(layout.n_blocks, Hq // hp)](
         q, kc, layout.blocks, lse, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1), scale * LOG2E,
-        covered, G=G, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        covered, G=G, HP=hp, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     c = SEL_CONFIG["block"]
     EP = triton.next_power_of_2(max(E, 1))
     NBC = max(c["NW"] // R if q.is_cuda else 4, 16 // R, triton.cdiv(16, EP))

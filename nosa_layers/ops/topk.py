@@ -16,10 +16,12 @@ stage-1 picks, else the eviction score, and keeps the top ``min(topk, qb + 1)``.
 LOWER block index (the reference's stable descending sort), exactly.
 
 Kernel: fp32 -> uint32 keys whose unsigned order is the float order (-0.0 == +0.0); the k-th
-largest key ``tau`` of a row is found bit by bit (32 counting passes over a ``[BR, NBP]`` register
-tile, no sort); the picks are ``key > tau`` plus the first ``k - #(key > tau)`` columns with
-``key == tau``. ``select_from_block_scores_torch`` is the plain-PyTorch reference (the reference
-selection's stable-sort ``topk_mask``), also the fallback for ``nb > MAX_BLOCKS``.
+largest key ``tau`` of a row is found bit by bit (at most 32 counting passes over a ``[BR, W]``
+register tile, no sort; the search stops once every row's count at ``tau`` is exactly ``k``); the
+picks are ``key > tau`` plus the first ``k - #(key > tau)`` columns with ``key == tau``. A row of
+block ``qb`` ranks only a width ``W`` class that holds its ``qb + 1`` blocks (``NBP, NBP / 2, ...``).
+``select_from_block_scores_torch`` is the plain-PyTorch reference (the reference selection's
+stable-sort ``topk_mask``), also the fallback for ``nb > MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -53,49 +55,43 @@ def _topk_rows(key, valid, k):
     ties to the lower column (needs ``k <= #valid``)."""
     # tau: largest value with count(valid key >= tau) >= k, built bit by bit. Every candidate is
     # >= 1, so invalid columns set to key 0 are never counted (nor are valid keys 0, correctly).
+    # Early exit: once every row's count at its tau is exactly k, {key >= tau} is already its top k
+    # (the k-th and (k+1)-th keys differ in a bit above the ones left), so the remaining bits
+    # cannot change the picks; rows of real scores separate after ~14 of the 32 bits.
     kz = tl.where(valid, key, tl.zeros_like(key))
     tau = tl.zeros_like(k).to(tl.uint32)
+    at_tau = tl.zeros_like(k) + key.shape[1]  # count(kz >= 0): every column
     bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
+    n = 0
+    while (n < 32) & (tl.max(at_tau - k, axis=0) > 0):
         cand = tau | bit
         cnt = tl.sum((kz >= cand[:, None]).to(tl.int32), axis=1)
-        tau = tl.where(cnt >= k, cand, tau)
+        take = cnt >= k
+        tau = tl.where(take, cand, tau)
+        at_tau = tl.where(take, cnt, at_tau)
         bit = bit >> 1
+        n += 1
     gt = valid & (key > tau[:, None])
     eq = valid & (key == tau[:, None])
     need = k - tl.sum(gt.to(tl.int32), axis=1)
     return gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=1) <= need[:, None]))
 
 
-@triton.jit(do_not_specialize=UNSPECIALIZED["_select_kernel"])
-def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
-                   BR: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr,
-                   KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
-                   INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
-    """One program per (KV block of query rows, KV head): every row is in block ``qb = j``."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
-    ks = tl.load(Blocks + c * 4 + 1)
-    ds = tl.load(Blocks + c * 4 + 2)
-    de = tl.load(Blocks + c * 4 + 3)
-    j = (ks - ds) // BS
-    m = tl.arange(0, NBP)
+@triton.jit
+def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
+                 BR: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr,
+                 R: tl.constexpr, E: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
+    """Both stages for the rows of block ``j`` (``j < W``), ranking the first ``W`` columns in
+    ``[BR, W]`` tiles; the columns ``W .. NBW`` of the rows are written False."""
+    m = tl.arange(0, W)
     valid = m <= j
-    if j < K2:  # every row sees at most K2 blocks: all of them are selected, no score is read
-        for r0 in range(0, BS, BR):
-            t = ks + r0 + tl.arange(0, BR)
-            tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :],
-                     valid[None, :].to(tl.uint8) + tl.zeros([BR, NBP], tl.uint8),
-                     mask=(t < de)[:, None] & (m < NBW)[None, :])
-        return
     n_valid = tl.zeros([BR], tl.int32) + j + 1  # per row (all rows of the program are in block j)
     if EVICT:
         # pooled eviction score of each block (max over its windows), and the windows of block
         # j - 1, whose visibility depends on the row
         wbase = WS + ((c - j) * R).to(tl.int64) * s_ww + h
         nw = tl.where(de - ds >= KS, (de - ds - KS) // ST + 1, 0)
-        static = tl.full([NBP], float("-inf"), tl.float32)
+        static = tl.full([W], float("-inf"), tl.float32)
         for e in tl.static_range(R + E):
             w = m * R - E + e
             ok = valid & (w >= 0) & (w < nw)
@@ -121,8 +117,47 @@ def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s
             sel = _topk_rows(_orderable(agn), ok2, tl.minimum(n_valid, K2))
         else:
             sel = _topk_rows(_orderable(x), ok2, tl.minimum(n_valid, K2))
-        tl.store(Out + b * s_ob + h * s_oh + t64 * s_ot + m[None, :], sel.to(tl.uint8),
-                 mask=row_ok[:, None] & (m < NBW)[None, :])
+        obase = Out + b * s_ob + h * s_oh + t64 * s_ot
+        tl.store(obase + m[None, :], sel.to(tl.uint8), mask=row_ok[:, None] & (m < NBW)[None, :])
+        for m0 in range(W, NBW, W):  # columns past the class width: never selected
+            tl.store(obase + m0 + m[None, :], tl.zeros([BR, W], tl.uint8),
+                     mask=row_ok[:, None] & (m0 + m < NBW)[None, :])
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED["_select_kernel"])
+def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
+                   BR: tl.constexpr, NBP: tl.constexpr, NCLS: tl.constexpr, BS: tl.constexpr,
+                   KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
+                   INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
+    """One program per (KV block of query rows, KV head): every row is in block ``qb = j``. Rows rank
+    only the blocks they see, in the narrowest of ``NCLS`` width classes ``NBP, NBP / 2, ...`` that
+    holds them (tiles of ``BR x NBP`` elements in every class); later blocks (wider rows) first."""
+    c = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    ks = tl.load(Blocks + c * 4 + 1)
+    ds = tl.load(Blocks + c * 4 + 2)
+    de = tl.load(Blocks + c * 4 + 3)
+    j = (ks - ds) // BS
+    if j < K2:  # every row sees at most K2 blocks: all of them are selected, no score is read
+        m = tl.arange(0, NBP)
+        for r0 in range(0, BS, BR):
+            t = ks + r0 + tl.arange(0, BR)
+            tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :],
+                     (m <= j)[None, :].to(tl.uint8) + tl.zeros([BR, NBP], tl.uint8),
+                     mask=(t < de)[:, None] & (m < NBW)[None, :])
+    else:
+        for cls in tl.static_range(NCLS):
+            if (j < (NBP >> cls)) & ((cls == NCLS - 1) | (j >= (NBP >> (cls + 1)))):
+                _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot,
+                             NBW, min(BS, BR << cls), NBP >> cls, BS, KS, ST, R, E, INIT, LOCAL, EVICT)
+
+
+def width_classes(nbp: int, k2: int) -> int:
+    """Width classes of the top-k kernel: ``nbp, nbp / 2, ...`` down to the narrowest that can hold
+    a scored row (more than ``k2`` blocks; rows of at most ``k2`` blocks are not ranked), at least 16."""
+    low = max(16, triton.next_power_of_2(k2 + 1))
+    return max(1, (nbp // low).bit_length()) if nbp >= low else 1
 
 
 def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig) -> Tensor:
@@ -144,7 +179,7 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
     _select_kernel[(layout.n_blocks, Hkv)](
         b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,
         *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3], nb,
-        BR=BR, NBP=NBP, BS=bs, KS=ks, ST=st, R=bs // st, E=-(-ks // st) - 1,
+        BR=BR, NBP=NBP, NCLS=width_classes(NBP, cfg.topk), BS=bs, KS=ks, ST=st, R=bs // st, E=-(-ks // st) - 1,
         INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
         num_warps=max(2, min(16, BR * NBP // 512)))
     return out

@@ -60,15 +60,16 @@ def cases(arch: str, G: int):
     yield "compress", bsel._compress_kernel, dict(HAS_SCORE=True, D=D, BS=BS, KS=KS, ST=ST, R=R), \
         {"S": "*fp32", "KC": "*bf16", "WS": "*fp32"}, 4, 3
     c = bsel.SEL_CONFIG["lse"]
-    yield "sel_lse", bsel._sel_lse_kernel, dict(G=G, BW=c["BW"], D=D, BS=BS, KS=KS, ST=ST, R=R), {}, \
-        c["num_warps"], c["num_stages"]
+    yield "sel_lse", bsel._sel_lse_kernel, dict(G=G, HP=bsel.lse_heads_per_program(G), BW=c["BW"], D=D, BS=BS,
+                                                KS=KS, ST=ST, R=R), {}, c["num_warps"], c["num_stages"]
     c = bsel.SEL_CONFIG["block"]
     yield "sel_block", bsel._sel_block_kernel, dict(HKV=2, G=G, NBC=c["NW"] // R, D=D, BS=BS, KS=KS, ST=ST, R=R,
                                                     E=E, EP=1, INIT=1, LOCAL=16), {"Out": "*fp32"}, \
         c["num_warps"], c["num_stages"]
     for nbp in (64, 512):
         br = min(BS, max(1, topk.TILE // nbp))
-        yield f"topk_nb{nbp}", topk._select_kernel, dict(BR=br, NBP=nbp, BS=BS, KS=KS, ST=ST, R=R, E=E,
+        yield f"topk_nb{nbp}", topk._select_kernel, dict(BR=br, NBP=nbp, NCLS=topk.width_classes(nbp, 64), BS=BS,
+                                                          KS=KS, ST=ST, R=R, E=E,
                                                           INIT=1, LOCAL=16, EVICT=True), \
             {"Out": "*u8"}, max(2, min(16, br * nbp // 512)), 3
 

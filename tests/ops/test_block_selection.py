@@ -71,6 +71,24 @@ def test_block_scores_match_reference_values(dev):
     assert (bt - bref)[fin].abs().max() < fp32_tol(dev)
 
 
+@pytest.mark.parametrize("hp", [2, 3, 4])
+def test_lse_heads_packed_per_program_give_the_same_scores(dev, monkeypatch, hp):
+    """The LSE kernel with ``HP`` query heads of a KV group per program (3 -> 2: a divisor of G = 4)
+    scores like one head per program, on a packed batch with a document past the budget."""
+    from nosa_layers.ops.block_selection import SEL_CONFIG
+
+    cfg = tiny_cfg()
+    cu = torch.tensor([0, 29, 29, 190], device=dev)
+    q, k, _, _ = (x.to(dev) for x in random_qkvs(1, 190, 8, 2, 16, dtype=torch.float32, seed=40 + hp))
+    one = _scores(q, k, cfg, cu)
+    monkeypatch.setitem(SEL_CONFIG, "lse", dict(SEL_CONFIG["lse"], HP=hp))
+    packed = _scores(q, k, cfg, cu)
+    t = torch.arange(190, device=dev)
+    qb = (t - torch.where(t < 29, 0, 29)) // cfg.block_size  # block of each row in its document
+    seen = torch.arange(one.shape[-1], device=dev)[None, :] <= qb[:, None]  # the scored columns
+    assert torch.allclose(one[:, :, seen], packed[:, :, seen], rtol=1e-5, atol=1e-6)
+
+
 def test_many_documents_in_one_launch_equal_each_document_alone(dev):
     """A packed sample of 24 documents (lengths 1..40 tokens and longer) selects per document exactly
     what each document selects alone, with every kernel launched once for the whole batch."""
