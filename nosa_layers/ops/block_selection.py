@@ -173,7 +173,7 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
 # NW / (block / stride) blocks). Tuned on one H200 for block 64, D 128 (bench/attention.py --sweep,
 # --sel-sweep); override for experiments.
 SEL_CONFIG = {
-    "lse": dict(BW=64, HP=1, num_warps=4, num_stages=2),
+    "lse": dict(BW=64, HP=2, num_warps=4, num_stages=2),
     "block": dict(NW=256, num_warps=8, num_stages=2),
 }
 
