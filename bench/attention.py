@@ -433,21 +433,23 @@ def selection_bench(T, HQ, dense_ms, sweep_lse: bool):
                 SEL_CONFIG["lse"] = old
             if best:
                 SEL_CONFIG["lse"] = best[1]
-            # top-k kernel: elements per register tile (rows per step = TILE / width class)
+            # top-k kernel: elements per register tile (rows per step = TILE / width class) and programs
+            # per (KV block, KV head)
             bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
             _, ws = compress(k, bias, layout, cfg, q.dtype)
             best = None
+            old = (topk_mod.TILE, topk_mod.ROW_SPLITS)
             for tile in (256, 512, 1024, 2048):
-                old, topk_mod.TILE = topk_mod.TILE, tile
-                t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
-                emit(kind="sel_sweep", kernel="topk", TILE=tile, T=T, HQ=HQ, topk_ms=t)
-                best = best if best is not None and best[0] <= t else (t, tile)
-                topk_mod.TILE = old
-            topk_mod.TILE = best[1]
+                for splits in (1, 2, 4, 8):
+                    topk_mod.TILE, topk_mod.ROW_SPLITS = tile, splits
+                    t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
+                    emit(kind="sel_sweep", kernel="topk", TILE=tile, ROW_SPLITS=splits, T=T, HQ=HQ, topk_ms=t)
+                    best = best if best is not None and best[0] <= t else (t, tile, splits)
+            topk_mod.TILE, topk_mod.ROW_SPLITS = best[1:] if best else old
         t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
         selection_breakdown(q, k, bias, cfg, t_sel, case="smooth" if smooth else "iid",
                             selection_over_p1_forward=round(t_sel / fwd_ms, 3), lse_config=dict(SEL_CONFIG["lse"]),
-                            topk_tile=topk_mod.TILE)
+                            topk_tile=topk_mod.TILE, topk_row_splits=getattr(topk_mod, "ROW_SPLITS", 1))
 
 
 def selection_breakdown(q, k, bias, cfg, total_ms, **extra):

@@ -131,14 +131,23 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
     kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
     NW: tl.constexpr = NBC * R
     NE: tl.constexpr = NBC * EP
+    # E == 1 (default geometry): block m's trailing window is block m - 1's last own window, whose
+    # probability this loop already has (shifted one block over; the chunk's first block takes the
+    # previous chunk's last); other E recompute the trailing windows with their own products
+    SHIFT: tl.constexpr = E == 1
+    carry = tl.zeros([BS], tl.float32)  # the previous chunk's last own window (none before block 0)
+    i_blk = tl.arange(0, NBC)
     for m0 in range(0, j + 1, NBC):
-        m = m0 + tl.arange(0, NBC)  # blocks of this chunk
+        m = m0 + i_blk  # blocks of this chunk
         w = m0 * R + tl.arange(0, NW)  # own windows of the chunk's blocks
         kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :],
                      mask=(w * ST + KS - 1 <= p_last)[:, None], other=0.0)
         vis = (w[None, :] * ST + KS - 1) <= p[:, None]
         acc = tl.zeros([BS, NW], tl.float32)
-        if E > 0:
+        if SHIFT:
+            we1 = m * R - 1
+            vis_e1 = (we1[None, :] >= 0) & ((we1[None, :] * ST + KS - 1) <= p[:, None])
+        elif E > 0:
             se = tl.arange(0, NE)
             we = (m0 + se // EP) * R - E + se % EP  # trailing windows of the previous block
             ok_e = (se % EP < E) & (we >= 0)
@@ -153,12 +162,20 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
             lse = tl.load(LSE + b * s_lb + head * s_lh + t, mask=tvalid, other=float("inf"))
             s = tl.dot(q, tl.trans(kc)) * qk_scale
             acc += tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
-            if E > 0:
+            if not SHIFT and E > 0:
                 se_ = tl.dot(q, tl.trans(kce)) * qk_scale
                 acc_e += tl.where(vis_e, tl.math.exp2(se_ - lse[:, None]), 0.0)
+        if SHIFT:
+            own = tl.reshape(acc, [BS, NBC, R])
+            last = tl.sum(tl.where((tl.arange(0, R) == R - 1)[None, None, :], own, 0.0), axis=2)  # [BS, NBC]
+            prev = tl.gather(last, tl.zeros([BS, NBC], tl.int32) + tl.maximum(i_blk - 1, 0)[None, :], axis=1)
+            prev = tl.where(i_blk[None, :] == 0, carry[:, None], prev)
+            carry = tl.sum(tl.where(i_blk[None, :] == NBC - 1, last, 0.0), axis=1)
         acc = tl.where(vis, acc, float("-inf"))
         val = tl.max(tl.reshape(acc, [BS, NBC, R]), axis=2)
-        if E > 0:
+        if SHIFT:
+            val = tl.maximum(val, tl.where(vis_e1, prev, float("-inf")))
+        elif E > 0:
             acc_e = tl.where(vis_e, acc_e, float("-inf"))
             val = tl.maximum(val, tl.max(tl.reshape(acc_e, [BS, NBC, EP]), axis=2))
         forced = (m[None, :] < INIT) | ((m[None, :] >= j - LOCAL) & (m[None, :] <= j))

@@ -38,7 +38,8 @@ from ._common import UNSPECIALIZED
 from .layout import BlockLayout
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
-TILE = 1024  # rows x padded blocks per program (H200: 1024..4096 within 5% at T=16K..32K)
+TILE = 1024  # rows x padded blocks per register tile (H200, with the early exit: 256..1024 within 4% at 32K)
+ROW_SPLITS = 1  # programs per (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows
 
 
 @triton.jit
@@ -78,11 +79,11 @@ def _topk_rows(key, valid, k):
 
 
 @triton.jit
-def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
-                 BR: tl.constexpr, W: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr,
+def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
+                 BR: tl.constexpr, W: tl.constexpr, RSZ: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr,
                  R: tl.constexpr, E: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
-    """Both stages for the rows of block ``j`` (``j < W``), ranking the first ``W`` columns in
-    ``[BR, W]`` tiles; the columns ``W .. NBW`` of the rows are written False."""
+    """Both stages for the ``RSZ`` rows from ``row0`` of block ``j`` (``j < W``), ranking the first
+    ``W`` columns in ``[BR, W]`` tiles; the columns ``W .. NBW`` of the rows are written False."""
     m = tl.arange(0, W)
     valid = m <= j
     n_valid = tl.zeros([BR], tl.int32) + j + 1  # per row (all rows of the program are in block j)
@@ -97,7 +98,7 @@ def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, s_ab, s_ah, s_at,
             ok = valid & (w >= 0) & (w < nw)
             static = tl.maximum(static, tl.load(wbase + w.to(tl.int64) * s_ww, mask=ok, other=float("-inf")))
         forced = (m < INIT) | ((m >= j - LOCAL) & (m <= j))
-    for r0 in range(0, BS, BR):
+    for r0 in range(row0, row0 + RSZ, BR):
         t = ks + r0 + tl.arange(0, BR)
         row_ok = t < de
         ok2 = row_ok[:, None] & valid[None, :]
@@ -126,14 +127,17 @@ def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, s_ab, s_ah, s_at,
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_select_kernel"])
 def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
-                   BR: tl.constexpr, NBP: tl.constexpr, NCLS: tl.constexpr, BS: tl.constexpr,
+                   BR: tl.constexpr, NBP: tl.constexpr, NCLS: tl.constexpr, RS: tl.constexpr, BS: tl.constexpr,
                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
                    INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
-    """One program per (KV block of query rows, KV head): every row is in block ``qb = j``. Rows rank
-    only the blocks they see, in the narrowest of ``NCLS`` width classes ``NBP, NBP / 2, ...`` that
-    holds them (tiles of ``BR x NBP`` elements in every class); later blocks (wider rows) first."""
+    """One program per (KV block of query rows, KV head, ``1 / RS`` of the block's rows): every row is
+    in block ``qb = j``. Rows rank only the blocks they see, in the narrowest of ``NCLS`` width classes
+    ``NBP, NBP / 2, ...`` that holds them (tiles of ``BR x NBP`` elements in every class); later blocks
+    (wider rows) first."""
+    RSZ: tl.constexpr = BS // RS
     c = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
+    row0 = tl.program_id(2) * RSZ
     b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
     ks = tl.load(Blocks + c * 4 + 1)
     ds = tl.load(Blocks + c * 4 + 2)
@@ -141,7 +145,7 @@ def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s
     j = (ks - ds) // BS
     if j < K2:  # every row sees at most K2 blocks: all of them are selected, no score is read
         m = tl.arange(0, NBP)
-        for r0 in range(0, BS, BR):
+        for r0 in range(row0, row0 + RSZ, BR):
             t = ks + r0 + tl.arange(0, BR)
             tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :],
                      (m <= j)[None, :].to(tl.uint8) + tl.zeros([BR, NBP], tl.uint8),
@@ -149,8 +153,8 @@ def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s
     else:
         for cls in tl.static_range(NCLS):
             if (j < (NBP >> cls)) & ((cls == NCLS - 1) | (j >= (NBP >> (cls + 1)))):
-                _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot,
-                             NBW, min(BS, BR << cls), NBP >> cls, BS, KS, ST, R, E, INIT, LOCAL, EVICT)
+                _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah, s_at, s_ww, s_ob, s_oh,
+                             s_ot, NBW, min(RSZ, BR << cls), NBP >> cls, RSZ, KS, ST, R, E, INIT, LOCAL, EVICT)
 
 
 def width_classes(nbp: int, k2: int) -> int:
@@ -174,13 +178,14 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
         return out.zero_()
     # Few compiled variants: widths up to 64 blocks share one (packed batches bring new lengths).
     NBP = max(triton.next_power_of_2(nb), 64)
-    BR = min(cfg.block_size, max(1, TILE // NBP))
+    RS = max(1, min(ROW_SPLITS, cfg.block_size))
+    BR = min(cfg.block_size // RS, max(1, TILE // NBP))
     bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
-    _select_kernel[(layout.n_blocks, Hkv)](
+    _select_kernel[(layout.n_blocks, Hkv, RS)](
         b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,
         *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3], nb,
-        BR=BR, NBP=NBP, NCLS=width_classes(NBP, cfg.topk), BS=bs, KS=ks, ST=st, R=bs // st, E=-(-ks // st) - 1,
-        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
+        BR=BR, NBP=NBP, NCLS=width_classes(NBP, cfg.topk), RS=RS, BS=bs, KS=ks, ST=st, R=bs // st,
+        E=-(-ks // st) - 1, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
         num_warps=max(2, min(16, BR * NBP // 512)))
     return out
 

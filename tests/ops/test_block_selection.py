@@ -50,6 +50,8 @@ CASES = [
     pytest.param(tiny_cfg(kernel_size=16, kernel_stride=8), 1, 170, 4, 1, 32, [0, 5, 170], True, id="kernel16-short-doc"),
     pytest.param(NOSAConfig(topk=6, local_blocks=2, select_blocks=2), 1, 700, 8, 1, 16, None, True, id="default-geom"),
     pytest.param(tiny_cfg(), 1, 112, 4, 2, 16, [0, 37, 37, 100, 112], True, id="all-docs-fit-the-budget"),
+    pytest.param(tiny_cfg(kernel_size=4), 1, 180, 4, 2, 16, None, True, id="no-trailing-window"),
+    pytest.param(tiny_cfg(kernel_size=16), 1, 180, 4, 2, 16, [0, 70, 180], True, id="three-trailing-windows"),
 ]
 
 
@@ -60,11 +62,12 @@ def test_selection_matches_reference(dev, cfg, B, T, Hq, Hkv, D, cu, evict):
     _assert_matches_reference(q, k, s if evict else None, cfg, cu_t, fp32_tol(dev))
 
 
-def test_block_scores_match_reference_values(dev):
+@pytest.mark.parametrize("T", [133, 390], ids=["one-chunk", "two-chunks"])  # chunks of 16 blocks on CPU
+def test_block_scores_match_reference_values(dev, T):
     cfg = tiny_cfg()
-    q, k, _, _ = (x.to(dev) for x in random_qkvs(1, 133, 8, 2, 16, dtype=torch.float32, seed=9))
+    q, k, _, _ = (x.to(dev) for x in random_qkvs(1, T, 8, 2, 16, dtype=torch.float32, seed=9))
     bref = reference_block_scores(q.cpu(), k.cpu(), cfg)
-    seen = torch.arange(bref.shape[-1])[None, :] <= (torch.arange(133) // cfg.block_size)[:, None]
+    seen = torch.arange(bref.shape[-1])[None, :] <= (torch.arange(T) // cfg.block_size)[:, None]
     bt = _scores(q, k, cfg).cpu().double().masked_fill(~seen, float("-inf"))
     fin = bref.isfinite()
     assert torch.equal(fin, bt.isfinite()) and torch.equal(bref[~fin], bt[~fin])

@@ -77,6 +77,18 @@ def test_kernel_matches_torch_with_raw_forced_values_and_small_tiles(dev, monkey
         _check(*_inputs(2, 2, 109, cfg, evict, seed=3, device=dev, forced_inf=False), cfg)
 
 
+@pytest.mark.parametrize("splits", [4])
+def test_kernel_matches_torch_with_rows_split_over_programs(dev, monkeypatch, splits):
+    """Each (block, KV head) ranked by several programs, each taking a slice of the block's rows, on a
+    packed batch that reaches the narrower width classes."""
+    import nosa_layers.ops.topk as topk
+
+    monkeypatch.setattr(topk, "ROW_SPLITS", splits)
+    cfg = tiny_cfg(topk=12, select_blocks=5)
+    for evict in (True, False):
+        _check(*_inputs(1, 2, 450, cfg, evict, seed=5 + splits, cu=[0, 90, 90, 450], device=dev), cfg)
+
+
 def test_wide_rows_fall_back_to_torch(dev, monkeypatch):
     import nosa_layers.ops.topk as topk
 
