@@ -438,18 +438,19 @@ def selection_bench(T, HQ, dense_ms, sweep_lse: bool):
             bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
             _, ws = compress(k, bias, layout, cfg, q.dtype)
             best = None
-            old = (topk_mod.TILE, topk_mod.ROW_SPLITS)
+            live = topk_mod.TOPK_CONFIG["cuda"]
+            old = dict(live)
             for tile in (256, 512, 1024, 2048):
-                for splits in (1, 2, 4, 8):
-                    topk_mod.TILE, topk_mod.ROW_SPLITS = tile, splits
+                for splits in (1, 2, 4, 8, 16):
+                    live.update(TILE=tile, ROW_SPLITS=splits)
                     t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
                     emit(kind="sel_sweep", kernel="topk", TILE=tile, ROW_SPLITS=splits, T=T, HQ=HQ, topk_ms=t)
                     best = best if best is not None and best[0] <= t else (t, tile, splits)
-            topk_mod.TILE, topk_mod.ROW_SPLITS = best[1:] if best else old
+            live.update(old if best is None else dict(TILE=best[1], ROW_SPLITS=best[2]))
         t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
         selection_breakdown(q, k, bias, cfg, t_sel, case="smooth" if smooth else "iid",
                             selection_over_p1_forward=round(t_sel / fwd_ms, 3), lse_config=dict(SEL_CONFIG["lse"]),
-                            topk_tile=topk_mod.TILE, topk_row_splits=getattr(topk_mod, "ROW_SPLITS", 1))
+                            topk_config=dict(getattr(topk_mod, "TOPK_CONFIG", {}).get("cuda", {})))
 
 
 def selection_breakdown(q, k, bias, cfg, total_ms, **extra):

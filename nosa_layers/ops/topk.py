@@ -38,8 +38,15 @@ from ._common import UNSPECIALIZED
 from .layout import BlockLayout
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
-TILE = 1024  # rows x padded blocks per register tile (H200, with the early exit: 256..1024 within 4% at 32K)
-ROW_SPLITS = 1  # programs per (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows
+# Launch parameters: ``TILE`` rows x padded blocks per register tile and ``ROW_SPLITS`` programs per
+# (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows. H200 (bench/attention.py
+# --selection --sel-sweep): 256 x 8 took the top-k from 0.75 to 0.56 ms at 32K/32 and from 0.40 to
+# 0.18 ms at 16K/16 against 1024 x 1 (more programs hide the latency of the counting passes). The
+# interpreter (CPU tests) runs fewer, longer programs, which it runs faster.
+TOPK_CONFIG = {
+    "cuda": dict(TILE=256, ROW_SPLITS=8),
+    "interpreter": dict(TILE=1024, ROW_SPLITS=1),
+}
 
 
 @triton.jit
@@ -178,8 +185,9 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
         return out.zero_()
     # Few compiled variants: widths up to 64 blocks share one (packed batches bring new lengths).
     NBP = max(triton.next_power_of_2(nb), 64)
-    RS = max(1, min(ROW_SPLITS, cfg.block_size))
-    BR = min(cfg.block_size // RS, max(1, TILE // NBP))
+    launch = TOPK_CONFIG["cuda" if b_qa.is_cuda else "interpreter"]
+    RS = max(1, min(launch["ROW_SPLITS"], cfg.block_size))
+    BR = min(cfg.block_size // RS, max(1, launch["TILE"] // NBP))
     bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
     _select_kernel[(layout.n_blocks, Hkv, RS)](
         b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,

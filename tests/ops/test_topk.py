@@ -71,7 +71,8 @@ def test_kernel_matches_torch_with_raw_forced_values_and_small_tiles(dev, monkey
     """Forced blocks not +inf (ranked by value in stage 1), several row tiles per block."""
     import nosa_layers.ops.topk as topk
 
-    monkeypatch.setattr(topk, "TILE", 256)  # 4 rows per step at 64 padded blocks
+    for kind in ("cuda", "interpreter"):  # 4 rows per step at 64 padded blocks
+        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(TILE=256, ROW_SPLITS=1))
     cfg = tiny_cfg()
     for evict in (True, False):
         _check(*_inputs(2, 2, 109, cfg, evict, seed=3, device=dev, forced_inf=False), cfg)
@@ -83,7 +84,8 @@ def test_kernel_matches_torch_with_rows_split_over_programs(dev, monkeypatch, sp
     packed batch that reaches the narrower width classes."""
     import nosa_layers.ops.topk as topk
 
-    monkeypatch.setattr(topk, "ROW_SPLITS", splits)
+    for kind in ("cuda", "interpreter"):
+        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(TILE=1024, ROW_SPLITS=splits))
     cfg = tiny_cfg(topk=12, select_blocks=5)
     for evict in (True, False):
         _check(*_inputs(1, 2, 450, cfg, evict, seed=5 + splits, cu=[0, 90, 90, 450], device=dev), cfg)
