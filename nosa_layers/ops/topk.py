@@ -186,7 +186,9 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
     # Few compiled variants: widths up to 64 blocks share one (packed batches bring new lengths).
     NBP = max(triton.next_power_of_2(nb), 64)
     launch = TOPK_CONFIG["cuda" if b_qa.is_cuda else "interpreter"]
-    RS = max(1, min(launch["ROW_SPLITS"], cfg.block_size))
+    if any(v < 1 or v & (v - 1) for v in (launch["TILE"], launch["ROW_SPLITS"])):
+        raise ValueError(f"nosa_layers.ops: TOPK_CONFIG needs powers of two for TILE and ROW_SPLITS, got {launch}")
+    RS = min(launch["ROW_SPLITS"], cfg.block_size)
     BR = min(cfg.block_size // RS, max(1, launch["TILE"] // NBP))
     bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
     _select_kernel[(layout.n_blocks, Hkv, RS)](

@@ -91,6 +91,16 @@ def test_kernel_matches_torch_with_rows_split_over_programs(dev, monkeypatch, sp
         _check(*_inputs(1, 2, 450, cfg, evict, seed=5 + splits, cu=[0, 90, 90, 450], device=dev), cfg)
 
 
+def test_launch_settings_must_be_powers_of_two(dev, monkeypatch):
+    import nosa_layers.ops.topk as topk
+
+    for kind in ("cuda", "interpreter"):  # 3 splits of a 16-row block would leave a row unranked
+        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(TILE=1024, ROW_SPLITS=3))
+    cfg = tiny_cfg()
+    with pytest.raises(ValueError, match="powers of two"):
+        _check(*_inputs(1, 1, 90, cfg, True, seed=1, device=dev), cfg)
+
+
 def test_wide_rows_fall_back_to_torch(dev, monkeypatch):
     import nosa_layers.ops.topk as topk
 
