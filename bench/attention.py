@@ -372,14 +372,16 @@ def config_sweep(kind, candidates, T, HQ, dense_ms):
 
 
 def sweep_selection(T, HQ):
-    """Pick the fastest launch config of each selection scoring kernel (block_scores_triton time)."""
-    q, k, _, _ = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
+    """Pick the fastest launch config of each selection scoring kernel (block_scores_triton time) and
+    of the top-k kernel (register tile x row splits), on iid inputs."""
+    q, k, _, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
     cfg = NOSAConfig()
     layout = block_layout(1, T, None, cfg.block_size, q.device)
     kc, _ = compress(k, None, layout, cfg, q.dtype)
-    space = {
-        "lse": [dict(BW=bw, num_warps=nw, num_stages=ns) for bw, nw, ns in
-                ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2))],
+    space = {  # LSE: query heads per program (one compressed-key tile feeds HP x 64 rows), keys per step
+        "lse": [dict(BW=bw, HP=hp, num_warps=nw, num_stages=ns) for hp, bw, nw, ns in
+                ((1, 64, 4, 2), (2, 64, 4, 2), (2, 64, 8, 2), (4, 64, 8, 2), (2, 128, 8, 2), (4, 32, 8, 2),
+                 (2, 64, 4, 3))],
         "block": [dict(NW=w, num_warps=nw, num_stages=ns) for w, nw, ns in
                   ((256, 8, 2), (128, 8, 2), (128, 4, 2), (64, 4, 2), (256, 8, 1))],
     }
@@ -398,56 +400,35 @@ def sweep_selection(T, HQ):
             SEL_CONFIG[kern] = old
         if best:
             SEL_CONFIG[kern] = best[1]
+    # top-k: elements per register tile (rows per step = TILE / width class) x programs per (KV block, KV head)
+    bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
+    _, ws = compress(k, bias, layout, cfg, q.dtype)
+    live = topk_mod.TOPK_CONFIG["cuda"]
+    best = None
+    for tile in (256, 512, 1024, 2048):
+        for splits in (1, 2, 4, 8, 16):
+            live.update(TILE=tile, ROW_SPLITS=splits)
+            t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
+            emit(kind="sweep", kernel="topk", cfg=dict(live), T=T, HQ=HQ, ms=t)
+            if best is None or t < best[0]:
+                best = (t, dict(live))
+    live.update(best[1])
 
 
-# LSE scoring kernel: query heads per program (one compressed-key tile feeds HP x 64 rows), keys per
-# step, warps (block-score kernel fixed at its tuned setting)
-LSE_CANDIDATES = [dict(BW=bw, HP=hp, num_warps=w, num_stages=2) for hp, bw, w in (
-    (1, 64, 4), (2, 64, 4), (2, 64, 8), (4, 64, 8), (2, 128, 8), (4, 32, 8))]
-
-
-def selection_bench(T, HQ, dense_ms, sweep_lse: bool):
+def selection_bench(T, HQ, dense_ms, sweep_first: bool):
     """The selection target: its stages on iid and smooth synthetic inputs against the sparse forward
-    of the P1 lists (``selection / forward``), optionally after picking the fastest LSE launch setting."""
+    of the P1 lists (``selection / forward``), optionally after ``sweep_selection``."""
     cfg = NOSAConfig()
     _, sel, keys = p1_lists(T, seed=1)
     ours(T, HQ, sel, keys, dense_ms, "ours_p1_db", cfg, make_inputs(T, HQ))
     del sel
     fwd_ms = ROWS[-1]["fwd_ms"]
+    if sweep_first:
+        sweep_selection(T, HQ)
     for smooth in (0, 1):
         q, k, _, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
-        if sweep_lse and smooth == 0:
-            layout = block_layout(1, T, None, cfg.block_size, q.device)
-            kc, _ = compress(k, None, layout, cfg, q.dtype)
-            best = None
-            for c in LSE_CANDIDATES:
-                old = SEL_CONFIG["lse"]
-                SEL_CONFIG["lse"] = c
-                try:
-                    t = bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0]
-                    emit(kind="sel_sweep", kernel="sel_lse", cfg=c, T=T, HQ=HQ, scoring_ms=t)
-                    best = best if best is not None and best[0] <= t else (t, c)
-                except Exception as e:  # noqa: BLE001
-                    emit(kind="sel_sweep", kernel="sel_lse", cfg=c, T=T, HQ=HQ,
-                         error=(type(e).__name__ + ": " + str(e))[:300])
-                SEL_CONFIG["lse"] = old
-            if best:
-                SEL_CONFIG["lse"] = best[1]
-            # top-k kernel: elements per register tile (rows per step = TILE / width class) and programs
-            # per (KV block, KV head)
-            bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
-            _, ws = compress(k, bias, layout, cfg, q.dtype)
-            best = None
-            live = topk_mod.TOPK_CONFIG["cuda"]
-            old = dict(live)
-            for tile in (256, 512, 1024, 2048):
-                for splits in (1, 2, 4, 8, 16):
-                    live.update(TILE=tile, ROW_SPLITS=splits)
-                    t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
-                    emit(kind="sel_sweep", kernel="topk", TILE=tile, ROW_SPLITS=splits, T=T, HQ=HQ, topk_ms=t)
-                    best = best if best is not None and best[0] <= t else (t, tile, splits)
-            live.update(old if best is None else dict(TILE=best[1], ROW_SPLITS=best[2]))
         t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
+        # (getattr: the same script also times older trees, which had no TOPK_CONFIG)
         selection_breakdown(q, k, bias, cfg, t_sel, case="smooth" if smooth else "iid",
                             selection_over_p1_forward=round(t_sel / fwd_ms, 3), lse_config=dict(SEL_CONFIG["lse"]),
                             topk_config=dict(getattr(topk_mod, "TOPK_CONFIG", {}).get("cuda", {})))
@@ -669,7 +650,8 @@ def main():
                     help="only the dK/dV piece length / partial-slot budget sweep at every shape")
     ap.add_argument("--selection", action="store_true",
                     help="only the selection: its stages on iid / smooth inputs against the P1 forward, at every shape")
-    ap.add_argument("--sel-sweep", action="store_true", help="with --selection: first pick the LSE kernel's launch setting")
+    ap.add_argument("--sel-sweep", action="store_true",
+                    help="with --selection: first pick the scoring and top-k kernels' launch settings")
     ap.add_argument("--tiles64", action="store_true", help="also the NOSA lists with 64-token tiles of one head")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining Flex runs past this")
     args = ap.parse_args()

@@ -171,6 +171,17 @@ def width_classes(nbp: int, k2: int) -> int:
     return max(1, (nbp // low).bit_length()) if nbp >= low else 1
 
 
+def launch_shape(nbp: int, block: int, kind: str) -> tuple[int, int, int]:
+    """Rows per register tile, programs per (KV block, KV head) and warps of the top-k kernel for
+    ``nbp`` padded blocks, from ``TOPK_CONFIG[kind]`` (``cuda`` or ``interpreter``)."""
+    launch = TOPK_CONFIG[kind]
+    if any(v < 1 or v & (v - 1) for v in (launch["TILE"], launch["ROW_SPLITS"])):
+        raise ValueError(f"nosa_layers.ops: TOPK_CONFIG needs powers of two for TILE and ROW_SPLITS, got {launch}")
+    splits = min(launch["ROW_SPLITS"], block)
+    rows = min(block // splits, max(1, launch["TILE"] // nbp))
+    return rows, splits, max(2, min(16, rows * nbp // 512))
+
+
 def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig) -> Tensor:
     """Both top-k stages fused (see the module docstring): bool ``[B, Hkv, T, nb]``.
 
@@ -185,18 +196,14 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
         return out.zero_()
     # Few compiled variants: widths up to 64 blocks share one (packed batches bring new lengths).
     NBP = max(triton.next_power_of_2(nb), 64)
-    launch = TOPK_CONFIG["cuda" if b_qa.is_cuda else "interpreter"]
-    if any(v < 1 or v & (v - 1) for v in (launch["TILE"], launch["ROW_SPLITS"])):
-        raise ValueError(f"nosa_layers.ops: TOPK_CONFIG needs powers of two for TILE and ROW_SPLITS, got {launch}")
-    RS = min(launch["ROW_SPLITS"], cfg.block_size)
-    BR = min(cfg.block_size // RS, max(1, launch["TILE"] // NBP))
+    BR, RS, warps = launch_shape(NBP, cfg.block_size, "cuda" if b_qa.is_cuda else "interpreter")
     bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
     _select_kernel[(layout.n_blocks, Hkv, RS)](
         b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,
         *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3], nb,
         BR=BR, NBP=NBP, NCLS=width_classes(NBP, cfg.topk), RS=RS, BS=bs, KS=ks, ST=st, R=bs // st,
         E=-(-ks // st) - 1, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
-        num_warps=max(2, min(16, BR * NBP // 512)))
+        num_warps=warps)
     return out
 
 

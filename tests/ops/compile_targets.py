@@ -67,12 +67,10 @@ def cases(arch: str, G: int):
                                                     E=E, EP=1, INIT=1, LOCAL=16), {"Out": "*fp32"}, \
         c["num_warps"], c["num_stages"]
     for nbp in (64, 512):
-        tc = topk.TOPK_CONFIG["cuda"]
-        br = min(BS // tc["ROW_SPLITS"], max(1, tc["TILE"] // nbp))
-        yield f"topk_nb{nbp}", topk._select_kernel, dict(BR=br, NBP=nbp, NCLS=topk.width_classes(nbp, 64), RS=tc["ROW_SPLITS"], BS=BS,
-                                                          KS=KS, ST=ST, R=R, E=E,
-                                                          INIT=1, LOCAL=16, EVICT=True), \
-            {"Out": "*u8"}, max(2, min(16, br * nbp // 512)), 3
+        br, rs, warps = topk.launch_shape(nbp, BS, "cuda")
+        yield f"topk_nb{nbp}", topk._select_kernel, dict(BR=br, NBP=nbp, NCLS=topk.width_classes(nbp, 64), RS=rs,
+                                                          BS=BS, KS=KS, ST=ST, R=R, E=E, INIT=1, LOCAL=16,
+                                                          EVICT=True), {"Out": "*u8"}, warps, 3
 
 
 def main(G: int) -> None:
