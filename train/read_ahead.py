@@ -42,3 +42,8 @@ class StepBatches:
     def state_dict(self) -> dict:
         """The loader's state after the batches of the steps taken (none read ahead)."""
         return self._ahead[1] if self._ahead is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the loader at ``state``; batches read ahead from the old position are dropped."""
+        self._ahead = None
+        self.loader.load_state_dict(state)

@@ -196,7 +196,7 @@ class Trainer:
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
             self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
-            self.train_loader.load_state_dict(loader_state)
+            self.train_batches.load_state_dict(loader_state)
             self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))
             log0(env, f"resumed from {latest} at step {self.step}")
         elif cfg.init_from:

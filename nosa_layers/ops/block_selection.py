@@ -200,7 +200,7 @@ SEL_CONFIG = {
 
 def lse_heads_per_program(G: int) -> int:
     """Query heads per program of the LSE kernel: the largest divisor of G up to ``SEL_CONFIG``'s HP."""
-    return max(d for d in range(1, min(G, SEL_CONFIG["lse"].get("HP", 1)) + 1) if G % d == 0)
+    return max(d for d in range(1, min(G, SEL_CONFIG["lse"]["HP"]) + 1) if G % d == 0)
 
 
 def _pow2(x: int) -> bool:

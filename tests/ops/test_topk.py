@@ -50,6 +50,14 @@ def _check(b_qa, ws, layout, cfg):
     return got
 
 
+def _launch_settings(monkeypatch, **launch):
+    """The top-k kernel's launch settings for this test, on a GPU and under the interpreter alike."""
+    import nosa_layers.ops.topk as topk
+
+    for kind in ("cuda", "interpreter"):
+        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(launch))
+
+
 CASES = [
     pytest.param(tiny_cfg(), 2, 2, 97, None, id="tiny-B2-odd"),
     pytest.param(tiny_cfg(), 1, 1, 150, [0, 20, 20, 150], id="tiny-Hkv1-varlen"),
@@ -69,10 +77,7 @@ def test_kernel_matches_torch_on_ties(dev, cfg, B, Hkv, T, cu, evict):
 
 def test_kernel_matches_torch_with_raw_forced_values_and_small_tiles(dev, monkeypatch):
     """Forced blocks not +inf (ranked by value in stage 1), several row tiles per block."""
-    import nosa_layers.ops.topk as topk
-
-    for kind in ("cuda", "interpreter"):  # 4 rows per step at 64 padded blocks
-        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(TILE=256, ROW_SPLITS=1))
+    _launch_settings(monkeypatch, TILE=256, ROW_SPLITS=1)  # 4 rows per step at 64 padded blocks
     cfg = tiny_cfg()
     for evict in (True, False):
         _check(*_inputs(2, 2, 109, cfg, evict, seed=3, device=dev, forced_inf=False), cfg)
@@ -82,20 +87,14 @@ def test_kernel_matches_torch_with_raw_forced_values_and_small_tiles(dev, monkey
 def test_kernel_matches_torch_with_rows_split_over_programs(dev, monkeypatch, splits):
     """Each (block, KV head) ranked by several programs, each taking a slice of the block's rows, on a
     packed batch that reaches the narrower width classes."""
-    import nosa_layers.ops.topk as topk
-
-    for kind in ("cuda", "interpreter"):
-        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(TILE=1024, ROW_SPLITS=splits))
+    _launch_settings(monkeypatch, TILE=1024, ROW_SPLITS=splits)
     cfg = tiny_cfg(topk=12, select_blocks=5)
     for evict in (True, False):
         _check(*_inputs(1, 2, 450, cfg, evict, seed=5 + splits, cu=[0, 90, 90, 450], device=dev), cfg)
 
 
 def test_launch_settings_must_be_powers_of_two(dev, monkeypatch):
-    import nosa_layers.ops.topk as topk
-
-    for kind in ("cuda", "interpreter"):  # 3 splits of a 16-row block would leave a row unranked
-        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(TILE=1024, ROW_SPLITS=3))
+    _launch_settings(monkeypatch, TILE=1024, ROW_SPLITS=3)  # 3 splits of a 16-row block would leave a row unranked
     cfg = tiny_cfg()
     with pytest.raises(ValueError, match="powers of two"):
         _check(*_inputs(1, 1, 90, cfg, True, seed=1, device=dev), cfg)

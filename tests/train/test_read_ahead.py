@@ -23,6 +23,9 @@ class _Loader:
     def state_dict(self):
         return {"consumed": self.n}
 
+    def load_state_dict(self, state):
+        self.n = state["consumed"]
+
 
 def test_batches_read_ahead_come_next_and_checkpoints_do_not_count_them():
     batches = StepBatches(_Loader(), per_step=2)
@@ -43,3 +46,11 @@ def test_a_failed_read_ahead_raises_at_the_step_that_needs_the_data():
     assert batches.state_dict() == {"consumed": 2}
     with pytest.raises(ValueError, match="bad sample in batch 4"):
         batches.take()
+
+
+def test_loading_a_state_drops_the_batches_read_ahead():
+    batches = StepBatches(_Loader(), per_step=2)
+    batches.take()
+    batches.read_ahead()  # batches 3, 4 from the old position
+    batches.load_state_dict({"consumed": 10})
+    assert batches.take() == [11, 12] and batches.state_dict() == {"consumed": 12}
