@@ -296,9 +296,11 @@ DKDV_CANDIDATES = [dict(dkdv=dict(blocks=b, rows=r, num_warps=w, num_stages=s)) 
     (1, 64, 4, 2), (1, 64, 8, 3), (2, 32, 8, 4), (2, 32, 8, 3), (2, 64, 8, 2))]
 
 
-# forward / dQ launch settings (one KV block per list entry; 128-key entries lost in session 7)
-FWD_CANDIDATES = [dict(fwd=dict(num_warps=w, num_stages=s), dq=dict(num_warps=w, num_stages=s))
-                  for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+# forward: the Triton kernel against the hand-scheduled Hopper kernel (attention_fwd_sm90: ring depth,
+# Q from shared memory or registers); the backward is the same in every candidate
+FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=s, q_regs=r)) for i, s, r in (
+    ("triton", 2, False), ("gluon", 2, False), ("gluon", 2, True), ("gluon", 3, True), ("gluon", 3, False),
+    ("gluon", 4, False))]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

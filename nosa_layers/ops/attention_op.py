@@ -29,17 +29,23 @@ from .sparse_index import SparseIndex, largest_divisor
 # 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
 # kernel under 100 KB of shared memory and its measured piece settings (the balance sweep ran on the
 # H200 only); ``test_arch`` compiles every kernel for both targets.
+# ``fwd.impl = "gluon"``: on sm90 GPUs the forward takes the hand-scheduled Hopper kernel
+# (``attention_fwd_sm90``: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, Q as a register
+# operand with ``q_regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
+# other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
+# bench/attention.py --fwd-sweep on the H200: 15-24% faster than the Triton forward; 4 slots lose
+# (one program per SM).
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", q_regs=True),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
         "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK="auto", SLOTS=16384, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="triton", q_regs=False),
         "dq": dict(rows=64, num_warps=4, num_stages=2),
         "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
@@ -56,6 +62,18 @@ def arch(device: torch.device) -> str:
 
 def launch_config(device: torch.device) -> dict:
     return CONFIG[arch(device)]
+
+
+def hopper_forward(q: Tensor, idx: SparseIndex, hp: int, cfg: dict) -> bool:
+    """Whether the forward takes the hand-scheduled Hopper kernel (``attention_fwd_sm90``): asked for
+    by ``fwd.impl = "gluon"``, compiled on an sm90 GPU (wgmma is Hopper-only), and a shape it is
+    written for; anything else takes the Triton kernel, which computes the same."""
+    if cfg["impl"] not in ("triton", "gluon"):
+        raise ValueError(f"nosa_layers.ops: fwd.impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
+    if cfg["impl"] != "gluon" or interpreting() or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from . import attention_fwd_sm90
+    return attention_fwd_sm90.supported(q, idx.block, hp * idx.qt)
 
 
 POISON_OUTPUTS = False  # tests: fill every output buffer with NaN before the kernels write it
@@ -112,7 +130,11 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     cfg = launch_config(q.device)["fwd"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
-    if grid[0]:
+    if grid[0] and hopper_forward(q, idx, hp, cfg):
+        from . import attention_fwd_sm90
+        attention_fwd_sm90.launch(q, k, v, bias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
+                                  cfg["q_regs"], _strides_bias(bias))
+    elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
