@@ -296,11 +296,12 @@ DKDV_CANDIDATES = [dict(dkdv=dict(blocks=b, rows=r, num_warps=w, num_stages=s)) 
     (1, 64, 4, 2), (1, 64, 8, 3), (2, 32, 8, 4), (2, 32, 8, 3), (2, 64, 8, 2))]
 
 
-# forward: the Triton kernel against the hand-scheduled Hopper kernel (attention_fwd_sm90: ring depth,
-# Q from shared memory or registers); the backward is the same in every candidate
-FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=s, q_regs=r)) for i, s, r in (
-    ("triton", 2, False), ("gluon", 2, False), ("gluon", 2, True), ("gluon", 3, True), ("gluon", 3, False),
-    ("gluon", 4, False))]
+# forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90: ring depth,
+# A operands Q / dO from shared memory or registers); dK/dV is the same in every candidate
+FWD_CANDIDATES = [dict(fwd=dict(impl=fi, num_stages=2, regs=True), dq=dict(impl=qi, num_stages=qs, regs=qr))
+                  for fi, qi, qs, qr in (("triton", "triton", 2, False), ("gluon", "triton", 2, False),
+                                         ("gluon", "gluon", 2, False), ("gluon", "gluon", 2, True),
+                                         ("gluon", "gluon", 3, False))]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

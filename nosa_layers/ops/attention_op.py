@@ -29,9 +29,9 @@ from .sparse_index import SparseIndex, largest_divisor
 # 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
 # kernel under 100 KB of shared memory and its measured piece settings (the balance sweep ran on the
 # H200 only); ``test_arch`` compiles every kernel for both targets.
-# ``fwd.impl = "gluon"``: on sm90 GPUs the forward takes the hand-scheduled Hopper kernel
-# (``attention_fwd_sm90``: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, Q as a register
-# operand with ``q_regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
+# ``impl = "gluon"`` (forward, dQ): on sm90 GPUs the kernel is the hand-scheduled Hopper one
+# (``attention_sm90``: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, the A operands Q / dO
+# in registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
 # other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
 # bench/attention.py --fwd-sweep on the H200: 15-24% faster than the Triton forward; 4 slots lose
 # (one program per SM).
@@ -39,14 +39,14 @@ from .sparse_index import SparseIndex, largest_divisor
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", q_regs=True),
-        "dq": dict(rows=64, num_warps=4, num_stages=2),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
+        "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
         "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK="auto", SLOTS=16384, blocks=2),
     },
     "sm80": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="triton", q_regs=False),
-        "dq": dict(rows=64, num_warps=4, num_stages=2),
+        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="triton", regs=False),
+        "dq": dict(rows=64, num_warps=4, num_stages=2, impl="triton", regs=False),
         "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
     },
 }
@@ -64,16 +64,17 @@ def launch_config(device: torch.device) -> dict:
     return CONFIG[arch(device)]
 
 
-def hopper_forward(q: Tensor, idx: SparseIndex, hp: int, cfg: dict) -> bool:
-    """Whether the forward takes the hand-scheduled Hopper kernel (``attention_fwd_sm90``): asked for
-    by ``fwd.impl = "gluon"``, compiled on an sm90 GPU (wgmma is Hopper-only), and a shape it is
-    written for; anything else takes the Triton kernel, which computes the same."""
+def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict) -> bool:
+    """Whether the forward or dQ (``cfg``: its launch settings) takes the hand-scheduled Hopper kernel
+    (``attention_sm90``): asked for by ``impl = "gluon"``, compiled on an sm90 GPU (wgmma is
+    Hopper-only), and a shape it is written for; anything else takes the Triton kernel, which
+    computes the same."""
     if cfg["impl"] not in ("triton", "gluon"):
-        raise ValueError(f"nosa_layers.ops: fwd.impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
+        raise ValueError(f"nosa_layers.ops: impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
     if cfg["impl"] != "gluon" or interpreting() or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    from . import attention_fwd_sm90
-    return attention_fwd_sm90.supported(q, idx.block, hp * idx.qt)
+    from . import attention_sm90
+    return attention_sm90.supported(q, idx.block, hp * idx.qt)
 
 
 POISON_OUTPUTS = False  # tests: fill every output buffer with NaN before the kernels write it
@@ -130,10 +131,10 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     cfg = launch_config(q.device)["fwd"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
-    if grid[0] and hopper_forward(q, idx, hp, cfg):
-        from . import attention_fwd_sm90
-        attention_fwd_sm90.launch(q, k, v, bias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
-                                  cfg["q_regs"], _strides_bias(bias))
+    if grid[0] and hopper_kernel(q, idx, hp, cfg):
+        from . import attention_sm90
+        attention_sm90.launch_forward(q, k, v, bias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
+                                      cfg["regs"], _strides_bias(bias))
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,
@@ -165,13 +166,18 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     launch = launch_config(q.device)
     cfg = launch["dq"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
-    _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
-        q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
-        idx.n_tiles, idx.cap,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-        *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if hopper_kernel(q, idx, hp, cfg):
+        from . import attention_sm90
+        attention_sm90.launch_dq(q, k, v, bias, do, lse, delta, dq, idx, idx.n_tiles * Hkv * (G // hp), hp,
+                                 scale * LOG2E, scale, cfg["num_stages"], cfg["regs"], _strides_bias(bias))
+    else:
+        _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
+            q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
+            idx.n_tiles, idx.cap,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+            *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
+            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     dbs = db.stride() if need_db else (0, 0, 0)

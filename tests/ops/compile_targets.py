@@ -1,18 +1,24 @@
 """Compile every NOSA Triton kernel for the sm80 (A100 / A800) and sm90 (H100 / H200) targets with
-the launch configuration each would get, without a GPU; prints one JSON line per kernel and target
-(shared memory in bytes). Run by ``test_arch.py`` in a process without ``TRITON_INTERPRET``."""
+the launch configuration each would get, without a GPU, and the hand-scheduled Gluon kernels
+(``attention_sm90``) for sm90; prints one JSON line per kernel and target (shared memory in bytes).
+Arguments get the specialisation a real launch gives them (pointers and strides that are multiples of
+16 marked so, unit strides constant), so loads vectorise and pipeline as on the GPU and the shared
+memory is what the GPU would allocate. Run by ``test_arch.py`` in a process without
+``TRITON_INTERPRET``."""
 
 import json
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
 
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import topk
+from nosa_layers.ops import attention_sm90, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program
 from nosa_layers.ops.sparse_index import query_tile
 
@@ -20,6 +26,9 @@ FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
 FLOATS = {"qk_scale", "sm_scale"}
 INT_ARGS = {"T", "H", "K1", "K2", "NBW"}  # upper-case scalars
+UNIT = {"s_bh", "s_db_h"}  # strides of 1 in a real launch (the bias / db head stride): constants
+# scalars that are not multiples of 16 in a real launch (counts, the bias / db token stride = Hkv)
+NOT_DIV16 = {"s_bt", "s_db_t", "n_tiles", "cap", "n_lists", "chunk", "T", "H", "NBW", "K1", "K2"}
 
 
 def signature(fn, const: dict, ptr: dict) -> dict:
@@ -35,6 +44,21 @@ def signature(fn, const: dict, ptr: dict) -> dict:
         else:
             sig[n] = "fp32" if n in FLOATS else "i32"
     return sig
+
+
+def specialise(fn, const: dict, ptr: dict):
+    """(signature, constants, attributes) of a real launch: unit strides constant, pointers and the
+    other integer arguments marked divisible by 16 (Triton's runtime specialisation)."""
+    const = dict(const, **{p.name: 1 for p in fn.params if p.name in UNIT and p.name not in const})
+    sig = signature(fn, const, ptr)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+             if sig[p.name].startswith("*") or (sig[p.name] == "i32" and p.name not in NOT_DIV16)}
+    return sig, const, attrs
+
+
+def kv_descriptor_type() -> str:
+    """Signature of a K/V TMA descriptor argument (``attention_sm90.kv_descriptor``, D = 128)."""
+    return mangle_type(attention_sm90.kv_descriptor(torch.empty(1, 256, 2, 128, dtype=torch.bfloat16), 64))
 
 
 def cases(arch: str, G: int):
@@ -73,10 +97,27 @@ def cases(arch: str, G: int):
                                                           EVICT=True), {"Out": "*u8"}, warps, 3
 
 
+def gluon_cases(G: int):
+    """The Gluon kernels with sm90's launch settings (``impl = "gluon"``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    cfg = CONFIG["sm90"]
+    qt, _ = query_tile(G, 64, cfg["tile"]["rows"])
+    desc = kv_descriptor_type()
+    ptr = {"k_desc": desc, "v_desc": desc, "Word": "*i64" if qt > 32 else "*i32"}
+    for name, fn in (("fwd", attention_sm90._fwd_kernel_sm90), ("dq", attention_sm90._bwd_dq_kernel_sm90)):
+        c = cfg[name]
+        const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
+                     STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
+        yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
+
+
 def main(G: int) -> None:
     for arch, cap in (("sm80", 80), ("sm90", 90)):
-        for name, fn, const, ptr, warps, stages in cases(arch, G):
-            k = triton.compile(ASTSource(fn, signature(fn, const, ptr), const), target=GPUTarget("cuda", cap, 32),
+        rows = [(n, ASTSource, fn, const, ptr, w, st) for n, fn, const, ptr, w, st in cases(arch, G)]
+        rows += list(gluon_cases(G)) if arch == "sm90" else []
+        for name, source, fn, const, ptr, warps, stages in rows:
+            sig, const, attrs = specialise(fn, const, ptr)
+            k = triton.compile(source(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
                                options=dict(num_warps=warps, num_stages=stages))
             print(json.dumps(dict(arch=arch, kernel=name, G=G, shared=k.metadata.shared)), flush=True)
 

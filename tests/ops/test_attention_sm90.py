@@ -1,0 +1,108 @@
+"""The hand-scheduled Hopper forward and dQ (``attention_sm90``, Gluon: TMA ring + overlapped wgmma)
+against the PyTorch reference and the Triton kernels, on an sm90 GPU only (wgmma is Hopper-only and
+Gluon has no interpreter): bf16 / fp16, head dims 64 and 128, GQA ratios 1-16, odd lengths, packed
+documents, two batch rows (a block past the last row's end is zero-filled by TMA, one past the
+first row's end reads the next row's first keys, masked), ring depths 2-4, A operands from shared
+memory or registers. The sm90 compile check of ``test_arch`` covers both kernels on CPU."""
+
+import pytest
+import torch
+
+from nosa_layers import NOSAConfig, document_spans, nosa_attention, select_blocks
+from nosa_layers.ops import attention_op, build_sparse_index, sparse_attention
+from tests.nosa.common import random_qkvs
+from tests.ops.helpers import reference_grads
+
+
+@pytest.fixture
+def hopper(cuda):
+    if torch.cuda.get_device_capability(cuda) != (9, 0):
+        pytest.skip("needs an sm90 (Hopper) GPU")
+    return cuda
+
+
+def _config(monkeypatch, kernel, **over):
+    cfg = attention_op.CONFIG["sm90"]
+    monkeypatch.setitem(cfg, kernel, dict(cfg[kernel], **over))
+
+
+CFG = NOSAConfig(topk=12, local_blocks=2, select_blocks=6).validate()  # partial selections at T ~ 2-3K
+CASES = [  # B, T, Hq, Hkv, D, cu_seqlens, dtype
+    pytest.param(1, 3000, 16, 2, 128, None, torch.bfloat16, id="G8-T3000-D128"),
+    pytest.param(1, 2113, 16, 1, 128, [0, 700, 701, 2113], torch.bfloat16, id="G16-docs"),
+    pytest.param(2, 1100, 16, 2, 128, None, torch.bfloat16, id="B2-G8"),
+    pytest.param(1, 2500, 8, 2, 64, [0, 1000, 2500], torch.float16, id="G4-D64-fp16"),
+    pytest.param(1, 1999, 2, 2, 128, None, torch.bfloat16, id="G1-T1999"),
+]
+
+
+def _inputs(dev, B, T, Hq, Hkv, D, cu, dtype, seed):
+    q, k, v, s = (x.to(dev) for x in random_qkvs(B, T, Hq, Hkv, D, dtype=torch.float32, seed=seed))
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    sel = select_blocks(q, k, s, CFG, cu_seqlens=cu_t)
+    idx = build_sparse_index(sel, CFG, T, cu_t, num_q_heads=Hq)
+    return q.to(dtype), k.to(dtype), v.to(dtype), s, sel, idx, cu_t
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("stages,regs", [(2, False), (3, True), (4, False)], ids=["s2", "s3-regs", "s4"])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES)
+def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages, regs):
+    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=T + Hq + stages)
+    _config(monkeypatch, "fwd", impl="triton")
+    want_o, want_lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=regs)
+    assert attention_op.hopper_kernel(q, idx, attention_op.heads_per_program(Hq // Hkv, idx.qt, 64),
+                                      attention_op.CONFIG["sm90"]["fwd"])
+    got_o, got_lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    assert torch.isfinite(got_o).all()
+    valid = torch.isfinite(want_lse)
+    assert torch.equal(valid, torch.isfinite(got_lse))
+    assert (got_lse[valid] - want_lse[valid]).abs().max().item() < 2e-3
+    assert _max_err(got_o, want_o) < 2e-2
+    ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), CFG, selected=sel, cu_seqlens=cu_t)
+    assert _max_err(got_o, ref) < 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("stages,regs", [(2, False), (2, True), (3, False)], ids=["s2", "s2-regs", "s3"])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES)
+def test_hopper_dq_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages, regs):
+    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=3 * T + Hq + stages)
+    o, lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    do = torch.randn_like(o)
+    _config(monkeypatch, "dq", impl="triton")
+    want = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, D ** -0.5, True)
+    _config(monkeypatch, "dq", impl="gluon", num_stages=stages, regs=regs)
+    got = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, D ** -0.5, True)
+    assert torch.isfinite(got[0]).all()
+    assert _max_err(got[0], want[0]) <= 2e-2 * want[0].abs().max().item()
+    for a, b in zip(got[1:], want[1:]):  # dK, dV, db: the same kernels
+        assert torch.equal(a, b)
+    xs = [x.double().requires_grad_(True) for x in (q, k, v)]
+    _, ref = reference_grads(*xs, s.double().requires_grad_(True), sel, CFG, do.double(), document_spans(cu_t, T))
+    assert _max_err(got[0], ref[0]) <= 3e-2 * ref[0].abs().max().item()
+
+
+def test_hopper_kernels_train_like_triton(hopper, monkeypatch):
+    """Training through both Hopper kernels: output and every gradient match the Triton kernels'."""
+    q, k, v, s, sel, idx, _ = _inputs(hopper, 1, 2300, 16, 2, 128, None, torch.bfloat16, seed=7)
+    do = torch.randn_like(q)
+    grads = {}
+    for impl in ("triton", "gluon"):
+        _config(monkeypatch, "fwd", impl=impl)
+        _config(monkeypatch, "dq", impl=impl)
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        b = s.clone().requires_grad_(True)
+        out = sparse_attention(*xs, idx, bias=b)
+        grads[impl] = (out, *torch.autograd.grad(out, [*xs, b], do))
+    for name, a, w in zip(("out", "dq", "dk", "dv", "db"), grads["gluon"], grads["triton"]):
+        assert _max_err(a, w) <= 2e-2 * w.float().abs().max().item(), name
+
+
+def test_impl_is_checked(monkeypatch):
+    _config(monkeypatch, "fwd", impl="cuda")
+    with pytest.raises(ValueError, match="impl must be"):
+        attention_op.hopper_kernel(torch.zeros(1, 64, 8, 128), None, 8, attention_op.CONFIG["sm90"]["fwd"])
