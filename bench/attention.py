@@ -292,8 +292,10 @@ def sweep(T, HQ, dense_ms):
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
-DKDV_CANDIDATES = [dict(dkdv=dict(blocks=b, rows=r, num_warps=w, num_stages=s)) for b, r, w, s in (
-    (1, 64, 4, 2), (1, 64, 8, 3), (2, 32, 8, 4), (2, 32, 8, 3), (2, 64, 8, 2))]
+# dK/dV: the Triton kernel (two-block groups, 8 warps) against the hand-scheduled Hopper kernel
+# (attention_sm90: ring depth of the query / dO rows, rows per step)
+DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=2, rows=r, num_warps=8, num_stages=s)) for i, r, s in (
+    ("triton", 32, 4), ("gluon", 32, 4), ("gluon", 32, 3), ("gluon", 64, 3), ("gluon", 16, 4))]
 
 
 # forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90: ring depth,

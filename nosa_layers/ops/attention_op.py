@@ -41,13 +41,13 @@ CONFIG = {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
         "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
-        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK="auto", SLOTS=16384, blocks=2),
+        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK="auto", SLOTS=16384, blocks=2, impl="triton"),
     },
     "sm80": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="triton", regs=False),
         "dq": dict(rows=64, num_warps=4, num_stages=2, impl="triton", regs=False),
-        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1),
+        "dkdv": dict(rows=64, num_warps=4, num_stages=2, CHUNK=1024, SLOTS=512, blocks=1, impl="triton"),
     },
 }
 
@@ -64,16 +64,18 @@ def launch_config(device: torch.device) -> dict:
     return CONFIG[arch(device)]
 
 
-def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict) -> bool:
-    """Whether the forward or dQ (``cfg``: its launch settings) takes the hand-scheduled Hopper kernel
-    (``attention_sm90``): asked for by ``impl = "gluon"``, compiled on an sm90 GPU (wgmma is
-    Hopper-only), and a shape it is written for; anything else takes the Triton kernel, which
-    computes the same."""
+def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "query") -> bool:
+    """Whether a kernel (``cfg``: its launch settings; ``kind``: "query" for the forward and dQ, "dkdv")
+    takes the hand-scheduled Hopper kernel (``attention_sm90``): asked for by ``impl = "gluon"``,
+    compiled on an sm90 GPU (wgmma is Hopper-only), and a shape it is written for; anything else
+    takes the Triton kernel, which computes the same."""
     if cfg["impl"] not in ("triton", "gluon"):
         raise ValueError(f"nosa_layers.ops: impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
     if cfg["impl"] != "gluon" or interpreting() or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     from . import attention_sm90
+    if kind == "dkdv":
+        return attention_sm90.supported_dkdv(q, idx.block, hp * idx.qt, idx.kb)
     return attention_sm90.supported(q, idx.block, hp * idx.qt)
 
 
@@ -186,13 +188,17 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     wdk = torch.empty(n_ws, N, D, dtype=torch.float32, device=q.device)
     wdv = torch.empty_like(wdk)
     wdb = torch.empty(n_ws, N, dtype=torch.float32, device=q.device)
-    _bwd_dkdv_kernel[(idx.max_pieces,)](
-        q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.layout.blocks, idx.inv_ptr,
-        idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
-        *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale,
-        HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (q, k, v, bias_arg, do, lse, delta, dk, dv, db_arg, wdk, wdv, wdb, idx.layout.blocks, idx.inv_ptr,
+            idx.inv_qs, idx.inv_word, idx.piece_ptr, idx.piece_list, idx.slot_ptr, idx.n_lists, idx.chunk,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
+            *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale)
+    if hopper_kernel(q, idx, hp, cfg, kind="dkdv"):
+        from . import attention_sm90
+        attention_sm90.launch_dkdv(args, hp, idx.kb, need_db, bias is not None, idx, cfg["num_stages"])
+    else:
+        _bwd_dkdv_kernel[(idx.max_pieces,)](
+            *args, HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](
         wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],
         *v.stride()[:3], *dbs, scale, HKV=Hkv, N=N, D=D, NEED_DB=need_db, num_warps=4)

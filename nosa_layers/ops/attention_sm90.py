@@ -24,11 +24,15 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import LOG2E, UNSPECIALIZED
+from ._common import UNSPECIALIZED
+
+# the CTA-wide barrier of Gluon: ``thread_barrier`` up to triton 3.6, ``barrier`` from 3.7
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 
 @gluon.jit
@@ -301,10 +305,199 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(tok_o < de, 1))
 
 
+@gluon.jit
+def _issue_rows(q_slot, do_slot, Q, DO, QStart, it, stop, qoff, dooff, qbase, dobase, rvalid_of, s_qt, s_qh, s_ot,
+                s_oh, de, NP: gl.constexpr, HP: gl.constexpr):
+    """cp.async loads of the query rows and dO rows of dK/dV step ``it`` (list entry ``it // NP``, head
+    pack ``it % NP``) into one ring slot, as one commit group (empty past ``stop``)."""
+    ok = it < stop
+    e = gl.where(ok, it // NP, 0)
+    pk = it % NP
+    qs = gl.load(QStart + e, mask=ok, other=0)
+    m = gl.expand_dims(ok & (qs + rvalid_of < de), 1)
+    async_copy.async_copy_global_to_shared(q_slot, Q + qbase + (qs.to(gl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=m)
+    async_copy.async_copy_global_to_shared(do_slot, DO + dobase + (qs.to(gl.int64) * s_ot + pk * HP * s_oh) + dooff,
+                                           mask=m)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])
+def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
+                          PiecePtr, PieceList, SlotPtr, n_lists, chunk,
+                          s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+                          s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
+                          HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
+                          KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
+                          STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV, db: the Triton kernel's programs (pieces of inverse lists of ``N = KB * BS``-key groups),
+    its partial slots and its outputs. The group's K and V sit in shared memory as the A operands of
+    ``S^T = K Q^T`` and ``dP^T = V dO^T``; the query and dO rows of each step (list entry x head pack)
+    arrive by cp.async into a ring of ``STAGES`` slots; ``dV += P^T dO`` and ``dK += dS^T Q`` of step
+    ``it - 1`` stay in flight while step ``it``'s probabilities and ``dS`` are computed."""
+    NP: gl.constexpr = G // HP
+    M: gl.constexpr = HP * QT
+    N: gl.constexpr = KB * BS
+    FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    key_t: gl.constexpr = gl.SliceLayout(1, t_layout)
+    row_t: gl.constexpr = gl.SliceLayout(0, t_layout)
+
+    pid = gl.program_id(0)
+    live = pid < gl.load(PiecePtr + n_lists)
+    lst = gl.load(PieceList + pid, mask=live, other=0)
+    piece = pid - gl.load(PiecePtr + lst)
+    slot0 = gl.load(SlotPtr + lst)
+    lo = gl.load(InvPtr + lst)
+    hi = gl.load(InvPtr + lst + 1)
+    e0 = gl.where(slot0 >= 0, lo + piece * chunk, lo)
+    e1 = gl.where(slot0 >= 0, gl.minimum(e0 + chunk, hi), hi)
+    e1 = gl.where(live, e1, e0)
+    slot = gl.where(slot0 >= 0, slot0 + piece, -1)
+    c = lst // HKV
+    h = lst % HKV
+    bk = gl.load(Blocks + c * 4 + 0).to(gl.int64)
+    ks = gl.load(Blocks + c * 4 + 1)
+    de = gl.load(Blocks + c * 4 + 3)
+
+    # the group's keys and values, resident in shared memory (rows past the document end zero)
+    offs_nl = gl.arange(0, N, layout=gl.SliceLayout(1, ld_layout))
+    offs_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+    kpl = gl.expand_dims((ks + offs_nl).to(gl.int64), 1)
+    kvl = gl.expand_dims(ks + offs_nl < de, 1)
+    k = gl.load(K + bk * s_kb + kpl * s_kt + h * s_kh + gl.expand_dims(offs_dl, 0), mask=kvl, other=0.0)
+    v = gl.load(V + bk * s_vb + kpl * s_vt + h * s_vh + gl.expand_dims(offs_dl, 0), mask=kvl, other=0.0)
+    k_smem = gl.allocate_shared_memory(k.dtype, [N, D], smem_layout, k)
+    v_smem = gl.allocate_shared_memory(v.dtype, [N, D], smem_layout, v)
+
+    offs_n = gl.arange(0, N, layout=key_t)
+    ktok = ks + offs_n
+    kvalid = ktok < de
+    if HAS_BIAS:
+        bias = gl.load(Bias + bk * s_bb + ktok.to(gl.int64) * s_bt + h * s_bh, mask=kvalid,
+                       other=0.0).to(gl.float32) * 1.4426950408889634
+    else:
+        bias = gl.zeros([N], gl.float32, key_t)
+    offs_m = gl.arange(0, M, layout=row_t)
+    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
+    loff = (offs_m % HP) * s_lh + r
+    lbase = LSE + bk * s_lb + (h * G) * s_lh
+    dbase = Delta + bk * s_lb + (h * G) * s_lh
+    # [M, D] row offsets of the query / dO tiles for the cp.async loads
+    offs_ml = gl.arange(0, M, layout=gl.SliceLayout(1, ld_layout))
+    rl = offs_ml // HP
+    qoff = gl.expand_dims(rl * s_qt + (offs_ml % HP) * s_qh, 1) + gl.expand_dims(offs_dl, 0)
+    dooff = gl.expand_dims(rl * s_ot + (offs_ml % HP) * s_oh, 1) + gl.expand_dims(offs_dl, 0)
+    qbase = bk * s_qb + (h * G) * s_qh
+    dobase = bk * s_ob + (h * G) * s_oh
+
+    q_smem = gl.allocate_shared_memory(k.dtype, [STAGES, M, D], smem_layout)
+    do_smem = gl.allocate_shared_memory(k.dtype, [STAGES, M, D], smem_layout)
+    it0 = e0 * NP
+    stop = e1 * NP
+    for j in gl.static_range(STAGES):
+        _issue_rows(q_smem.index(j), do_smem.index(j), Q, DO, QStart, it0 + j, stop, qoff, dooff, qbase, dobase, rl,
+                    s_qt, s_qh, s_ot, s_oh, de, NP, HP)
+
+    t_zero = gl.zeros([N, M], gl.float32, t_layout)
+    dk = gl.zeros([N, D], gl.float32, acc_layout)
+    dv = gl.zeros([N, D], gl.float32, acc_layout)
+    db = gl.zeros([N], gl.float32, key_t)
+    if stop > it0:
+        p_op = gl.zeros([N, M], k.dtype, op_layout)
+        ds_op = gl.zeros([N, M], k.dtype, op_layout)
+        for it in range(it0, stop):
+            i = it - it0
+            cur = i % STAGES
+            prev = (i + STAGES - gl.minimum(i, 1)) % STAGES  # step it - 1's slot (its own at the first step)
+            e = it // NP
+            pk = it % NP
+            qs = gl.load(QStart + e)
+            word = gl.load(Word + e * KB)  # key n takes the word of block n // BS of the group
+            full = word == FULL
+            wkey = gl.full([N], 0, word.dtype, key_t) + word
+            for u in gl.static_range(1, KB):
+                wu = gl.load(Word + e * KB + u)
+                full &= wu == FULL
+                wkey = gl.where(offs_n >= u * BS, wu, wkey)
+            tok = qs + r
+            rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
+            lse = gl.load(lbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=float("inf"))
+            delta = gl.load(dbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=0.0)
+            # step it's rows have landed: one commit group per step, steps up to it + STAGES - 2 may still
+            # be in flight (it + STAGES - 1 too at the first step, before any refill); the fence also
+            # orders the K / V stores before the first tensor-core read
+            if i == 0:
+                async_copy.wait_group(STAGES - 1)
+            else:
+                async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
+            _cta_barrier()
+            st_t = warpgroup_mma(k_smem, q_smem.index(cur).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dpt_t = warpgroup_mma(v_smem, do_smem.index(cur).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            # step it - 1's products (zero operands on the step's own, landed rows at the first step)
+            dv_t = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+            dk_t = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+            st = warpgroup_mma_wait(3, deps=(st_t, ))
+            pt = gl.exp2(st * qk_scale + gl.expand_dims(bias, 1) - gl.expand_dims(lse, 0))
+            if (full == 0) | (qs < ks + N):
+                bit = ((gl.expand_dims(wkey, 1) >> gl.expand_dims(r, 0).to(wkey.dtype)) & 1) != 0
+                allowed = bit & (gl.expand_dims(ktok, 1) <= gl.expand_dims(tok, 0)) & gl.expand_dims(kvalid, 1)
+                pt = gl.where(allowed, pt, 0.0)
+            dpt = warpgroup_mma_wait(2, deps=(dpt_t, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if NEED_DB:
+                db += gl.sum(dst, 1)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_t, dk_t, p_op, ds_op))
+            # every warp is done with step it - 1's slot: refill it with step it - 1 + STAGES
+            _cta_barrier()
+            if i > 0:
+                _issue_rows(q_smem.index(prev), do_smem.index(prev), Q, DO, QStart, it - 1 + STAGES, stop, qoff,
+                            dooff, qbase, dobase, rl, s_qt, s_qh, s_ot, s_oh, de, NP, HP)
+            p_op = gl.convert_layout(pt.to(k.dtype), op_layout)
+            ds_op = gl.convert_layout(dst.to(k.dtype), op_layout)
+        last = (stop - it0 - 1) % STAGES
+        dv_t = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
+        dk_t = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_t, dk_t))
+    async_copy.wait_group(0)
+
+    if live:
+        offs_na = gl.arange(0, N, layout=gl.SliceLayout(1, acc_layout))
+        offs_da = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        kvalid_a = gl.expand_dims(ks + offs_na < de, 1)
+        kp = gl.expand_dims((ks + offs_na).to(gl.int64), 1)
+        if slot < 0:
+            gl.store(DK + bk * s_kb + kp * s_kt + h * s_kh + gl.expand_dims(offs_da, 0),
+                     (dk * sm_scale).to(DK.dtype.element_ty), mask=kvalid_a)
+            gl.store(DV + bk * s_vb + kp * s_vt + h * s_vh + gl.expand_dims(offs_da, 0), dv.to(DV.dtype.element_ty),
+                     mask=kvalid_a)
+            if NEED_DB:
+                gl.store(DB + bk * s_db_b + ktok.to(gl.int64) * s_db_t + h * s_db_h, db, mask=kvalid)
+        else:
+            tile_off = slot.to(gl.int64) * (N * D) + gl.expand_dims(offs_na, 1) * D + gl.expand_dims(offs_da, 0)
+            gl.store(WDK + tile_off, dk)
+            gl.store(WDV + tile_off, dv)
+            if NEED_DB:
+                gl.store(WDB + slot.to(gl.int64) * N + offs_n, db)
+
+
 def supported(q: torch.Tensor, block: int, rows: int) -> bool:
     """Shapes this kernel is written for: 16-bit inputs, head dim 64 or 128, 64-key blocks and query
     tiles of ``rows`` = 64 (tokens x packed heads: one warpgroup); other shapes take the Triton kernel."""
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and block == 64 and rows == 64
+
+
+def supported_dkdv(q: torch.Tensor, block: int, rows: int, kb: int) -> bool:
+    """Shapes the dK/dV kernel is written for: 16-bit inputs, head dim 64 or 128, 64-key blocks, one or
+    two per group (a warpgroup per 64 keys), query steps of 16-64 rows (the N of ``K Q^T``)."""
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and block == 64 \
+        and kb in (1, 2) and rows in (16, 32, 64)
 
 
 def kv_descriptor(x: torch.Tensor, block: int) -> TensorDescriptor:
@@ -339,3 +532,14 @@ def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_sca
         *q.stride()[:3], *bias_strides, *do.stride()[:3], lse.stride(0), lse.stride(1), qk_scale, sm_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
         IN_REGS=in_regs, num_warps=4)
+
+
+def launch_dkdv(args: tuple, hp: int, kb: int, need_db: bool, has_bias: bool, idx, stages: int) -> None:
+    """Launch ``_bwd_dkdv_kernel_sm90`` over ``idx.max_pieces`` programs with the Triton dK/dV kernel's
+    runtime arguments ``args`` (same order); one warp per 16 keys of a group (a warpgroup per 64)."""
+    q, k = args[0], args[1]
+    Hq, D = q.shape[2], q.shape[3]
+    Hkv = k.shape[2]
+    _bwd_dkdv_kernel_sm90[(idx.max_pieces,)](
+        *args, HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, KB=kb, D=D, HAS_BIAS=has_bias,
+        NEED_DB=need_db, STAGES=stages, num_warps=kb * idx.block // 16)

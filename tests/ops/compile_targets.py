@@ -98,7 +98,7 @@ def cases(arch: str, G: int):
 
 
 def gluon_cases(G: int):
-    """The Gluon kernels with sm90's launch settings (``impl = "gluon"``)."""
+    """The Gluon kernels with sm90's launch settings (whatever each kernel's ``impl``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     cfg = CONFIG["sm90"]
     qt, _ = query_tile(G, 64, cfg["tile"]["rows"])
@@ -109,6 +109,11 @@ def gluon_cases(G: int):
         const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
                      STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
         yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
+    c = cfg["dkdv"]
+    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
+                 HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=c["blocks"] * 4)
+    yield "dkdv_sm90", GluonASTSource, attention_sm90._bwd_dkdv_kernel_sm90, const, {"Word": ptr["Word"]}, \
+        c["blocks"] * 4, 1
 
 
 def main(G: int) -> None:

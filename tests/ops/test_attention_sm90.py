@@ -1,4 +1,5 @@
-"""The hand-scheduled Hopper forward and dQ (``attention_sm90``, Gluon: TMA ring + overlapped wgmma)
+"""The hand-scheduled Hopper forward, dQ and dK/dV (``attention_sm90``, Gluon: async loads into rings
+of slots + overlapped wgmma)
 against the PyTorch reference and the Triton kernels, on an sm90 GPU only (wgmma is Hopper-only and
 Gluon has no interpreter): bf16 / fp16, head dims 64 and 128, GQA ratios 1-16, odd lengths, packed
 documents, two batch rows (a block past the last row's end is zero-filled by TMA, one past the
@@ -36,11 +37,11 @@ CASES = [  # B, T, Hq, Hkv, D, cu_seqlens, dtype
 ]
 
 
-def _inputs(dev, B, T, Hq, Hkv, D, cu, dtype, seed):
+def _inputs(dev, B, T, Hq, Hkv, D, cu, dtype, seed, **index_kw):
     q, k, v, s = (x.to(dev) for x in random_qkvs(B, T, Hq, Hkv, D, dtype=torch.float32, seed=seed))
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     sel = select_blocks(q, k, s, CFG, cu_seqlens=cu_t)
-    idx = build_sparse_index(sel, CFG, T, cu_t, num_q_heads=Hq)
+    idx = build_sparse_index(sel, CFG, T, cu_t, num_q_heads=Hq, **index_kw)
     return q.to(dtype), k.to(dtype), v.to(dtype), s, sel, idx, cu_t
 
 
@@ -86,14 +87,38 @@ def test_hopper_dq_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, H
     assert _max_err(got[0], ref[0]) <= 3e-2 * ref[0].abs().max().item()
 
 
+@pytest.mark.parametrize("kb,rows,stages,chunk", [(2, 32, 4, None), (1, 64, 3, None), (2, 32, 2, 3), (2, 16, 3, 5)],
+                         ids=["kb2-r32-s4", "kb1-r64-s3", "kb2-s2-split", "kb2-r16-split"])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES)
+def test_hopper_dkdv_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, kb, rows, stages,
+                                                  chunk):
+    """dK, dV, db of one- and two-block key groups, whole lists and lists split into pieces (fp32
+    partials + the ordered reduction), 16-64 query rows per step."""
+    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=5 * T + Hq + kb, kb=kb, chunk=chunk,
+                                         max_slots=None if chunk is None else 1000)
+    o, lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    do = torch.randn_like(o)
+    _config(monkeypatch, "dkdv", impl="triton", rows=rows, num_warps=4 * kb, num_stages=2)
+    want = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, D ** -0.5, True)
+    _config(monkeypatch, "dkdv", impl="gluon", num_stages=stages)
+    got = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, D ** -0.5, True)
+    assert torch.equal(got[0], want[0])  # dQ: the same kernel
+    xs = [x.double().requires_grad_(True) for x in (q, k, v)]
+    _, ref = reference_grads(*xs, s.double().requires_grad_(True), sel, CFG, do.double(), document_spans(cu_t, T))
+    for name, a, b, r in zip(("dk", "dv", "db"), got[1:], want[1:], ref[1:]):
+        assert torch.isfinite(a).all(), name
+        assert _max_err(a, b) <= 2e-2 * b.float().abs().max().item(), name
+        assert _max_err(a, r) <= 3e-2 * r.abs().max().item(), name
+
+
 def test_hopper_kernels_train_like_triton(hopper, monkeypatch):
-    """Training through both Hopper kernels: output and every gradient match the Triton kernels'."""
+    """Training through the Hopper kernels: output and every gradient match the Triton kernels'."""
     q, k, v, s, sel, idx, _ = _inputs(hopper, 1, 2300, 16, 2, 128, None, torch.bfloat16, seed=7)
     do = torch.randn_like(q)
     grads = {}
     for impl in ("triton", "gluon"):
-        _config(monkeypatch, "fwd", impl=impl)
-        _config(monkeypatch, "dq", impl=impl)
+        for kernel in ("fwd", "dq", "dkdv"):
+            _config(monkeypatch, kernel, impl=impl)
         xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
         b = s.clone().requires_grad_(True)
         out = sparse_attention(*xs, idx, bias=b)
