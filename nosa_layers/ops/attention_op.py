@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import triton
 from torch import Tensor
@@ -33,8 +36,9 @@ from .sparse_index import SparseIndex, largest_divisor
 # (``attention_sm90``: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, the A operands Q / dO
 # in registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
 # other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
-# bench/attention.py --fwd-sweep on the H200: 15-24% faster than the Triton forward; 4 slots lose
-# (one program per SM).
+# bench/attention.py --fwd-sweep on the H200: forward 15-24% and dQ 5-8% faster than Triton's;
+# 4 forward slots / 3 dQ slots lose (fewer programs per SM). dK/dV stays on Triton: its Gluon kernel
+# (``impl = "gluon"``, opt-in) measured 3-5% slower at 32K and 1-2% faster at 16K (--dkdv-sweep).
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
@@ -64,6 +68,19 @@ def launch_config(device: torch.device) -> dict:
     return CONFIG[arch(device)]
 
 
+@functools.cache
+def sm90_kernels():
+    """The ``attention_sm90`` module, or ``None`` (with one warning) where the installed triton has no
+    Gluon Hopper API (written against triton 3.6 and 3.8)."""
+    try:
+        from . import attention_sm90
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"nosa_layers.ops: the Hopper attention kernels need Gluon (triton >= 3.6): {e}; "
+                      "using the Triton kernels", stacklevel=2)
+        return None
+    return attention_sm90
+
+
 def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "query") -> bool:
     """Whether a kernel (``cfg``: its launch settings; ``kind``: "query" for the forward and dQ, "dkdv")
     takes the hand-scheduled Hopper kernel (``attention_sm90``): asked for by ``impl = "gluon"``,
@@ -71,12 +88,13 @@ def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "
     takes the Triton kernel, which computes the same."""
     if cfg["impl"] not in ("triton", "gluon"):
         raise ValueError(f"nosa_layers.ops: impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
-    if cfg["impl"] != "gluon" or interpreting() or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if cfg["impl"] != "gluon" or interpreting() or not q.is_cuda:
         return False
-    from . import attention_sm90
+    if torch.cuda.get_device_capability(q.device) != (9, 0) or sm90_kernels() is None:
+        return False
     if kind == "dkdv":
-        return attention_sm90.supported_dkdv(q, idx.block, hp * idx.qt, idx.kb)
-    return attention_sm90.supported(q, idx.block, hp * idx.qt)
+        return sm90_kernels().supported_dkdv(q, idx.block, hp * idx.qt, idx.kb)
+    return sm90_kernels().supported(q, idx.block, hp * idx.qt)
 
 
 POISON_OUTPUTS = False  # tests: fill every output buffer with NaN before the kernels write it
@@ -134,8 +152,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
-        from . import attention_sm90
-        attention_sm90.launch_forward(q, k, v, bias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
+        sm90_kernels().launch_forward(q, k, v, bias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
                                       cfg["regs"], _strides_bias(bias))
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
@@ -169,8 +186,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     cfg = launch["dq"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     if hopper_kernel(q, idx, hp, cfg):
-        from . import attention_sm90
-        attention_sm90.launch_dq(q, k, v, bias, do, lse, delta, dq, idx, idx.n_tiles * Hkv * (G // hp), hp,
+        sm90_kernels().launch_dq(q, k, v, bias, do, lse, delta, dq, idx, idx.n_tiles * Hkv * (G // hp), hp,
                                  scale * LOG2E, scale, cfg["num_stages"], cfg["regs"], _strides_bias(bias))
     else:
         _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
@@ -193,8 +209,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
             *do.stride()[:3], lse.stride(0), lse.stride(1), *dbs, scale * LOG2E, scale)
     if hopper_kernel(q, idx, hp, cfg, kind="dkdv"):
-        from . import attention_sm90
-        attention_sm90.launch_dkdv(args, hp, idx.kb, need_db, bias is not None, idx, cfg["num_stages"])
+        sm90_kernels().launch_dkdv(args, hp, idx.kb, need_db, bias is not None, idx, cfg["num_stages"])
     else:
         _bwd_dkdv_kernel[(idx.max_pieces,)](
             *args, HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,

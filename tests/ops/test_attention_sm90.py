@@ -6,6 +6,8 @@ documents, two batch rows (a block past the last row's end is zero-filled by TMA
 first row's end reads the next row's first keys, masked), ring depths 2-4, A operands from shared
 memory or registers. The sm90 compile check of ``test_arch`` covers both kernels on CPU."""
 
+import sys
+
 import pytest
 import torch
 
@@ -131,3 +133,15 @@ def test_impl_is_checked(monkeypatch):
     _config(monkeypatch, "fwd", impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
         attention_op.hopper_kernel(torch.zeros(1, 64, 8, 128), None, 8, attention_op.CONFIG["sm90"]["fwd"])
+
+
+def test_without_gluon_the_triton_kernels_run(monkeypatch):
+    """A triton without the Gluon Hopper API: one warning, and every kernel takes the Triton path."""
+    monkeypatch.setitem(sys.modules, "nosa_layers.ops.attention_sm90", None)  # the import now fails
+    monkeypatch.delattr(sys.modules["nosa_layers.ops"], "attention_sm90", raising=False)
+    attention_op.sm90_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="need Gluon"):
+            assert attention_op.sm90_kernels() is None
+    finally:
+        attention_op.sm90_kernels.cache_clear()
