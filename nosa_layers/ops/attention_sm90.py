@@ -53,6 +53,15 @@ def _entry_scores(s, ks, word, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: 
 
 
 @gluon.jit
+def _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS: gl.constexpr):
+    """The bias of list entry ``ks``'s keys ``[BS]`` (zero past the document end, or without a bias)."""
+    if HAS_BIAS:
+        return gl.load(bbase + (ks + offs_n).to(gl.int64) * s_bt, mask=(ks + offs_n) < de, other=0.0)
+    else:
+        return offs_n.to(gl.float32) * 0.0
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i):
     """One online-softmax step: new row max, rescale factor of the old sums, probabilities, new sums."""
     m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -155,7 +164,7 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
         # entry 0 (no P V product before it)
         ks = gl.load(KStart + base)
         word = gl.load(Word + base)
-        bias = gl.load(bbase + (ks + offs_n).to(gl.int64) * s_bt, mask=(ks + offs_n) < de, other=0.0)
+        bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
         mbarrier.wait(bars.index(0), 0)
         s_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_t, ))
@@ -167,7 +176,7 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
             prev = (e - 1) % STAGES
             ks = gl.load(KStart + base + e)
             word = gl.load(Word + base + e)
-            bias = gl.load(bbase + (ks + offs_n).to(gl.int64) * s_bt, mask=(ks + offs_n) < de, other=0.0)
+            bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
             mbarrier.wait(bars.index(slot), (e // STAGES) & 1)
             s_t = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_t = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
@@ -262,7 +271,7 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     if n > 0:
         ks = gl.load(KStart + base)
         word = gl.load(Word + base)
-        bias = gl.load(bbase + (ks + offs_n).to(gl.int64) * s_bt, mask=(ks + offs_n) < de, other=0.0)
+        bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
         mbarrier.wait(bars.index(0), 0)
         s_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(do_op, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -276,7 +285,7 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
             prev = (e - 1) % STAGES
             ks = gl.load(KStart + base + e)
             word = gl.load(Word + base + e)
-            bias = gl.load(bbase + (ks + offs_n).to(gl.int64) * s_bt, mask=(ks + offs_n) < de, other=0.0)
+            bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
             mbarrier.wait(bars.index(slot), (e // STAGES) & 1)
             s_t = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)

@@ -113,8 +113,10 @@ def test_hopper_dkdv_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq,
         assert _max_err(a, r) <= 3e-2 * r.abs().max().item(), name
 
 
-def test_hopper_kernels_train_like_triton(hopper, monkeypatch):
-    """Training through the Hopper kernels: output and every gradient match the Triton kernels'."""
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_hopper_kernels_train_like_triton(hopper, monkeypatch, bias):
+    """Training through the Hopper kernels, with and without a bias: output and every gradient match
+    the Triton kernels'."""
     q, k, v, s, sel, idx, _ = _inputs(hopper, 1, 2300, 16, 2, 128, None, torch.bfloat16, seed=7)
     do = torch.randn_like(q)
     grads = {}
@@ -122,9 +124,10 @@ def test_hopper_kernels_train_like_triton(hopper, monkeypatch):
         for kernel in ("fwd", "dq", "dkdv"):
             _config(monkeypatch, kernel, impl=impl)
         xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        b = s.clone().requires_grad_(True)
-        out = sparse_attention(*xs, idx, bias=b)
-        grads[impl] = (out, *torch.autograd.grad(out, [*xs, b], do))
+        b = [s.clone().requires_grad_(True)] if bias else []
+        out = sparse_attention(*xs, idx, bias=b[0] if bias else None)
+        grads[impl] = (out, *torch.autograd.grad(out, [*xs, *b], do))
+    assert len(grads["gluon"]) == (5 if bias else 4)
     for name, a, w in zip(("out", "dq", "dk", "dv", "db"), grads["gluon"], grads["triton"]):
         assert _max_err(a, w) <= 2e-2 * w.float().abs().max().item(), name
 
