@@ -82,6 +82,41 @@ def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, KStart, at, row0, col, ok, NB
 
 
 @gluon.jit
+def _query_program(Blocks, Count, n_tiles, cap, HKV: gl.constexpr, NP: gl.constexpr, S: gl.constexpr,
+                   QT: gl.constexpr):
+    """Work item of a forward / dQ program, later tiles first (the Triton kernels' mapping): head pack,
+    KV head, batch row (int64), the tile's own block start ``kdiag``, document end, first query token,
+    its list's offset (int64) and length."""
+    pid = gl.program_id(0)
+    pack = pid % NP
+    rest = pid // NP
+    h = rest % HKV
+    i = n_tiles - 1 - rest // HKV
+    c = i // S
+    b = gl.load(Blocks + c * 4 + 0).to(gl.int64)
+    kdiag = gl.load(Blocks + c * 4 + 1)
+    de = gl.load(Blocks + c * 4 + 3)
+    w = (i * HKV + h).to(gl.int64)
+    return pack, h, b, kdiag, de, kdiag + (i % S) * QT, w * cap, gl.minimum(gl.load(Count + w), cap)
+
+
+@gluon.jit
+def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
+             NBYTES: gl.constexpr):
+    """``STAGES`` K / V slots ``[STAGES, BS, D]`` with one mbarrier each, the first ``STAGES`` list entries
+    (of ``n``, at ``base``) already requested (``NBYTES``: one slot's bytes)."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BS, D], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    for j in gl.static_range(STAGES):
+        _issue_kv(k_desc, v_desc, bars.index(j), k_smem.index(j), v_smem.index(j), KStart, base + j, row0, col,
+                  j < n, NBYTES)
+    return k_smem, v_smem, bars
+
+
+@gluon.jit
 def _tile_operand(X, b, s_xb, s_xt, s_xh, qs, de, h, pack, k_desc, G: gl.constexpr, HP: gl.constexpr,
                   M: gl.constexpr, D: gl.constexpr, op_layout: gl.constexpr, IN_REGS: gl.constexpr,
                   num_warps: gl.constexpr):
@@ -123,30 +158,10 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pid = gl.program_id(0)
-    pack = pid % NP
-    rest = pid // NP
-    h = rest % HKV
-    i = n_tiles - 1 - rest // HKV
-    c = i // S
-    b = gl.load(Blocks + c * 4 + 0).to(gl.int64)
-    kdiag = gl.load(Blocks + c * 4 + 1)
-    de = gl.load(Blocks + c * 4 + 3)
-    qs = kdiag + (i % S) * QT
-    w = (i * HKV + h).to(gl.int64)
-    base = w * cap
-    n = gl.minimum(gl.load(Count + w), cap)
+    pack, h, b, kdiag, de, qs, base, n = _query_program(Blocks, Count, n_tiles, cap, HKV, NP, S, QT)
     row0 = (b * T).to(gl.int32)
     col = h * D
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BS, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BS, D], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(bars.index(j), count=1)
-    for j in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, bars.index(j), k_smem.index(j), v_smem.index(j), KStart, base + j, row0, col,
-                  j < n, NBYTES)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D, NBYTES)
 
     # the query tile: row m is token m // HP of the tile, head pack * HP + m % HP of the KV group
     q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS, num_warps)
@@ -229,30 +244,10 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    pid = gl.program_id(0)
-    pack = pid % NP
-    rest = pid // NP
-    h = rest % HKV
-    i = n_tiles - 1 - rest // HKV
-    c = i // S
-    b = gl.load(Blocks + c * 4 + 0).to(gl.int64)
-    kdiag = gl.load(Blocks + c * 4 + 1)
-    de = gl.load(Blocks + c * 4 + 3)
-    qs = kdiag + (i % S) * QT
-    w = (i * HKV + h).to(gl.int64)
-    base = w * cap
-    n = gl.minimum(gl.load(Count + w), cap)
+    pack, h, b, kdiag, de, qs, base, n = _query_program(Blocks, Count, n_tiles, cap, HKV, NP, S, QT)
     row0 = (b * T).to(gl.int32)
     col = h * D
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BS, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BS, D], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(bars.index(j), count=1)
-    for j in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, bars.index(j), k_smem.index(j), v_smem.index(j), KStart, base + j, row0, col,
-                  j < n, NBYTES)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D, NBYTES)
     q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS, num_warps)
     do_op = _tile_operand(DO, b, s_ob, s_ot, s_oh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS,
                           num_warps)
