@@ -7,6 +7,7 @@ import warnings
 
 import torch
 import triton
+from packaging.version import Version
 from torch import Tensor
 
 from ._common import LOG2E, check_device, interpreting
@@ -68,15 +69,24 @@ def launch_config(device: torch.device) -> dict:
     return CONFIG[arch(device)]
 
 
+GLUON_MIN_TRITON = "3.6"  # the Hopper kernels' Gluon API: written and compiled with triton 3.6 and 3.8
+
+
 @functools.cache
 def sm90_kernels():
-    """The ``attention_sm90`` module, or ``None`` (with one warning) where the installed triton has no
-    Gluon Hopper API (written against triton 3.6 and 3.8)."""
-    try:
-        from . import attention_sm90
-    except (ImportError, AttributeError) as e:
-        warnings.warn(f"nosa_layers.ops: the Hopper attention kernels need Gluon (triton >= 3.6): {e}; "
-                      "using the Triton kernels", stacklevel=2)
+    """The ``attention_sm90`` module, or ``None`` (with one warning) where the installed triton is older
+    than ``GLUON_MIN_TRITON`` or has no Gluon Hopper API: then every kernel takes the Triton path."""
+    why = None
+    if Version(triton.__version__).release < Version(GLUON_MIN_TRITON).release:
+        why = f"triton {triton.__version__} is older than {GLUON_MIN_TRITON}"
+    else:
+        try:
+            from . import attention_sm90
+        except (ImportError, AttributeError) as e:
+            why = str(e)
+    if why is not None:
+        warnings.warn(f"nosa_layers.ops: the Hopper attention kernels need Gluon (triton >= {GLUON_MIN_TRITON}): "
+                      f"{why}; using the Triton kernels", stacklevel=2)
         return None
     return attention_sm90
 

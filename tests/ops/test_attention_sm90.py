@@ -148,3 +148,15 @@ def test_without_gluon_the_triton_kernels_run(monkeypatch):
             assert attention_op.sm90_kernels() is None
     finally:
         attention_op.sm90_kernels.cache_clear()
+
+
+def test_an_older_triton_takes_the_triton_kernels(monkeypatch):
+    """A triton older than the Gluon API the Hopper kernels are written for: one warning, no import."""
+    monkeypatch.setattr(attention_op.triton, "__version__", "3.4.0")
+    monkeypatch.setitem(sys.modules, "nosa_layers.ops.attention_sm90", None)  # would fail if imported
+    attention_op.sm90_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="older than 3.6"):
+            assert attention_op.sm90_kernels() is None
+    finally:
+        attention_op.sm90_kernels.cache_clear()
