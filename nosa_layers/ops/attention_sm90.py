@@ -73,20 +73,21 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, KStart, at, row0, col, ok, NBYTES: gl.constexpr):
+def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, KStart, at, row0, col, ok):
     """TMA loads of the K and V blocks of list entry ``at`` into one ring slot (skipped unless ``ok``)."""
     ks = gl.load(KStart + at, mask=ok, other=0)
-    mbarrier.expect(bar, NBYTES, pred=ok)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=ok)
     tma.async_copy_global_to_shared(k_desc, [row0 + ks, col], bar, k_slot, pred=ok)
     tma.async_copy_global_to_shared(v_desc, [row0 + ks, col], bar, v_slot, pred=ok)
 
 
 @gluon.jit
-def _query_program(Blocks, Count, n_tiles, cap, HKV: gl.constexpr, NP: gl.constexpr, S: gl.constexpr,
-                   QT: gl.constexpr):
+def _query_program(Blocks, Count, n_tiles, cap, T, HKV: gl.constexpr, NP: gl.constexpr, S: gl.constexpr,
+                   QT: gl.constexpr, D: gl.constexpr):
     """Work item of a forward / dQ program, later tiles first (the Triton kernels' mapping): head pack,
     KV head, batch row (int64), the tile's own block start ``kdiag``, document end, first query token,
-    its list's offset (int64) and length."""
+    its list's offset (int64) and length, and the K / V descriptors' row and column of its batch row
+    and KV head."""
     pid = gl.program_id(0)
     pack = pid % NP
     rest = pid // NP
@@ -97,14 +98,14 @@ def _query_program(Blocks, Count, n_tiles, cap, HKV: gl.constexpr, NP: gl.conste
     kdiag = gl.load(Blocks + c * 4 + 1)
     de = gl.load(Blocks + c * 4 + 3)
     w = (i * HKV + h).to(gl.int64)
-    return pack, h, b, kdiag, de, kdiag + (i % S) * QT, w * cap, gl.minimum(gl.load(Count + w), cap)
+    return (pack, h, b, kdiag, de, kdiag + (i % S) * QT, w * cap, gl.minimum(gl.load(Count + w), cap),
+            (b * T).to(gl.int32), h * D)
 
 
 @gluon.jit
-def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
-             NBYTES: gl.constexpr):
+def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, BS: gl.constexpr, D: gl.constexpr):
     """``STAGES`` K / V slots ``[STAGES, BS, D]`` with one mbarrier each, the first ``STAGES`` list entries
-    (of ``n``, at ``base``) already requested (``NBYTES``: one slot's bytes)."""
+    (of ``n``, at ``base``) already requested."""
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BS, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BS, D], v_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -112,7 +113,7 @@ def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, B
         mbarrier.init(bars.index(j), count=1)
     for j in gl.static_range(STAGES):
         _issue_kv(k_desc, v_desc, bars.index(j), k_smem.index(j), v_smem.index(j), KStart, base + j, row0, col,
-                  j < n, NBYTES)
+                  j < n)
     return k_smem, v_smem, bars
 
 
@@ -137,6 +138,19 @@ def _tile_operand(X, b, s_xb, s_xt, s_xh, qs, de, h, pack, k_desc, G: gl.constex
         return out
 
 
+@gluon.jit
+def _store_tile(X, x, b, s_xb, s_xt, s_xh, qs, de, h, pack, G: gl.constexpr, HP: gl.constexpr, M: gl.constexpr,
+                D: gl.constexpr, layout: gl.constexpr):
+    """Store ``x`` ``[M, D]`` (in ``layout``) to the query tile's rows of ``X`` (o or dq; row m = token
+    m // HP, head pack * HP + m % HP), rows past the document end skipped: ``_tile_operand``'s inverse."""
+    offs_m = gl.arange(0, M, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    tok = qs + offs_m // HP
+    head = h * G + pack * HP + offs_m % HP
+    gl.store(X + b * s_xb + gl.expand_dims(tok.to(gl.int64) * s_xt + head * s_xh, 1) + gl.expand_dims(offs_d, 0),
+             x.to(X.dtype.element_ty), mask=gl.expand_dims(tok < de, 1))
+
+
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
 def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                      s_qb, s_qt, s_qh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
@@ -148,7 +162,6 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
     FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    NBYTES: gl.constexpr = 2 * BS * D * k_desc.dtype.primitive_bitwidth // 8
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -158,10 +171,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pack, h, b, kdiag, de, qs, base, n = _query_program(Blocks, Count, n_tiles, cap, HKV, NP, S, QT)
-    row0 = (b * T).to(gl.int32)
-    col = h * D
-    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D, NBYTES)
+    pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D)
 
     # the query tile: row m is token m // HP of the tile, head pack * HP + m % HP of the KV group
     q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS, num_warps)
@@ -201,7 +212,7 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
             o, p_op = warpgroup_mma_wait(0, deps=(o_t, p_op))
             # entry e - 1's slot is free: refill it with entry e - 1 + STAGES
             _issue_kv(k_desc, v_desc, bars.index(prev), k_smem.index(prev), v_smem.index(prev), KStart,
-                      base + e - 1 + STAGES, row0, col, e - 1 + STAGES < n, NBYTES)
+                      base + e - 1 + STAGES, row0, col, e - 1 + STAGES < n)
             o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(k_desc.dtype), p_layout)
         o_t = warpgroup_mma(p_op, v_smem.index((n - 1) % STAGES), o, is_async=True)
@@ -210,13 +221,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
         mbarrier.invalidate(bars.index(j))
 
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    offs_mo = gl.arange(0, M, layout=row_o)
-    offs_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    tok_o = qs + offs_mo // HP
-    head_o = h * G + pack * HP + offs_mo % HP
-    out = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    gl.store(O + b * s_ob + gl.expand_dims(tok_o.to(gl.int64) * s_ot + head_o * s_oh, 1) + gl.expand_dims(offs_do, 0),
-             out.to(O.dtype.element_ty), mask=gl.expand_dims(tok_o < de, 1))
+    _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1), b, s_ob, s_ot, s_oh, qs, de, h, pack,
+                G, HP, M, D, o_layout)
     head = h * G + pack * HP + offs_m % HP
     lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
     gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
@@ -235,7 +241,6 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
     FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    NBYTES: gl.constexpr = 2 * BS * D * k_desc.dtype.primitive_bitwidth // 8
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -244,10 +249,8 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    pack, h, b, kdiag, de, qs, base, n = _query_program(Blocks, Count, n_tiles, cap, HKV, NP, S, QT)
-    row0 = (b * T).to(gl.int32)
-    col = h * D
-    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D, NBYTES)
+    pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
+    k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D)
     q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS, num_warps)
     do_op = _tile_operand(DO, b, s_ob, s_ot, s_oh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS,
                           num_warps)
@@ -293,20 +296,14 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
             dq, ds_op = warpgroup_mma_wait(0, deps=(dq_t, ds_op))
             # entry e - 1's slot is free: refill it with entry e - 1 + STAGES
             _issue_kv(k_desc, v_desc, bars.index(prev), k_smem.index(prev), v_smem.index(prev), KStart,
-                      base + e - 1 + STAGES, row0, col, e - 1 + STAGES < n, NBYTES)
+                      base + e - 1 + STAGES, row0, col, e - 1 + STAGES < n)
             ds_op = gl.convert_layout(ds.to(k_desc.dtype), ds_layout)
         dq_t = warpgroup_mma(ds_op, k_smem.index((n - 1) % STAGES), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_t, ))
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_mo = gl.arange(0, M, layout=row_o)
-    offs_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    tok_o = qs + offs_mo // HP
-    head_o = h * G + pack * HP + offs_mo % HP
-    gl.store(DQ + b * s_qb + gl.expand_dims(tok_o.to(gl.int64) * s_qt + head_o * s_qh, 1) + gl.expand_dims(offs_do, 0),
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(tok_o < de, 1))
+    _store_tile(DQ, dq * sm_scale, b, s_qb, s_qt, s_qh, qs, de, h, pack, G, HP, M, D, o_layout)
 
 
 @gluon.jit

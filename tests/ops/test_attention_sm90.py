@@ -138,25 +138,24 @@ def test_impl_is_checked(monkeypatch):
         attention_op.hopper_kernel(torch.zeros(1, 64, 8, 128), None, 8, attention_op.CONFIG["sm90"]["fwd"])
 
 
-def test_without_gluon_the_triton_kernels_run(monkeypatch):
-    """A triton without the Gluon Hopper API: one warning, and every kernel takes the Triton path."""
+@pytest.fixture
+def no_sm90_module(monkeypatch):
+    """``attention_sm90`` cannot be imported, and ``sm90_kernels`` looks again (cache cleared around)."""
     monkeypatch.setitem(sys.modules, "nosa_layers.ops.attention_sm90", None)  # the import now fails
     monkeypatch.delattr(sys.modules["nosa_layers.ops"], "attention_sm90", raising=False)
     attention_op.sm90_kernels.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="need Gluon"):
-            assert attention_op.sm90_kernels() is None
-    finally:
-        attention_op.sm90_kernels.cache_clear()
+    yield
+    attention_op.sm90_kernels.cache_clear()
 
 
-def test_an_older_triton_takes_the_triton_kernels(monkeypatch):
+def test_without_gluon_the_triton_kernels_run(no_sm90_module):
+    """A triton without the Gluon Hopper API: one warning, and every kernel takes the Triton path."""
+    with pytest.warns(UserWarning, match="need Gluon"):
+        assert attention_op.sm90_kernels() is None
+
+
+def test_an_older_triton_takes_the_triton_kernels(no_sm90_module, monkeypatch):
     """A triton older than the Gluon API the Hopper kernels are written for: one warning, no import."""
     monkeypatch.setattr(attention_op.triton, "__version__", "3.4.0")
-    monkeypatch.setitem(sys.modules, "nosa_layers.ops.attention_sm90", None)  # would fail if imported
-    attention_op.sm90_kernels.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="older than 3.6"):
-            assert attention_op.sm90_kernels() is None
-    finally:
-        attention_op.sm90_kernels.cache_clear()
+    with pytest.warns(UserWarning, match="older than 3.6"):
+        assert attention_op.sm90_kernels() is None
