@@ -292,10 +292,11 @@ def sweep(T, HQ, dense_ms):
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
-# dK/dV: the Triton kernel (two-block groups, 8 warps) against the hand-scheduled Hopper kernel
-# (attention_sm90: ring depth of the query / dO rows, rows per step)
-DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=2, rows=r, num_warps=8, num_stages=s)) for i, r, s in (
-    ("triton", 32, 4), ("gluon", 32, 4), ("gluon", 32, 3), ("gluon", 64, 3), ("gluon", 16, 4))]
+# dK/dV: the Triton kernel (two- and one-block groups, 8 warps) against the warp-specialised Hopper
+# kernel (attention_sm90: key blocks per group = consumer warpgroups, rows per step, ring slots)
+DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_stages=s)) for i, b, r, s in (
+    ("triton", 2, 32, 4), ("triton", 1, 32, 3), ("gluon", 2, 32, 4), ("gluon", 1, 32, 2), ("gluon", 1, 32, 3),
+    ("gluon", 1, 32, 4), ("gluon", 1, 64, 2), ("gluon", 1, 64, 3))]
 
 
 # forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90: ring depth,

@@ -28,25 +28,32 @@ from .sparse_index import SparseIndex, largest_divisor
 # their inverse lists are long; lists past the budget run whole in one program and the kernel waits
 # on them (bench/attention.py --balance-sweep on the H200: budget 512 -> 16384 and "auto" chunks took
 # the backward on smooth selections from 33.2 to 25.2 ms at 32K/32 and 7.29 to 6.16 ms at 16K/16).
-# Two-block groups on sm90 (bench/attention.py --dkdv-sweep on the H200: backward up to
-# 22% faster than one block; they need 8 warps, with 4 the accumulators spill). sm80 (A100 / A800,
+# Two-block groups made the Triton dK/dV up to 22% faster on the H200 (they need 8 warps, with 4 the
+# accumulators spill); the warp-specialised Hopper kernel prefers one-block groups (below). sm80 (A100 / A800,
 # 164 KB shared memory per SM) keeps one-block groups, the configuration measured there, and every
 # kernel under 100 KB of shared memory and its measured piece settings (the balance sweep ran on the
 # H200 only); ``test_arch`` compiles every kernel for both targets.
-# ``impl = "gluon"`` (forward, dQ): on sm90 GPUs the kernel is the hand-scheduled Hopper one
-# (``attention_sm90``: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, the A operands Q / dO
-# in registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
+# ``impl = "gluon"``: on sm90 GPUs the kernel is the hand-scheduled Hopper one (``attention_sm90``;
+# forward, dQ: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, the A operands Q / dO in
+# registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
 # other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
 # bench/attention.py --fwd-sweep on the H200: forward 15-24% and dQ 5-8% faster than Triton's;
-# 4 forward slots / 3 dQ slots lose (fewer programs per SM). dK/dV stays on Triton: its Gluon kernel
-# (``impl = "gluon"``, opt-in) measured 3-5% slower at 32K and 1-2% faster at 16K (--dkdv-sweep).
+# 4 forward slots / 3 dQ slots lose (fewer programs per SM). dK/dV ``impl = "gluon"``: warp-specialised
+# (a TMA producer warp, a consumer warpgroup per key block, no CTA-wide barrier per step);
+# bench/attention.py --dkdv-sweep on the H200: one-block groups, 32 rows per step, 3 slots, two programs
+# per SM, are the fastest on real selections (smooth / iid: 13-23% below the Triton kernel's two-block
+# groups) and within 3% of two-block groups on P1 lists. Where the Hopper kernels cannot run
+# (``hopper_device``), the Triton dK/dV keeps its two-block groups (``dkdv["triton"]``); on an H100 /
+# H200 a shape the Hopper dK/dV does not cover (head dim 256, fp32, 16- / 32-key blocks) runs the
+# Triton kernel on one-block groups (the index is built before the kernel is chosen).
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
         "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
         "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
-        "dkdv": dict(rows=32, num_warps=8, num_stages=4, CHUNK="auto", SLOTS=16384, blocks=2, impl="triton"),
+        "dkdv": dict(rows=32, num_warps=8, num_stages=3, CHUNK="auto", SLOTS=16384, blocks=1, impl="gluon",
+                     triton=dict(blocks=2, num_stages=4)),
     },
     "sm80": {
         "tile": dict(rows=64),
@@ -66,7 +73,13 @@ def arch(device: torch.device) -> str:
 
 
 def launch_config(device: torch.device) -> dict:
-    return CONFIG[arch(device)]
+    """Launch settings for ``device``. Where the Hopper kernels cannot run (the interpreter, another
+    sm9x / sm10x GPU, a triton without Gluon), dK/dV takes the Triton kernel's own settings
+    (``dkdv["triton"]``: two-block groups) instead of the Hopper kernel's."""
+    cfg = CONFIG[arch(device)]
+    if "triton" in cfg["dkdv"] and not hopper_device(device):
+        cfg = dict(cfg, dkdv=dict(cfg["dkdv"], **cfg["dkdv"]["triton"]))
+    return cfg
 
 
 GLUON_MIN_TRITON = "3.6"  # the Hopper kernels' Gluon API: written and compiled with triton 3.6 and 3.8
@@ -91,6 +104,14 @@ def sm90_kernels():
     return attention_sm90
 
 
+def hopper_device(device: torch.device) -> bool:
+    """Whether the hand-scheduled Hopper kernels can run on ``device``: an sm90 GPU (wgmma is
+    Hopper-only), not the interpreter, a triton with the Gluon API they are written for."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and sm90_kernels() is not None
+
+
 def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "query") -> bool:
     """Whether a kernel (``cfg``: its launch settings; ``kind``: "query" for the forward and dQ, "dkdv")
     takes the hand-scheduled Hopper kernel (``attention_sm90``): asked for by ``impl = "gluon"``,
@@ -98,9 +119,7 @@ def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "
     takes the Triton kernel, which computes the same."""
     if cfg["impl"] not in ("triton", "gluon"):
         raise ValueError(f"nosa_layers.ops: impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
-    if cfg["impl"] != "gluon" or interpreting() or not q.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or sm90_kernels() is None:
+    if cfg["impl"] != "gluon" or not hopper_device(q.device):
         return False
     if kind == "dkdv":
         return sm90_kernels().supported_dkdv(q, idx.block, hp * idx.qt, idx.kb)

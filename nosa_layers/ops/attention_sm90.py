@@ -1,8 +1,8 @@
-"""Hopper (sm90) forward and dQ of the block-sparse NOSA attention, scheduled by hand in Gluon.
+"""Hopper (sm90) forward, dQ and dK/dV of the block-sparse NOSA attention, scheduled by hand in Gluon.
 
-Same programs, lists, masks and outputs as ``attention_kernels._fwd_kernel`` and ``_bwd_dq_kernel``
-(the portable Triton kernels, which stay the reference fast path and the default elsewhere), with
-what Triton's own scheduling does not give on Hopper:
+Same programs, lists, masks and outputs as ``attention_kernels._fwd_kernel``, ``_bwd_dq_kernel`` and
+``_bwd_dkdv_kernel`` (the portable Triton kernels, which stay the reference fast path and the default
+elsewhere), with what Triton's own scheduling does not give on Hopper:
 
 - K/V blocks arrive by TMA into a ring of ``STAGES`` shared-memory slots, each guarded by an
   mbarrier, refilled as soon as the product that read it has completed;
@@ -10,13 +10,20 @@ what Triton's own scheduling does not give on Hopper:
   ``e``'s scores ``Q K_e^T`` and entry ``e - 1``'s ``P V`` are in flight together, so the softmax of
   entry ``e`` runs while the tensor cores add ``P_{e-1} V_{e-1}`` (FlashAttention-3's intra-warpgroup
   overlap). Triton places the ``P V`` product right before its use and waits for it at once. The dQ
-  kernel likewise keeps ``dS_{e-1} K_{e-1}`` in flight behind ``Q K_e^T`` and ``dO V_e^T``.
+  kernel likewise keeps ``dS_{e-1} K_{e-1}`` in flight behind ``Q K_e^T`` and ``dO V_e^T``;
+- dK/dV is warp-specialised (FlashAttention-3's producer / consumer split): one producer warp loads
+  each step's query and dO rows by TMA into a ring, one consumer warpgroup per 64-key block computes,
+  and the consumers never wait for each other (a slot is refilled once every consumer released it),
+  so one warpgroup's exponentials overlap the other's (or the other program's) tensor-core products.
 
 Inputs: q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` contiguous bf16 / fp16; the K/V operands are
 TMA descriptors over the ``[B * T, Hkv * D]`` views, one ``[BS, D]`` box per list entry. Rows past a
 block's document end may come from the next document (finite data, masked) or lie past ``B * T``
 (zero-filled by the TMA unit). Forward outputs: o ``[B, T, Hq, D]`` and the base-2 LSE ``[B, Hq, T]``,
-fp32; dQ: ``[B, T, Hq, D]`` from dO, the LSE and Delta = rowsum(dO * O) ``[B, Hq, T]``.
+fp32; dQ: ``[B, T, Hq, D]`` from dO, the LSE and Delta = rowsum(dO * O) ``[B, Hq, T]``. dK/dV reads
+q and dO through ``[1, qt, hp, D]`` TMA boxes of their ``[B, T, Hq, D]`` views (rows past the batch
+row's end zero-filled, rows past a document's end masked through the LSE) and writes dK, dV, db or
+the fp32 partials of split lists as the Triton kernel does.
 """
 
 from __future__ import annotations
@@ -24,15 +31,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import UNSPECIALIZED
-
-# the CTA-wide barrier of Gluon: ``thread_barrier`` up to triton 3.6, ``barrier`` from 3.7
-_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 
 @gluon.jit
@@ -307,19 +310,139 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
 
 
 @gluon.jit
-def _issue_rows(q_slot, do_slot, Q, DO, QStart, it, stop, qoff, dooff, qbase, dobase, rvalid_of, s_qt, s_qh, s_ot,
-                s_oh, de, NP: gl.constexpr, HP: gl.constexpr):
-    """cp.async loads of the query rows and dO rows of dK/dV step ``it`` (list entry ``it // NP``, head
-    pack ``it % NP``) into one ring slot, as one commit group (empty past ``stop``)."""
-    ok = it < stop
-    e = gl.where(ok, it // NP, 0)
-    pk = it % NP
-    qs = gl.load(QStart + e, mask=ok, other=0)
-    m = gl.expand_dims(ok & (qs + rvalid_of < de), 1)
-    async_copy.async_copy_global_to_shared(q_slot, Q + qbase + (qs.to(gl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=m)
-    async_copy.async_copy_global_to_shared(do_slot, DO + dobase + (qs.to(gl.int64) * s_ot + pk * HP * s_oh) + dooff,
-                                           mask=m)
-    async_copy.commit_group()
+def _dkdv_producer(a, NP: gl.constexpr, HP: gl.constexpr, G: gl.constexpr, KB: gl.constexpr, BS: gl.constexpr,
+                      D: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp of the warp-specialised dK/dV: the group's K / V blocks once, then per step the query
+    and dO rows (one TMA box each) into the ring slot the consumers released."""
+    (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_bar, QStart, it0, stop,
+     bk, T, ks, h) = a
+    mbarrier.expect(kv_bar, KB * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for u in gl.static_range(KB):
+        tma.async_copy_global_to_shared(k_desc, [(bk * T).to(gl.int32) + ks + u * BS, h * D],
+                                        kv_bar, k_smem.index(u))
+        tma.async_copy_global_to_shared(v_desc, [(bk * T).to(gl.int32) + ks + u * BS, h * D],
+                                        kv_bar, v_smem.index(u))
+    for it in range(it0, stop):
+        i = it - it0
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        qs = gl.load(QStart + it // NP)
+        head = h * G + (it % NP) * HP
+        bar = ready.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bk.to(gl.int32), qs, head, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [bk.to(gl.int32), qs, head, 0], bar, do_smem.index(slot))
+
+
+@gluon.jit
+def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
+                      KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """Consumer warpgroup ``C`` of the warp-specialised dK/dV: keys ``C * BS ..`` of the group. Per step
+    ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued together with the previous step's ``dV += P^T dO``
+    and ``dK += dS^T Q``; the previous step's ring slot is released once those have completed. Stores its
+    rows of dK, dV, db (or of the piece's partial slot)."""
+    (K_SMEM, V_SMEM, q_smem, do_smem, ready, empty, kv_bar, Bias, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, QStart, Word,
+     it0, stop, live, slot, bk, ks, de, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_lb, s_lh,
+     s_db_b, s_db_t, s_db_h, qk_scale, sm_scale) = a
+    NP: gl.constexpr = G // HP
+    M: gl.constexpr = HP * QT
+    FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
+    num_warps: gl.constexpr = gl.num_warps()
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_t: gl.constexpr = gl.SliceLayout(1, t_layout)
+    row_t: gl.constexpr = gl.SliceLayout(0, t_layout)
+    kc = ks + C * BS  # this warpgroup's first key
+    k_smem = K_SMEM.index(C)
+    v_smem = V_SMEM.index(C)
+
+    offs_n = gl.arange(0, BS, layout=key_t)
+    ktok = kc + offs_n
+    kvalid = ktok < de
+    if HAS_BIAS:
+        bias = gl.load(Bias + bk * s_bb + ktok.to(gl.int64) * s_bt + h * s_bh, mask=kvalid,
+                       other=0.0).to(gl.float32) * 1.4426950408889634
+    else:
+        bias = gl.zeros([BS], gl.float32, key_t)
+    offs_m = gl.arange(0, M, layout=row_t)
+    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
+    loff = (offs_m % HP) * s_lh + r
+    lbase = LSE + bk * s_lb + (h * G) * s_lh
+    dbase = Delta + bk * s_lb + (h * G) * s_lh
+
+    t_zero = gl.zeros([BS, M], gl.float32, t_layout)
+    dk = gl.zeros([BS, D], gl.float32, acc_layout)
+    dv = gl.zeros([BS, D], gl.float32, acc_layout)
+    db = gl.zeros([BS], gl.float32, key_t)
+    mbarrier.wait(kv_bar, 0)
+    if stop > it0:
+        p_op = gl.zeros([BS, M], k_smem.dtype, op_layout)
+        ds_op = gl.zeros([BS, M], k_smem.dtype, op_layout)
+        for it in range(it0, stop):
+            i = it - it0
+            cur = i % STAGES
+            prev = (i + STAGES - gl.minimum(i, 1)) % STAGES  # step it - 1's slot (its own at the first step)
+            e = it // NP
+            pk = it % NP
+            qs = gl.load(QStart + e)
+            word = gl.load(Word + e * KB + C)
+            tok = qs + r
+            rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
+            lse = gl.load(lbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=float("inf"))
+            delta = gl.load(dbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=0.0)
+            q_cur = q_smem.index(cur).reshape([M, D])
+            do_cur = do_smem.index(cur).reshape([M, D])
+            mbarrier.wait(ready.index(cur), (i // STAGES) & 1)
+            st_t = warpgroup_mma(k_smem, q_cur.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dpt_t = warpgroup_mma(v_smem, do_cur.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            # step it - 1's products (zero operands on the step's own rows at the first step)
+            dv_t = warpgroup_mma(p_op, do_smem.index(prev).reshape([M, D]), dv, is_async=True)
+            dk_t = warpgroup_mma(ds_op, q_smem.index(prev).reshape([M, D]), dk, is_async=True)
+            st = warpgroup_mma_wait(3, deps=(st_t, ))
+            pt = gl.exp2(st * qk_scale + gl.expand_dims(bias, 1) - gl.expand_dims(lse, 0))
+            if (word != FULL) | (qs < kc + BS):
+                bit = ((word >> r.to(word.dtype)) & 1) != 0
+                allowed = gl.expand_dims(bit, 0) & (gl.expand_dims(ktok, 1) <= gl.expand_dims(tok, 0)) \
+                    & gl.expand_dims(kvalid, 1)
+                pt = gl.where(allowed, pt, 0.0)
+            dpt = warpgroup_mma_wait(2, deps=(dpt_t, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if NEED_DB:
+                db += gl.sum(dst, 1)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_t, dk_t, p_op, ds_op))
+            # this warpgroup is done with step it - 1's slot
+            mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
+            p_op = gl.convert_layout(pt.to(k_smem.dtype), op_layout)
+            ds_op = gl.convert_layout(dst.to(k_smem.dtype), op_layout)
+        last = (stop - it0 - 1) % STAGES
+        dv_t = warpgroup_mma(p_op, do_smem.index(last).reshape([M, D]), dv, is_async=True)
+        dk_t = warpgroup_mma(ds_op, q_smem.index(last).reshape([M, D]), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_t, dk_t))
+
+    if live:
+        offs_na = gl.arange(0, BS, layout=gl.SliceLayout(1, acc_layout))
+        offs_da = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        kvalid_a = gl.expand_dims(kc + offs_na < de, 1)
+        kp = gl.expand_dims((kc + offs_na).to(gl.int64), 1)
+        if slot < 0:
+            gl.store(DK + bk * s_kb + kp * s_kt + h * s_kh + gl.expand_dims(offs_da, 0),
+                     (dk * sm_scale).to(DK.dtype.element_ty), mask=kvalid_a)
+            gl.store(DV + bk * s_vb + kp * s_vt + h * s_vh + gl.expand_dims(offs_da, 0), dv.to(DV.dtype.element_ty),
+                     mask=kvalid_a)
+            if NEED_DB:
+                gl.store(DB + bk * s_db_b + ktok.to(gl.int64) * s_db_t + h * s_db_h, db, mask=kvalid)
+        else:
+            N: gl.constexpr = KB * BS
+            tile_off = slot.to(gl.int64) * (N * D) + gl.expand_dims(C * BS + offs_na, 1) * D \
+                + gl.expand_dims(offs_da, 0)
+            gl.store(WDK + tile_off, dk)
+            gl.store(WDV + tile_off, dv)
+            if NEED_DB:
+                gl.store(WDB + slot.to(gl.int64) * N + C * BS + offs_n, db)
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_bwd_dkdv_kernel"])
@@ -327,28 +450,17 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
                           PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                           s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
+                          k_desc, v_desc, q_desc, do_desc, T,
                           HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
                           KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
                           STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """dK, dV, db: the Triton kernel's programs (pieces of inverse lists of ``N = KB * BS``-key groups),
-    its partial slots and its outputs. The group's K and V sit in shared memory as the A operands of
-    ``S^T = K Q^T`` and ``dP^T = V dO^T``; the query and dO rows of each step (list entry x head pack)
-    arrive by cp.async into a ring of ``STAGES`` slots; ``dV += P^T dO`` and ``dK += dS^T Q`` of step
-    ``it - 1`` stay in flight while step ``it``'s probabilities and ``dS`` are computed."""
+    """dK, dV, db, warp-specialised: the Triton kernel's programs (pieces of inverse lists of
+    ``KB * BS``-key groups), partial slots and outputs. One producer warp loads the group's K / V once
+    and each step's query and dO rows (list entry x head pack: a ``[QT, HP, D]`` TMA box each) into a
+    ring of ``STAGES`` slots; ``KB`` consumer warpgroups (this program's warps and ``KB - 1`` workers)
+    each own ``BS`` keys and run their steps without waiting for each other: a slot is refilled when
+    every consumer has released it."""
     NP: gl.constexpr = G // HP
-    M: gl.constexpr = HP * QT
-    N: gl.constexpr = KB * BS
-    FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    key_t: gl.constexpr = gl.SliceLayout(1, t_layout)
-    row_t: gl.constexpr = gl.SliceLayout(0, t_layout)
-
     pid = gl.program_id(0)
     live = pid < gl.load(PiecePtr + n_lists)
     lst = gl.load(PieceList + pid, mask=live, other=0)
@@ -366,126 +478,31 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
     ks = gl.load(Blocks + c * 4 + 1)
     de = gl.load(Blocks + c * 4 + 3)
 
-    # the group's keys and values, resident in shared memory (rows past the document end zero)
-    offs_nl = gl.arange(0, N, layout=gl.SliceLayout(1, ld_layout))
-    offs_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-    kpl = gl.expand_dims((ks + offs_nl).to(gl.int64), 1)
-    kvl = gl.expand_dims(ks + offs_nl < de, 1)
-    k = gl.load(K + bk * s_kb + kpl * s_kt + h * s_kh + gl.expand_dims(offs_dl, 0), mask=kvl, other=0.0)
-    v = gl.load(V + bk * s_vb + kpl * s_vt + h * s_vh + gl.expand_dims(offs_dl, 0), mask=kvl, other=0.0)
-    k_smem = gl.allocate_shared_memory(k.dtype, [N, D], smem_layout, k)
-    v_smem = gl.allocate_shared_memory(v.dtype, [N, D], smem_layout, v)
-
-    offs_n = gl.arange(0, N, layout=key_t)
-    ktok = ks + offs_n
-    kvalid = ktok < de
-    if HAS_BIAS:
-        bias = gl.load(Bias + bk * s_bb + ktok.to(gl.int64) * s_bt + h * s_bh, mask=kvalid,
-                       other=0.0).to(gl.float32) * 1.4426950408889634
-    else:
-        bias = gl.zeros([N], gl.float32, key_t)
-    offs_m = gl.arange(0, M, layout=row_t)
-    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
-    loff = (offs_m % HP) * s_lh + r
-    lbase = LSE + bk * s_lb + (h * G) * s_lh
-    dbase = Delta + bk * s_lb + (h * G) * s_lh
-    # [M, D] row offsets of the query / dO tiles for the cp.async loads
-    offs_ml = gl.arange(0, M, layout=gl.SliceLayout(1, ld_layout))
-    rl = offs_ml // HP
-    qoff = gl.expand_dims(rl * s_qt + (offs_ml % HP) * s_qh, 1) + gl.expand_dims(offs_dl, 0)
-    dooff = gl.expand_dims(rl * s_ot + (offs_ml % HP) * s_oh, 1) + gl.expand_dims(offs_dl, 0)
-    qbase = bk * s_qb + (h * G) * s_qh
-    dobase = bk * s_ob + (h * G) * s_oh
-
-    q_smem = gl.allocate_shared_memory(k.dtype, [STAGES, M, D], smem_layout)
-    do_smem = gl.allocate_shared_memory(k.dtype, [STAGES, M, D], smem_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KB, BS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KB, BS, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=KB)
+    mbarrier.init(kv_bar, count=1)
     it0 = e0 * NP
     stop = e1 * NP
-    for j in gl.static_range(STAGES):
-        _issue_rows(q_smem.index(j), do_smem.index(j), Q, DO, QStart, it0 + j, stop, qoff, dooff, qbase, dobase, rl,
-                    s_qt, s_qh, s_ot, s_oh, de, NP, HP)
-
-    t_zero = gl.zeros([N, M], gl.float32, t_layout)
-    dk = gl.zeros([N, D], gl.float32, acc_layout)
-    dv = gl.zeros([N, D], gl.float32, acc_layout)
-    db = gl.zeros([N], gl.float32, key_t)
-    if stop > it0:
-        p_op = gl.zeros([N, M], k.dtype, op_layout)
-        ds_op = gl.zeros([N, M], k.dtype, op_layout)
-        for it in range(it0, stop):
-            i = it - it0
-            cur = i % STAGES
-            prev = (i + STAGES - gl.minimum(i, 1)) % STAGES  # step it - 1's slot (its own at the first step)
-            e = it // NP
-            pk = it % NP
-            qs = gl.load(QStart + e)
-            word = gl.load(Word + e * KB)  # key n takes the word of block n // BS of the group
-            full = word == FULL
-            wkey = gl.full([N], 0, word.dtype, key_t) + word
-            for u in gl.static_range(1, KB):
-                wu = gl.load(Word + e * KB + u)
-                full &= wu == FULL
-                wkey = gl.where(offs_n >= u * BS, wu, wkey)
-            tok = qs + r
-            rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
-            lse = gl.load(lbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=float("inf"))
-            delta = gl.load(dbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=0.0)
-            # step it's rows have landed: one commit group per step, steps up to it + STAGES - 2 may still
-            # be in flight (it + STAGES - 1 too at the first step, before any refill); the fence also
-            # orders the K / V stores before the first tensor-core read
-            if i == 0:
-                async_copy.wait_group(STAGES - 1)
-            else:
-                async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _cta_barrier()
-            st_t = warpgroup_mma(k_smem, q_smem.index(cur).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            dpt_t = warpgroup_mma(v_smem, do_smem.index(cur).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            # step it - 1's products (zero operands on the step's own, landed rows at the first step)
-            dv_t = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
-            dk_t = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
-            st = warpgroup_mma_wait(3, deps=(st_t, ))
-            pt = gl.exp2(st * qk_scale + gl.expand_dims(bias, 1) - gl.expand_dims(lse, 0))
-            if (full == 0) | (qs < ks + N):
-                bit = ((gl.expand_dims(wkey, 1) >> gl.expand_dims(r, 0).to(wkey.dtype)) & 1) != 0
-                allowed = bit & (gl.expand_dims(ktok, 1) <= gl.expand_dims(tok, 0)) & gl.expand_dims(kvalid, 1)
-                pt = gl.where(allowed, pt, 0.0)
-            dpt = warpgroup_mma_wait(2, deps=(dpt_t, ))
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-            if NEED_DB:
-                db += gl.sum(dst, 1)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_t, dk_t, p_op, ds_op))
-            # every warp is done with step it - 1's slot: refill it with step it - 1 + STAGES
-            _cta_barrier()
-            if i > 0:
-                _issue_rows(q_smem.index(prev), do_smem.index(prev), Q, DO, QStart, it - 1 + STAGES, stop, qoff,
-                            dooff, qbase, dobase, rl, s_qt, s_qh, s_ot, s_oh, de, NP, HP)
-            p_op = gl.convert_layout(pt.to(k.dtype), op_layout)
-            ds_op = gl.convert_layout(dst.to(k.dtype), op_layout)
-        last = (stop - it0 - 1) % STAGES
-        dv_t = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
-        dk_t = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_t, dk_t))
-    async_copy.wait_group(0)
-
-    if live:
-        offs_na = gl.arange(0, N, layout=gl.SliceLayout(1, acc_layout))
-        offs_da = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        kvalid_a = gl.expand_dims(ks + offs_na < de, 1)
-        kp = gl.expand_dims((ks + offs_na).to(gl.int64), 1)
-        if slot < 0:
-            gl.store(DK + bk * s_kb + kp * s_kt + h * s_kh + gl.expand_dims(offs_da, 0),
-                     (dk * sm_scale).to(DK.dtype.element_ty), mask=kvalid_a)
-            gl.store(DV + bk * s_vb + kp * s_vt + h * s_vh + gl.expand_dims(offs_da, 0), dv.to(DV.dtype.element_ty),
-                     mask=kvalid_a)
-            if NEED_DB:
-                gl.store(DB + bk * s_db_b + ktok.to(gl.int64) * s_db_t + h * s_db_h, db, mask=kvalid)
-        else:
-            tile_off = slot.to(gl.int64) * (N * D) + gl.expand_dims(offs_na, 1) * D + gl.expand_dims(offs_da, 0)
-            gl.store(WDK + tile_off, dk)
-            gl.store(WDV + tile_off, dv)
-            if NEED_DB:
-                gl.store(WDB + slot.to(gl.int64) * N + offs_n, db)
+    cons = (k_smem, v_smem, q_smem, do_smem, ready, empty, kv_bar, Bias, LSE, Delta, DK, DV, DB, WDK, WDV, WDB,
+            QStart, Word, it0, stop, live, slot, bk, ks, de, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+            s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale)
+    prod = (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_bar, QStart, it0, stop,
+            bk, T, ks, h)
+    if KB == 2:
+        gl.warp_specialize([(_dkdv_consumer, (cons, 0, G, HP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
+                            (_dkdv_consumer, (cons, 1, G, HP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
+                            (_dkdv_producer, (prod, NP, HP, G, KB, BS, D, STAGES))], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([(_dkdv_consumer, (cons, 0, G, HP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
+                            (_dkdv_producer, (prod, NP, HP, G, KB, BS, D, STAGES))], [1], [24])
 
 
 def supported(q: torch.Tensor, block: int, rows: int) -> bool:
@@ -496,7 +513,7 @@ def supported(q: torch.Tensor, block: int, rows: int) -> bool:
 
 def supported_dkdv(q: torch.Tensor, block: int, rows: int, kb: int) -> bool:
     """Shapes the dK/dV kernel is written for: 16-bit inputs, head dim 64 or 128, 64-key blocks, one or
-    two per group (a warpgroup per 64 keys), query steps of 16-64 rows (the N of ``K Q^T``)."""
+    two per group (a consumer warpgroup per block), query steps of 16-64 rows (the N of ``K Q^T``)."""
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and block == 64 \
         and kb in (1, 2) and rows in (16, 32, 64)
 
@@ -535,12 +552,34 @@ def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_sca
         IN_REGS=in_regs, num_warps=4)
 
 
+def rows_descriptor(x: torch.Tensor, qt: int, hp: int) -> TensorDescriptor:
+    """TMA descriptor over q or dO ``[B, T, Hq, D]`` (any strides with a unit last one), one
+    ``[1, qt, hp, D]`` box: the ``qt x hp`` rows of a dK/dV step, token-major."""
+    D = x.shape[-1]
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, qt, hp, D], dtype)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, qt, hp, D], layout)
+
+
 def launch_dkdv(args: tuple, hp: int, kb: int, need_db: bool, has_bias: bool, idx, stages: int) -> None:
     """Launch ``_bwd_dkdv_kernel_sm90`` over ``idx.max_pieces`` programs with the Triton dK/dV kernel's
-    runtime arguments ``args`` (same order); one warp per 16 keys of a group (a warpgroup per 64)."""
-    q, k = args[0], args[1]
-    Hq, D = q.shape[2], q.shape[3]
+    runtime arguments ``args`` (same order): 4 consumer warps per 64-key block of a group, plus one
+    producer warp; registers capped so that the warpgroups fit the SM (one program per SM at two
+    blocks, two at one)."""
+    q, k, v, do = args[0], args[1], args[2], args[4]
+    if any(st % 8 for st in do.stride()[:3]):  # TMA: 16-byte aligned strides
+        do = do.contiguous()
+    B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     _bwd_dkdv_kernel_sm90[(idx.max_pieces,)](
-        *args, HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, KB=kb, D=D, HAS_BIAS=has_bias,
-        NEED_DB=need_db, STAGES=stages, num_warps=kb * idx.block // 16)
+        *args, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), rows_descriptor(q, idx.qt, hp),
+        rows_descriptor(do, idx.qt, hp), T,
+        HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, KB=kb, D=D, HAS_BIAS=has_bias,
+        NEED_DB=need_db, STAGES=stages, num_warps=4, maxnreg=dkdv_maxnreg(kb))
+
+
+def dkdv_maxnreg(kb: int) -> int:
+    """Registers per thread at the launch of the warp-specialised dK/dV (the pool its warpgroups share:
+    ``kb`` consumer warpgroups + the producer's, 64K registers per SM): one program per SM at two blocks,
+    two at one."""
+    return 168 if kb == 2 else 128

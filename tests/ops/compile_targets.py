@@ -111,19 +111,21 @@ def gluon_cases(G: int):
         yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
     c = cfg["dkdv"]
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
-                 HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=c["blocks"] * 4)
-    yield "dkdv_sm90", GluonASTSource, attention_sm90._bwd_dkdv_kernel_sm90, const, {"Word": ptr["Word"]}, \
-        c["blocks"] * 4, 1
+                 HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)
+    rows = mangle_type(attention_sm90.rows_descriptor(torch.empty(1, 256, 2 * G, 128, dtype=torch.bfloat16), qt,
+                                                      const["HP"]))
+    yield "dkdv_sm90", GluonASTSource, attention_sm90._bwd_dkdv_kernel_sm90, const, \
+        dict(ptr, q_desc=rows, do_desc=rows), 4, 1, dict(maxnreg=attention_sm90.dkdv_maxnreg(c["blocks"]))
 
 
 def main(G: int) -> None:
     for arch, cap in (("sm80", 80), ("sm90", 90)):
         rows = [(n, ASTSource, fn, const, ptr, w, st) for n, fn, const, ptr, w, st in cases(arch, G)]
         rows += list(gluon_cases(G)) if arch == "sm90" else []
-        for name, source, fn, const, ptr, warps, stages in rows:
+        for name, source, fn, const, ptr, warps, stages, *extra in rows:
             sig, const, attrs = specialise(fn, const, ptr)
             k = triton.compile(source(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
-                               options=dict(num_warps=warps, num_stages=stages))
+                               options=dict(num_warps=warps, num_stages=stages, **(extra[0] if extra else {})))
             print(json.dumps(dict(arch=arch, kernel=name, G=G, shared=k.metadata.shared)), flush=True)
 
 

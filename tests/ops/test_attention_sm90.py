@@ -159,3 +159,15 @@ def test_an_older_triton_takes_the_triton_kernels(no_sm90_module, monkeypatch):
     monkeypatch.setattr(attention_op.triton, "__version__", "3.4.0")
     with pytest.warns(UserWarning, match="older than 3.6"):
         assert attention_op.sm90_kernels() is None
+
+
+def test_dkdv_groups_follow_the_kernel_that_runs(monkeypatch):
+    """The index's dK/dV key groups are the Hopper kernel's (one block) where it can run, else the
+    Triton kernel's own (two blocks, four stages): the interpreter / CPU here."""
+    cpu = torch.device("cpu")
+    assert attention_op.hopper_device(cpu) is False
+    triton_cfg = attention_op.launch_config(cpu)["dkdv"]
+    assert (triton_cfg["blocks"], triton_cfg["num_stages"]) == (2, 4)
+    monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
+    hopper_cfg = attention_op.launch_config(cpu)["dkdv"]
+    assert (hopper_cfg["blocks"], hopper_cfg["num_stages"], hopper_cfg["impl"]) == (1, 3, "gluon")
