@@ -311,7 +311,7 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
 
 @gluon.jit
 def _dkdv_producer(a, NP: gl.constexpr, HP: gl.constexpr, G: gl.constexpr, KB: gl.constexpr, BS: gl.constexpr,
-                      D: gl.constexpr, STAGES: gl.constexpr):
+                   D: gl.constexpr, STAGES: gl.constexpr):
     """Producer warp of the warp-specialised dK/dV: the group's K / V blocks once, then per step the query
     and dO rows (one TMA box each) into the ring slot the consumers released."""
     (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_bar, QStart, it0, stop,
@@ -336,8 +336,8 @@ def _dkdv_producer(a, NP: gl.constexpr, HP: gl.constexpr, G: gl.constexpr, KB: g
 
 @gluon.jit
 def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                      KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
-                      STAGES: gl.constexpr):
+                   KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
+                   STAGES: gl.constexpr):
     """Consumer warpgroup ``C`` of the warp-specialised dK/dV: keys ``C * BS ..`` of the group. Per step
     ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued together with the previous step's ``dV += P^T dO``
     and ``dK += dS^T Q``; the previous step's ring slot is released once those have completed. Stores its
@@ -567,7 +567,7 @@ def launch_dkdv(args: tuple, hp: int, kb: int, need_db: bool, has_bias: bool, id
     producer warp; registers capped so that the warpgroups fit the SM (one program per SM at two
     blocks, two at one)."""
     q, k, v, do = args[0], args[1], args[2], args[4]
-    if any(st % 8 for st in do.stride()[:3]):  # TMA: 16-byte aligned strides
+    if do.data_ptr() % 16 or any(st % 8 for st in do.stride()[:3]):  # TMA: 16-byte aligned base and strides
         do = do.contiguous()
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
