@@ -43,7 +43,7 @@ from triton.testing import do_bench  # noqa: E402
 from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
 from nosa_layers.megatron.dense_varlen import causal_varlen_attention  # noqa: E402
 from nosa_layers.ops import SEL_CONFIG, build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
-from nosa_layers.ops.attention_op import launch_config  # noqa: E402
+from nosa_layers.ops.attention_op import CONFIG, arch, hopper_device, launch_config  # noqa: E402
 from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
 from nosa_layers.ops.layout import block_layout  # noqa: E402
 from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
@@ -57,8 +57,8 @@ ROWS: list[dict] = []
 
 
 def config() -> dict:
-    """The launch configuration of this GPU's architecture (mutated in place by the sweep)."""
-    return launch_config(torch.device(DEV))
+    """The launch configuration table of this GPU's architecture (mutated in place by the sweeps)."""
+    return CONFIG[arch(torch.device(DEV))]
 
 
 def index_for(sel, cfg, T, HQ, qt=None, cu=None):
@@ -288,13 +288,14 @@ def sweep(T, HQ, dense_ms):
     _try_configs("dkdv", [dict(CHUNK=c) for c in (256, 1024, 4096)], bwd)
     _try_configs("tile", [dict(rows=r) for r in (64, 128, 256)], lambda: fwd() + bwd())
     sweep_selection(T, HQ)
-    emit(kind="config", config={k: dict(v) for k, v in config().items()},
+    emit(kind="config", config={k: dict(v) for k, v in launch_config(torch.device(DEV)).items()},
          selection={k: dict(v) for k, v in SEL_CONFIG.items()})
 
 
 # dK/dV: the Triton kernel (two- and one-block groups, 8 warps) against the warp-specialised Hopper
 # kernel (attention_sm90: key blocks per group = consumer warpgroups, rows per step, ring slots)
-DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_stages=s)) for i, b, r, s in (
+# (``triton={}``: the candidate's groups and stages hold on GPUs where the Hopper kernels cannot run too)
+DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_stages=s, triton={})) for i, b, r, s in (
     ("triton", 2, 32, 4), ("triton", 1, 32, 3), ("gluon", 2, 32, 4), ("gluon", 1, 32, 2), ("gluon", 1, 32, 3),
     ("gluon", 1, 32, 4), ("gluon", 1, 64, 2), ("gluon", 1, 64, 3))]
 
@@ -367,7 +368,8 @@ def config_sweep(kind, candidates, T, HQ, dense_ms):
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
                 tf = bench(lambda: sparse_attention(qg, kg, vg, idx, bias=bg))[0]
                 tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
-                emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, fwd_ms=tf, bwd_ms=tb,
+                emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, hopper_kernels=hopper_device(qg.device),
+                     fwd_ms=tf, bwd_ms=tb,
                      fwd_x_ideal=tf / (dens * dense_ms[(T, HQ)][0]), bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]),
                      fwd_entries=int(idx.fwd_count.sum()), inv_entries=int(idx.inv_ptr[-1]),
                      dkdv_pieces=int(idx.piece_ptr[-1]), longest_piece=_longest_piece(idx),
@@ -562,7 +564,8 @@ def profile_kernels(T, HQ):
             if name in key:
                 row["tflops"] = round(m * fwd_flops / ms / 1e9, 1)
         kernels[key[:60]] = row
-    emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in config().items()}, kernels=kernels)
+    emit(kind="kernel_profile", T=T, HQ=HQ, config={k: dict(v) for k, v in launch_config(torch.device(DEV)).items()},
+         kernels=kernels)
 
 
 def profile_index(T, HQ):
