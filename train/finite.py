@@ -1,10 +1,12 @@
-"""Finite checks of gradients and weights, agreed on by every rank (one collective per check).
+"""Finite checks of gradients and weights, agreed on by every rank (one collective and one host read
+per check).
 
 Each check reads megatron-core's flat DDP buffers (``grad_data``; ``param_data`` where the
 distributed optimizer keeps one, else the buffer's parameters) with one ``aminmax`` reduction per
 buffer: min and max are finite iff every element is (NaN propagates), and it allocates nothing
-of the buffer's size. The per-rank verdicts are combined with one ``all_reduce(MAX)`` over the
-world, so all ranks take the same branch.
+of the buffer's size. The per-rank verdicts stay on the device until they are combined with one
+``all_reduce(MAX)`` over the world; the host reads the combined verdict once, so all ranks take the
+same branch and a step waits for the GPU once per check.
 """
 
 from __future__ import annotations
@@ -20,22 +22,26 @@ def _buffers(model_chunks) -> list:
     return out
 
 
-def _local_nonfinite(tensors) -> bool:
-    """True if any element of ``tensors`` (any float dtype, any device) is NaN or +-inf."""
-    extremes = [torch.stack(torch.aminmax(t.reshape(-1))).float() for t in tensors if t is not None and t.numel()]
-    return bool(extremes) and not bool(torch.isfinite(torch.cat(extremes)).all())
+def _local_nonfinite(tensors, device: torch.device) -> torch.Tensor:
+    """``[1]`` float32 on ``device``: 1 if any element of ``tensors`` (any float dtype) is NaN or +-inf,
+    else 0; computed without a host read."""
+    extremes = [torch.stack(torch.aminmax(t.reshape(-1))).float().to(device)
+                for t in tensors if t is not None and t.numel()]
+    if not extremes:
+        return torch.zeros(1, device=device)
+    return (~torch.isfinite(torch.cat(extremes)).all()).float().reshape(1)
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+def _any_rank(flag: torch.Tensor) -> bool:
+    """The verdict of every rank's ``flag`` (``all_reduce(MAX)``), read by the host once."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def grads_nonfinite(model_chunks, device: torch.device) -> bool:
     """Whether any rank holds a NaN/inf gradient (after the backward and the DP reduction)."""
-    return _any_rank(_local_nonfinite([b.grad_data for b in _buffers(model_chunks)]), device)
+    return _any_rank(_local_nonfinite([b.grad_data for b in _buffers(model_chunks)], device))
 
 
 def weights_nonfinite(model_chunks, device: torch.device) -> bool:
@@ -45,4 +51,4 @@ def weights_nonfinite(model_chunks, device: torch.device) -> bool:
         tensors += [b.param_data] if b.param_data is not None else [p.data for p in b.params]
     if not tensors:  # not wrapped in megatron DDP
         tensors = [p.data for m in model_chunks for p in m.parameters()]
-    return _any_rank(_local_nonfinite(tensors), device)
+    return _any_rank(_local_nonfinite(tensors, device))
