@@ -41,7 +41,7 @@ from .sparse_index import SparseIndex, largest_divisor
 # 4 forward slots / 3 dQ slots lose (fewer programs per SM). dK/dV ``impl = "gluon"``: warp-specialised
 # (a TMA producer warp, a consumer warpgroup per key block, no CTA-wide barrier per step);
 # bench/attention.py --dkdv-sweep on the H200: one-block groups, 32 rows per step, 3 slots, two programs
-# per SM, are the fastest on real selections (smooth / iid: 13-23% below the Triton kernel's two-block
+# per SM, are the fastest on real selections (smooth / iid: 20-25% below the Triton kernel's two-block
 # groups) and within 3% of two-block groups on P1 lists. Where the Hopper kernels cannot run
 # (``hopper_device``), the Triton dK/dV keeps its two-block groups (``dkdv["triton"]``); on an H100 /
 # H200 a shape the Hopper dK/dV does not cover (head dim 256, fp32, 16- / 32-key blocks) runs the
