@@ -89,7 +89,7 @@ def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOS
     if backend != "triton":
         return PreparedSelection(selected)
     index = ops.build_sparse_index(selected, cfg, q.shape[1], cu_seqlens, num_q_heads=attn_heads or q.shape[2],
-                                   row_budget=None if given else cfg.topk)
+                                   row_budget=None if given else cfg.topk, q=q)
     return PreparedSelection(selected, index)
 
 
@@ -135,7 +135,8 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
     if backend == "triton":
         index = selected.index
         if index is None:  # a reference-backend preparation handed to the Triton backend
-            index = ops.build_sparse_index(selected.selected, cfg, q.shape[1], cu_seqlens, num_q_heads=q.shape[2])
+            index = ops.build_sparse_index(selected.selected, cfg, q.shape[1], cu_seqlens, num_q_heads=q.shape[2],
+                                           q=q)
         return ops.sparse_attention(q, k, v, index, bias=bias, softmax_scale=softmax_scale)
 
     sel = selected.selected

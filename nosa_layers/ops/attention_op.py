@@ -43,9 +43,8 @@ from .sparse_index import SparseIndex, largest_divisor
 # bench/attention.py --dkdv-sweep on the H200: one-block groups, 32 rows per step, 3 slots, two programs
 # per SM, are the fastest on real selections (smooth / iid: 20-25% below the Triton kernel's two-block
 # groups) and within 3% of two-block groups on P1 lists. Where the Hopper kernels cannot run
-# (``hopper_device``), the Triton dK/dV keeps its two-block groups (``dkdv["triton"]``); on an H100 /
-# H200 a shape the Hopper dK/dV does not cover (head dim 256, fp32, 16- / 32-key blocks) runs the
-# Triton kernel on one-block groups (the index is built before the kernel is chosen).
+# (``hopper_device``) or do not cover the shape (head dim 256, fp32, 16- / 32-key blocks; the index
+# builder is told the queries), the Triton dK/dV keeps its two-block groups (``dkdv["triton"]``).
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
@@ -72,12 +71,14 @@ def arch(device: torch.device) -> str:
     return "sm90" if major in (9, 10) else "sm80"
 
 
-def launch_config(device: torch.device) -> dict:
+def launch_config(device: torch.device, q: Tensor | None = None, block: int | None = None) -> dict:
     """Launch settings for ``device``. Where the Hopper kernels cannot run (the interpreter, another
-    sm9x / sm10x GPU, a triton without Gluon), dK/dV takes the Triton kernel's own settings
-    (``dkdv["triton"]``: two-block groups) instead of the Hopper kernel's."""
+    sm9x / sm10x GPU, a triton without Gluon) or do not cover the attention's queries ``q`` with KV
+    blocks of ``block`` keys (when given; ``attention_sm90.covers``), dK/dV takes the Triton kernel's
+    own settings (``dkdv["triton"]``: two-block groups) instead of the Hopper kernel's."""
     cfg = CONFIG[arch(device)]
-    if "triton" in cfg["dkdv"] and not hopper_device(device):
+    hopper = hopper_device(device) and (q is None or sm90_kernels().covers(q, block))
+    if "triton" in cfg["dkdv"] and not hopper:
         cfg = dict(cfg, dkdv=dict(cfg["dkdv"], **cfg["dkdv"]["triton"]))
     return cfg
 
@@ -211,7 +212,7 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     if idx.n_tiles == 0:
         return dq, dk, dv, db
     bias_arg = q if bias is None else bias
-    launch = launch_config(q.device)
+    launch = launch_config(q.device, q, idx.block)
     cfg = launch["dq"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     if hopper_kernel(q, idx, hp, cfg):

@@ -505,17 +505,21 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
                             (_dkdv_producer, (prod, NP, HP, G, KB, BS, D, STAGES))], [1], [24])
 
 
+def covers(q: torch.Tensor, block: int) -> bool:
+    """The inputs every Hopper kernel is written for: 16-bit ``q``, head dim 64 or 128, 64-key blocks."""
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and block == 64
+
+
 def supported(q: torch.Tensor, block: int, rows: int) -> bool:
-    """Shapes this kernel is written for: 16-bit inputs, head dim 64 or 128, 64-key blocks and query
-    tiles of ``rows`` = 64 (tokens x packed heads: one warpgroup); other shapes take the Triton kernel."""
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and block == 64 and rows == 64
+    """Shapes the forward / dQ kernels are written for: ``covers`` and query tiles of ``rows`` = 64
+    (tokens x packed heads: one warpgroup); other shapes take the Triton kernel."""
+    return covers(q, block) and rows == 64
 
 
 def supported_dkdv(q: torch.Tensor, block: int, rows: int, kb: int) -> bool:
-    """Shapes the dK/dV kernel is written for: 16-bit inputs, head dim 64 or 128, 64-key blocks, one or
-    two per group (a consumer warpgroup per block), query steps of 16-64 rows (the N of ``K Q^T``)."""
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and block == 64 \
-        and kb in (1, 2) and rows in (16, 32, 64)
+    """Shapes the dK/dV kernel is written for: ``covers``, one or two blocks per group (a consumer
+    warpgroup per block), query steps of 16-64 rows (the N of ``K Q^T``)."""
+    return covers(q, block) and kb in (1, 2) and rows in (16, 32, 64)
 
 
 def kv_descriptor(x: torch.Tensor, block: int) -> TensorDescriptor:

@@ -277,7 +277,8 @@ def chunk_units(work_units: int, device: torch.device) -> int:
 
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
-                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None) -> SparseIndex:
+                       chunk: int | None = None, max_slots: int | None = None, kb: int | None = None,
+                       q: Tensor | None = None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
     ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
     heads.
@@ -286,7 +287,9 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     row selects (``cfg.topk`` for NOSA selections), which bounds the forward lists at
     ``qt * row_budget`` entries instead of ``nb``; ``chunk`` (dK/dV piece length in list entries;
     default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``max_slots``
-    and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration."""
+    and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration. ``q`` (the
+    attention's queries, optional) lets the key groups follow the dK/dV kernel that will run: the
+    Hopper kernel's, or the Triton kernel's for a shape the Hopper one does not cover."""
     from .attention_op import launch_config
 
     check_device(selected)
@@ -295,7 +298,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         raise ValueError(f"selected has {T} rows for a sequence of {seq_len} tokens")
     bs = cfg.block_size
     layout = block_layout(B, T, cu_seqlens, bs, selected.device)
-    launch = launch_config(selected.device)
+    launch = launch_config(selected.device, q, bs)
     G = num_q_heads // Hkv
     if qt is None:
         qt = query_tile(G, bs, launch["tile"]["rows"])[0]

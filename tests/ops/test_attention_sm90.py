@@ -171,3 +171,22 @@ def test_dkdv_groups_follow_the_kernel_that_runs(monkeypatch):
     monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
     hopper_cfg = attention_op.launch_config(cpu)["dkdv"]
     assert (hopper_cfg["blocks"], hopper_cfg["num_stages"], hopper_cfg["impl"]) == (1, 3, "gluon")
+
+
+@pytest.mark.skipif(attention_op.sm90_kernels() is None, reason="needs a triton with Gluon")
+@pytest.mark.parametrize("dtype,D,block,hopper", [(torch.bfloat16, 128, 64, True), (torch.float16, 64, 64, True),
+                                                  (torch.bfloat16, 256, 64, False), (torch.float32, 128, 64, False),
+                                                  (torch.bfloat16, 128, 32, False)])
+def test_a_shape_the_hopper_dkdv_does_not_cover_keeps_the_triton_groups(monkeypatch, dev, dtype, D, block, hopper):
+    """On a Hopper GPU (stood in for here), an index built for queries the Hopper dK/dV does not cover
+    (head dim 256, fp32, 32-key blocks) gets the Triton kernel's two-block groups, as that kernel runs."""
+    monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
+    T, Hq, Hkv = 300, 4, 2
+    q = torch.zeros(1, T, Hq, D, dtype=dtype, device=dev)
+    assert attention_op.launch_config(dev, q, block)["dkdv"]["blocks"] == (1 if hopper else 2)
+    cfg = NOSAConfig(block_size=block, kernel_size=block // 2, kernel_stride=block // 4, topk=4, local_blocks=1,
+                     select_blocks=2).validate()
+    own = torch.arange(T, device=dev)[:, None] // block  # every block up to the token's own (causal)
+    sel = (torch.arange(-(-T // block), device=dev)[None, :] <= own).expand(1, Hkv, T, -1).contiguous()
+    idx = build_sparse_index(sel, cfg, T, None, num_q_heads=Hq, q=q)
+    assert idx.kb == (1 if hopper else 2)
