@@ -18,14 +18,11 @@ from ._common import UNSPECIALIZED
 
 
 @triton.jit
-def _query_program(Blocks, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
-                   S: tl.constexpr, BS: tl.constexpr):
-    """Work item of a query-side program (forward and dQ), later tiles first (longer lists).
-
-    Returns its (tile, KV head) list ``w`` (int64), KV head ``h``, batch row ``b`` (int64), per row of
-    the ``[HP*QT]`` tile: query head, token, validity, token-in-tile ``r``; plus the first token
-    of the tile's own KV block ``kdiag`` and the document end ``de``."""
-    NP: tl.constexpr = G // HP
+def _query_tile(Blocks, n_tiles, HKV: tl.constexpr, NP: tl.constexpr, S: tl.constexpr, QT: tl.constexpr):
+    """Scalar work item of a query-side program (forward and dQ; also the Hopper kernels'), later
+    tiles first (longer lists): head pack, KV head ``h``, its (tile, KV head) list ``w`` (int64), batch
+    row ``b`` (int64), the first token of the tile's own KV block ``kdiag``, the document end ``de``
+    and the tile's first token ``qs``."""
     pid = tl.program_id(0)
     pack = pid % NP
     rest = pid // NP
@@ -35,12 +32,45 @@ def _query_program(Blocks, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.c
     b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
     kdiag = tl.load(Blocks + c * 4 + 1)
     de = tl.load(Blocks + c * 4 + 3)
-    qs = kdiag + (i % S) * QT
+    return pack, h, (i * HKV + h).to(tl.int64), b, kdiag, de, kdiag + (i % S) * QT
+
+
+@triton.jit
+def _query_program(Blocks, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
+                   S: tl.constexpr, BS: tl.constexpr):
+    """Work item of a query-side program (``_query_tile``) with its rows.
+
+    Returns its (tile, KV head) list ``w`` (int64), KV head ``h``, batch row ``b`` (int64), per row of
+    the ``[HP*QT]`` tile: query head, token, validity, token-in-tile ``r``; plus the first token
+    of the tile's own KV block ``kdiag`` and the document end ``de``."""
+    pack, h, w, b, kdiag, de, qs = _query_tile(Blocks, n_tiles, HKV, G // HP, S, QT)
     offs = tl.arange(0, HP * QT)
     r = offs // HP
     head = h * G + pack * HP + offs % HP
     tok = qs + r
-    return (i * HKV + h).to(tl.int64), h, b, head, tok, tok < de, kdiag, de, r
+    return w, h, b, head, tok, tok < de, kdiag, de, r
+
+
+@triton.jit
+def _dkdv_piece(Blocks, InvPtr, PiecePtr, PieceList, SlotPtr, n_lists, chunk, HKV: tl.constexpr):
+    """Scalar work item of a dK/dV program (also the Hopper kernel's): one piece of the inverse list of
+    a (key group, KV head). Returns whether it is live (programs past the last piece idle), its list
+    entries ``[e0, e1)`` (empty when idle), its fp32 partial slot (-1: the list is whole, write dK/dV),
+    the KV head ``h``, batch row ``bk`` (int64), the group's first key ``ks`` and the document end ``de``."""
+    pid = tl.program_id(0)
+    live = pid < tl.load(PiecePtr + n_lists)
+    lst = tl.load(PieceList + pid, mask=live, other=0)
+    piece = pid - tl.load(PiecePtr + lst)
+    slot0 = tl.load(SlotPtr + lst)
+    lo = tl.load(InvPtr + lst)
+    hi = tl.load(InvPtr + lst + 1)
+    e0 = tl.where(slot0 >= 0, lo + piece * chunk, lo)
+    e1 = tl.where(slot0 >= 0, tl.minimum(e0 + chunk, hi), hi)
+    e1 = tl.where(live, e1, e0)
+    c = lst // HKV
+    bk = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    return (live, e0, e1, tl.where(slot0 >= 0, slot0 + piece, -1), lst % HKV, bk, tl.load(Blocks + c * 4 + 1),
+            tl.load(Blocks + c * 4 + 3))
 
 
 @triton.jit
@@ -170,25 +200,10 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     M: tl.constexpr = HP * QT
     N: tl.constexpr = KB * BS
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    pid = tl.program_id(0)
-    live = pid < tl.load(PiecePtr + n_lists)
-    lst = tl.load(PieceList + pid, mask=live, other=0)
-    piece = pid - tl.load(PiecePtr + lst)
-    slot0 = tl.load(SlotPtr + lst)
-    lo = tl.load(InvPtr + lst)
-    hi = tl.load(InvPtr + lst + 1)
-    e0 = tl.where(slot0 >= 0, lo + piece * chunk, lo)
-    e1 = tl.where(slot0 >= 0, tl.minimum(e0 + chunk, hi), hi)
-    e1 = tl.where(live, e1, e0)
-    slot = tl.where(slot0 >= 0, slot0 + piece, -1)
-    c = lst // HKV
-    h = lst % HKV
+    live, e0, e1, slot, h, bk, ks, de = _dkdv_piece(Blocks, InvPtr, PiecePtr, PieceList, SlotPtr, n_lists, chunk, HKV)
     offs_m = tl.arange(0, M)
     r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
     hh = offs_m % HP
-    bk = tl.load(Blocks + c * 4 + 0).to(tl.int64)
-    ks = tl.load(Blocks + c * 4 + 1)
-    de = tl.load(Blocks + c * 4 + 3)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, N)
     ktok = ks + offs_n

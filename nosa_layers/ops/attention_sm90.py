@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import UNSPECIALIZED
+from .attention_kernels import _dkdv_piece, _query_tile  # scalar work items, shared with the Triton kernels
 
 
 @gluon.jit
@@ -87,22 +88,12 @@ def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, KStart, at, row0, col, ok):
 @gluon.jit
 def _query_program(Blocks, Count, n_tiles, cap, T, HKV: gl.constexpr, NP: gl.constexpr, S: gl.constexpr,
                    QT: gl.constexpr, D: gl.constexpr):
-    """Work item of a forward / dQ program, later tiles first (the Triton kernels' mapping): head pack,
+    """Work item of a forward / dQ program (``_query_tile``, the Triton kernels' mapping): head pack,
     KV head, batch row (int64), the tile's own block start ``kdiag``, document end, first query token,
     its list's offset (int64) and length, and the K / V descriptors' row and column of its batch row
     and KV head."""
-    pid = gl.program_id(0)
-    pack = pid % NP
-    rest = pid // NP
-    h = rest % HKV
-    i = n_tiles - 1 - rest // HKV
-    c = i // S
-    b = gl.load(Blocks + c * 4 + 0).to(gl.int64)
-    kdiag = gl.load(Blocks + c * 4 + 1)
-    de = gl.load(Blocks + c * 4 + 3)
-    w = (i * HKV + h).to(gl.int64)
-    return (pack, h, b, kdiag, de, kdiag + (i % S) * QT, w * cap, gl.minimum(gl.load(Count + w), cap),
-            (b * T).to(gl.int32), h * D)
+    pack, h, w, b, kdiag, de, qs = _query_tile(Blocks, n_tiles, HKV, NP, S, QT)
+    return (pack, h, b, kdiag, de, qs, w * cap, gl.minimum(gl.load(Count + w), cap), (b * T).to(gl.int32), h * D)
 
 
 @gluon.jit
@@ -461,22 +452,7 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
     each own ``BS`` keys and run their steps without waiting for each other: a slot is refilled when
     every consumer has released it."""
     NP: gl.constexpr = G // HP
-    pid = gl.program_id(0)
-    live = pid < gl.load(PiecePtr + n_lists)
-    lst = gl.load(PieceList + pid, mask=live, other=0)
-    piece = pid - gl.load(PiecePtr + lst)
-    slot0 = gl.load(SlotPtr + lst)
-    lo = gl.load(InvPtr + lst)
-    hi = gl.load(InvPtr + lst + 1)
-    e0 = gl.where(slot0 >= 0, lo + piece * chunk, lo)
-    e1 = gl.where(slot0 >= 0, gl.minimum(e0 + chunk, hi), hi)
-    e1 = gl.where(live, e1, e0)
-    slot = gl.where(slot0 >= 0, slot0 + piece, -1)
-    c = lst // HKV
-    h = lst % HKV
-    bk = gl.load(Blocks + c * 4 + 0).to(gl.int64)
-    ks = gl.load(Blocks + c * 4 + 1)
-    de = gl.load(Blocks + c * 4 + 3)
+    live, e0, e1, slot, h, bk, ks, de = _dkdv_piece(Blocks, InvPtr, PiecePtr, PieceList, SlotPtr, n_lists, chunk, HKV)
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KB, BS, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [KB, BS, D], v_desc.layout)
@@ -522,11 +498,15 @@ def supported_dkdv(q: torch.Tensor, block: int, rows: int, kb: int) -> bool:
     return covers(q, block) and kb in (1, 2) and rows in (16, 32, 64)
 
 
+def _gl_dtype(x: torch.Tensor):
+    """Gluon's element type of a 16-bit tensor (``covers``: bf16 or fp16)."""
+    return gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+
+
 def kv_descriptor(x: torch.Tensor, block: int) -> TensorDescriptor:
     """TMA descriptor over the ``[B * T, Hkv * D]`` view of a contiguous k or v, one ``[block, D]`` box."""
     B, T, H, D = x.shape
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block, D], dtype)
+    layout = gl.NVMMASharedLayout.get_default_for([block, D], _gl_dtype(x))
     return TensorDescriptor(x, [B * T, H * D], [H * D, 1], [block, D], layout)
 
 
@@ -560,8 +540,7 @@ def rows_descriptor(x: torch.Tensor, qt: int, hp: int) -> TensorDescriptor:
     """TMA descriptor over q or dO ``[B, T, Hq, D]`` (any strides with a unit last one), one
     ``[1, qt, hp, D]`` box: the ``qt x hp`` rows of a dK/dV step, token-major."""
     D = x.shape[-1]
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([1, qt, hp, D], dtype)
+    layout = gl.NVMMASharedLayout.get_default_for([1, qt, hp, D], _gl_dtype(x))
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, qt, hp, D], layout)
 
 
