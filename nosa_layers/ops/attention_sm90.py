@@ -77,12 +77,38 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, KStart, at, row0, col, ok):
-    """TMA loads of the K and V blocks of list entry ``at`` into one ring slot (skipped unless ``ok``)."""
-    ks = gl.load(KStart + at, mask=ok, other=0)
+def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, ks, row0, col, ok):
+    """TMA loads of the K and V blocks of the list entry whose keys start at ``ks`` into one ring slot
+    (skipped unless ``ok``)."""
     mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=ok)
     tma.async_copy_global_to_shared(k_desc, [row0 + ks, col], bar, k_slot, pred=ok)
     tma.async_copy_global_to_shared(v_desc, [row0 + ks, col], bar, v_slot, pred=ok)
+
+
+@gluon.jit
+def _refill(k_desc, v_desc, bars, k_smem, v_smem, KStart, base, n, at, ks1, ks2, row0, col, STAGES: gl.constexpr):
+    """Request list entry ``at`` = e - 1 + STAGES into the slot entry e - 1 freed, with its key start from
+    the registers ``_entry_ahead`` filled (entry e + 1's ``ks1``, e + 2's ``ks2``) where it is one of
+    them, else loaded here."""
+    slot = (at - STAGES) % STAGES
+    if STAGES == 2:
+        ks = ks1
+    elif STAGES == 3:
+        ks = ks2
+    else:
+        ks = gl.load(KStart + base + at, mask=at < n, other=0)
+    _issue_kv(k_desc, v_desc, bars.index(slot), k_smem.index(slot), v_smem.index(slot), ks, row0, col, at < n)
+
+
+@gluon.jit
+def _entry_ahead(KStart, Word, bbase, base, n, e, ks1, de, s_bt, offs_n, HAS_BIAS: gl.constexpr):
+    """Loads issued while list entry ``e`` computes, so that their latency hides behind its products
+    instead of stalling the next entry: entry e + 1's word and bias (from its key start ``ks1``, loaded
+    one entry earlier still) and entry e + 2's key start (0 past the list's end)."""
+    word1 = gl.load(Word + base + e + 1, mask=e + 1 < n, other=0)
+    bias1 = _entry_bias(bbase, ks1, offs_n, de, s_bt, HAS_BIAS)
+    ks2 = gl.load(KStart + base + e + 2, mask=e + 2 < n, other=0)
+    return word1, bias1, ks2
 
 
 @gluon.jit
@@ -106,8 +132,8 @@ def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, B
     for j in gl.static_range(STAGES):
         mbarrier.init(bars.index(j), count=1)
     for j in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, bars.index(j), k_smem.index(j), v_smem.index(j), KStart, base + j, row0, col,
-                  j < n)
+        _issue_kv(k_desc, v_desc, bars.index(j), k_smem.index(j), v_smem.index(j),
+                  gl.load(KStart + base + j, mask=j < n, other=0), row0, col, j < n)
     return k_smem, v_smem, bars
 
 
@@ -185,6 +211,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
         ks = gl.load(KStart + base)
         word = gl.load(Word + base)
         bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
+        ks1 = gl.load(KStart + base + 1, mask=n > 1, other=0)
+        word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, 0, ks1, de, s_bt, offs_n, HAS_BIAS)
         mbarrier.wait(bars.index(0), 0)
         s_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_t, ))
@@ -194,9 +222,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
         for e in range(1, n):
             slot = e % STAGES
             prev = (e - 1) % STAGES
-            ks = gl.load(KStart + base + e)
-            word = gl.load(Word + base + e)
-            bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
+            ks, word, bias, ks1 = ks1, word1, bias1, ks2  # entry e's, loaded during entry e - 1
+            word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, e, ks1, de, s_bt, offs_n, HAS_BIAS)
             mbarrier.wait(bars.index(slot), (e // STAGES) & 1)
             s_t = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_t = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
@@ -205,8 +232,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
             m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
             o, p_op = warpgroup_mma_wait(0, deps=(o_t, p_op))
             # entry e - 1's slot is free: refill it with entry e - 1 + STAGES
-            _issue_kv(k_desc, v_desc, bars.index(prev), k_smem.index(prev), v_smem.index(prev), KStart,
-                      base + e - 1 + STAGES, row0, col, e - 1 + STAGES < n)
+            _refill(k_desc, v_desc, bars, k_smem, v_smem, KStart, base, n, e - 1 + STAGES, ks1, ks2, row0, col,
+                    STAGES)
             o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(k_desc.dtype), p_layout)
         o_t = warpgroup_mma(p_op, v_smem.index((n - 1) % STAGES), o, is_async=True)
@@ -264,6 +291,8 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
         ks = gl.load(KStart + base)
         word = gl.load(Word + base)
         bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
+        ks1 = gl.load(KStart + base + 1, mask=n > 1, other=0)
+        word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, 0, ks1, de, s_bt, offs_n, HAS_BIAS)
         mbarrier.wait(bars.index(0), 0)
         s_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(do_op, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -275,9 +304,8 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
         for e in range(1, n):
             slot = e % STAGES
             prev = (e - 1) % STAGES
-            ks = gl.load(KStart + base + e)
-            word = gl.load(Word + base + e)
-            bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
+            ks, word, bias, ks1 = ks1, word1, bias1, ks2  # entry e's, loaded during entry e - 1
+            word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, e, ks1, de, s_bt, offs_n, HAS_BIAS)
             mbarrier.wait(bars.index(slot), (e // STAGES) & 1)
             s_t = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -289,8 +317,8 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
             ds = p * (dp - gl.expand_dims(delta, 1))
             dq, ds_op = warpgroup_mma_wait(0, deps=(dq_t, ds_op))
             # entry e - 1's slot is free: refill it with entry e - 1 + STAGES
-            _issue_kv(k_desc, v_desc, bars.index(prev), k_smem.index(prev), v_smem.index(prev), KStart,
-                      base + e - 1 + STAGES, row0, col, e - 1 + STAGES < n)
+            _refill(k_desc, v_desc, bars, k_smem, v_smem, KStart, base, n, e - 1 + STAGES, ks1, ks2, row0, col,
+                    STAGES)
             ds_op = gl.convert_layout(ds.to(k_desc.dtype), ds_layout)
         dq_t = warpgroup_mma(ds_op, k_smem.index((n - 1) % STAGES), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_t, ))
