@@ -300,12 +300,12 @@ DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_sta
     ("gluon", 1, 32, 4), ("gluon", 1, 64, 2), ("gluon", 1, 64, 3))]
 
 
-# forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90: ring depth,
-# A operands Q / dO from shared memory or registers); dK/dV is the same in every candidate
-FWD_CANDIDATES = [dict(fwd=dict(impl=fi, num_stages=2, regs=True), dq=dict(impl=qi, num_stages=qs, regs=qr))
-                  for fi, qi, qs, qr in (("triton", "triton", 2, False), ("gluon", "triton", 2, False),
-                                         ("gluon", "gluon", 2, False), ("gluon", "gluon", 2, True),
-                                         ("gluon", "gluon", 3, False))]
+# forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90) at 2 or 3
+# K/V ring slots each, dQ's A operands Q / dO in registers or shared memory; dK/dV is the same in every
+# candidate
+FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True), dq=dict(impl=i, num_stages=qs, regs=qr))
+                  for i, fs, qs, qr in (("triton", 2, 2, True), ("gluon", 2, 2, True), ("gluon", 3, 2, True),
+                                        ("gluon", 2, 2, False), ("gluon", 2, 3, True))]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

@@ -37,8 +37,9 @@ from .sparse_index import SparseIndex, largest_divisor
 # forward, dQ: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, the A operands Q / dO in
 # registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
 # other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
-# bench/attention.py --fwd-sweep on the H200: forward 15-24% and dQ 5-8% faster than Triton's;
-# 4 forward slots / 3 dQ slots lose (fewer programs per SM). dK/dV ``impl = "gluon"``: warp-specialised
+# bench/attention.py --fwd-sweep on the H200 (session 15, after the per-entry loads moved one entry
+# ahead): 3 forward slots and dQ's Q / dO in shared memory were 1-4% faster than 2 slots / registers in
+# 5 of the 6 cases each (P1, iid, smooth at 32K/32 and 16K/16). dK/dV ``impl = "gluon"``: warp-specialised
 # (a TMA producer warp, a consumer warpgroup per key block, no CTA-wide barrier per step);
 # bench/attention.py --dkdv-sweep on the H200: one-block groups, 32 rows per step, 3 slots, two programs
 # per SM, are the fastest on real selections (smooth / iid: 20-25% below the Triton kernel's two-block
@@ -49,8 +50,8 @@ from .sparse_index import SparseIndex, largest_divisor
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
-        "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=True),
+        "fwd": dict(rows=64, num_warps=4, num_stages=3, impl="gluon", regs=True),
+        "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=False),
         "dkdv": dict(rows=32, num_warps=8, num_stages=3, CHUNK="auto", SLOTS=16384, blocks=1, impl="gluon",
                      triton=dict(blocks=2, num_stages=4)),
     },
@@ -182,8 +183,9 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
-        sm90_kernels().launch_forward(q, k, v, bias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
-                                      cfg["regs"], _strides_bias(bias))
+        sm90 = sm90_kernels()
+        sm90.launch_forward(q, k, v, sm90.key_major_bias(bias, idx.block), o, lse, idx, grid[0], hp, scale * LOG2E,
+                            cfg["num_stages"], cfg["regs"])
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,
@@ -216,8 +218,9 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     cfg = launch["dq"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     if hopper_kernel(q, idx, hp, cfg):
-        sm90_kernels().launch_dq(q, k, v, bias, do, lse, delta, dq, idx, idx.n_tiles * Hkv * (G // hp), hp,
-                                 scale * LOG2E, scale, cfg["num_stages"], cfg["regs"], _strides_bias(bias))
+        sm90 = sm90_kernels()
+        sm90.launch_dq(q, k, v, sm90.key_major_bias(bias, idx.block), do, lse, delta, dq, idx,
+                       idx.n_tiles * Hkv * (G // hp), hp, scale * LOG2E, scale, cfg["num_stages"], cfg["regs"])
     else:
         _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
             q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,

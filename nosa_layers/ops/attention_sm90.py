@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import UNSPECIALIZED
+from ._common import LOG2E, UNSPECIALIZED
 from .attention_kernels import _dkdv_piece, _query_tile  # scalar work items, shared with the Triton kernels
 
 
@@ -44,9 +44,10 @@ def _entry_scores(s, ks, word, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: 
                   HAS_BIAS: gl.constexpr):
     """Scores ``[M, BS]`` of one list entry in the log2 domain: scaled, biased, masked (the row's bit of
     a partial word, causal inside the own block, keys past the document end)."""
-    s = s * qk_scale
     if HAS_BIAS:
-        s = s + gl.expand_dims(bias.to(gl.float32) * 1.4426950408889634, 0)
+        s = s * qk_scale + gl.expand_dims(bias, 0)  # the bias comes scaled to log2 units (``key_major_bias``)
+    else:
+        s = s * qk_scale
     if (word != FULL) | (ks == kdiag):
         ktok = ks + offs_n
         bit = ((word >> r.to(word.dtype)) & 1) != 0
@@ -57,10 +58,12 @@ def _entry_scores(s, ks, word, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: 
 
 
 @gluon.jit
-def _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS: gl.constexpr):
-    """The bias of list entry ``ks``'s keys ``[BS]`` (zero past the document end, or without a bias)."""
+def _entry_bias(bbase, ks, offs_n, HAS_BIAS: gl.constexpr):
+    """The bias of list entry ``ks``'s keys ``[BS]`` (zero without a bias) from the head's row of the
+    key-major bias (``key_major_bias``): consecutive addresses from one base, no mask (keys past the
+    document end are masked in the scores)."""
     if HAS_BIAS:
-        return gl.load(bbase + (ks + offs_n).to(gl.int64) * s_bt, mask=(ks + offs_n) < de, other=0.0)
+        return gl.load(bbase + ks + offs_n)
     else:
         return offs_n.to(gl.float32) * 0.0
 
@@ -101,12 +104,12 @@ def _refill(k_desc, v_desc, bars, k_smem, v_smem, KStart, base, n, at, ks1, ks2,
 
 
 @gluon.jit
-def _entry_ahead(KStart, Word, bbase, base, n, e, ks1, de, s_bt, offs_n, HAS_BIAS: gl.constexpr):
+def _entry_ahead(KStart, Word, bbase, base, n, e, ks1, offs_n, HAS_BIAS: gl.constexpr):
     """Loads issued while list entry ``e`` computes, so that their latency hides behind its products
     instead of stalling the next entry: entry e + 1's word and bias (from its key start ``ks1``, loaded
     one entry earlier still) and entry e + 2's key start (0 past the list's end)."""
     word1 = gl.load(Word + base + e + 1, mask=e + 1 < n, other=0)
-    bias1 = _entry_bias(bbase, ks1, offs_n, de, s_bt, HAS_BIAS)
+    bias1 = _entry_bias(bbase, ks1, offs_n, HAS_BIAS)
     ks2 = gl.load(KStart + base + e + 2, mask=e + 2 < n, other=0)
     return word1, bias1, ks2
 
@@ -173,7 +176,7 @@ def _store_tile(X, x, b, s_xb, s_xt, s_xh, qs, de, h, pack, G: gl.constexpr, HP:
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
 def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
-                     s_qb, s_qt, s_qh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
+                     s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                      HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
                      D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
                      num_warps: gl.constexpr):
@@ -210,9 +213,9 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
         # entry 0 (no P V product before it)
         ks = gl.load(KStart + base)
         word = gl.load(Word + base)
-        bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
+        bias = _entry_bias(bbase, ks, offs_n, HAS_BIAS)
         ks1 = gl.load(KStart + base + 1, mask=n > 1, other=0)
-        word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, 0, ks1, de, s_bt, offs_n, HAS_BIAS)
+        word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, 0, ks1, offs_n, HAS_BIAS)
         mbarrier.wait(bars.index(0), 0)
         s_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_t, ))
@@ -223,7 +226,7 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
             slot = e % STAGES
             prev = (e - 1) % STAGES
             ks, word, bias, ks1 = ks1, word1, bias1, ks2  # entry e's, loaded during entry e - 1
-            word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, e, ks1, de, s_bt, offs_n, HAS_BIAS)
+            word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, e, ks1, offs_n, HAS_BIAS)
             mbarrier.wait(bars.index(slot), (e // STAGES) & 1)
             s_t = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_t = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
@@ -251,7 +254,7 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_kernel"])
 def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap, T,
-                        s_qb, s_qt, s_qh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
+                        s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
                         HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
                         D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
                         num_warps: gl.constexpr):
@@ -290,9 +293,9 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     if n > 0:
         ks = gl.load(KStart + base)
         word = gl.load(Word + base)
-        bias = _entry_bias(bbase, ks, offs_n, de, s_bt, HAS_BIAS)
+        bias = _entry_bias(bbase, ks, offs_n, HAS_BIAS)
         ks1 = gl.load(KStart + base + 1, mask=n > 1, other=0)
-        word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, 0, ks1, de, s_bt, offs_n, HAS_BIAS)
+        word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, 0, ks1, offs_n, HAS_BIAS)
         mbarrier.wait(bars.index(0), 0)
         s_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(do_op, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -305,7 +308,7 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
             slot = e % STAGES
             prev = (e - 1) % STAGES
             ks, word, bias, ks1 = ks1, word1, bias1, ks2  # entry e's, loaded during entry e - 1
-            word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, e, ks1, de, s_bt, offs_n, HAS_BIAS)
+            word1, bias1, ks2 = _entry_ahead(KStart, Word, bbase, base, n, e, ks1, offs_n, HAS_BIAS)
             mbarrier.wait(bars.index(slot), (e // STAGES) & 1)
             s_t = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(do_op, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -538,28 +541,46 @@ def kv_descriptor(x: torch.Tensor, block: int) -> TensorDescriptor:
     return TensorDescriptor(x, [B * T, H * D], [H * D, 1], [block, D], layout)
 
 
-def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, stages: int, in_regs: bool,
-                   bias_strides) -> None:
-    """Launch ``_fwd_kernel_sm90`` over ``grid`` programs (as the Triton forward's grid)."""
+def key_major_bias(bias: torch.Tensor | None, block: int) -> torch.Tensor | None:
+    """The bias ``[B, T, Hkv]`` as the forward and dQ read it: fp32 ``[B, Hkv, T + block]`` in log2 units
+    (times log2(e)), each head's keys contiguous and ``block`` zeros past the end, so that a list
+    entry's ``block`` values are unmasked loads from one base address."""
+    if bias is None:
+        return None
+    return torch.nn.functional.pad(bias.permute(0, 2, 1).float() * LOG2E, (0, block))
+
+
+def _bias_args(q: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """``Bias, s_bb, s_bh`` of the forward / dQ (a stand-in pointer without a bias)."""
+    return (q, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
+
+
+def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, stages: int,
+                   in_regs: bool) -> None:
+    """Launch ``_fwd_kernel_sm90`` over ``grid`` programs (as the Triton forward's grid); ``bias``:
+    ``key_major_bias``'s or ``None``."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
+    Bias, s_bb, s_bh = _bias_args(q, bias)
     _fwd_kernel_sm90[(grid,)](
-        q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), q if bias is None else bias, o, lse,
+        q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
-        *q.stride()[:3], *bias_strides, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
+        *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
         IN_REGS=in_regs, num_warps=4)
 
 
 def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_scale: float, sm_scale: float,
-              stages: int, in_regs: bool, bias_strides) -> None:
-    """Launch ``_bwd_dq_kernel_sm90`` over ``grid`` programs (as the Triton dQ's grid); dq takes q's strides."""
+              stages: int, in_regs: bool) -> None:
+    """Launch ``_bwd_dq_kernel_sm90`` over ``grid`` programs (as the Triton dQ's grid); dq takes q's strides;
+    ``bias``: ``key_major_bias``'s or ``None``."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
+    Bias, s_bb, s_bh = _bias_args(q, bias)
     _bwd_dq_kernel_sm90[(grid,)](
-        q, do, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), q if bias is None else bias, lse, delta, dq,
+        q, do, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, lse, delta, dq,
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
-        *q.stride()[:3], *bias_strides, *do.stride()[:3], lse.stride(0), lse.stride(1), qk_scale, sm_scale,
+        *q.stride()[:3], s_bb, s_bh, *do.stride()[:3], lse.stride(0), lse.stride(1), qk_scale, sm_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
         IN_REGS=in_regs, num_warps=4)
 

@@ -190,3 +190,19 @@ def test_a_shape_the_hopper_dkdv_does_not_cover_keeps_the_triton_groups(monkeypa
     sel = (torch.arange(-(-T // block), device=dev)[None, :] <= own).expand(1, Hkv, T, -1).contiguous()
     idx = build_sparse_index(sel, cfg, T, None, num_q_heads=Hq, q=q)
     assert idx.kb == (1 if hopper else 2)
+
+
+@pytest.mark.skipif(attention_op.sm90_kernels() is None, reason="needs a triton with Gluon")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hopper_bias_layout(dtype):
+    """The forward / dQ read a list entry's bias as ``block`` unmasked consecutive values of the key-major
+    copy: each head's keys in a row, in log2 units, with ``block`` zeros past the end (a block starting at
+    any key, however close to the end, stays inside its row)."""
+    B, T, Hkv, block = 2, 37, 3, 64
+    bias = torch.randn(B, T, Hkv).to(dtype)
+    got = attention_op.sm90_kernels().key_major_bias(bias, block)
+    assert got.dtype == torch.float32 and got.shape == (B, Hkv, T + block) and got.stride(-1) == 1
+    want = bias.float().permute(0, 2, 1) * attention_op.LOG2E
+    assert torch.equal(got[..., :T], want)
+    assert not got[..., T:].any()
+    assert attention_op.sm90_kernels().key_major_bias(None, block) is None
