@@ -11,6 +11,9 @@ elsewhere), with what Triton's own scheduling does not give on Hopper:
   entry ``e`` runs while the tensor cores add ``P_{e-1} V_{e-1}`` (FlashAttention-3's intra-warpgroup
   overlap). Triton places the ``P V`` product right before its use and waits for it at once. The dQ
   kernel likewise keeps ``dS_{e-1} K_{e-1}`` in flight behind ``Q K_e^T`` and ``dO V_e^T``;
+- the forward and dQ issue a list entry's small loads (key start, mask word, the bias of its keys) one
+  entry ahead, so their latency hides behind the previous entry's products, and read the bias from a
+  key-major copy in log2 units (``key_major_bias``: 64 consecutive values, no mask);
 - dK/dV is warp-specialised (FlashAttention-3's producer / consumer split): one producer warp loads
   each step's query and dO rows by TMA into a ring, one consumer warpgroup per 64-key block computes,
   and the consumers never wait for each other (a slot is refilled once every consumer released it),
@@ -20,10 +23,11 @@ Inputs: q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` contiguous bf16 / fp16; the 
 TMA descriptors over the ``[B * T, Hkv * D]`` views, one ``[BS, D]`` box per list entry. Rows past a
 block's document end may come from the next document (finite data, masked) or lie past ``B * T``
 (zero-filled by the TMA unit). Forward outputs: o ``[B, T, Hq, D]`` and the base-2 LSE ``[B, Hq, T]``,
-fp32; dQ: ``[B, T, Hq, D]`` from dO, the LSE and Delta = rowsum(dO * O) ``[B, Hq, T]``. dK/dV reads
-q and dO through ``[1, qt, hp, D]`` TMA boxes of their ``[B, T, Hq, D]`` views (rows past the batch
-row's end zero-filled, rows past a document's end masked through the LSE) and writes dK, dV, db or
-the fp32 partials of split lists as the Triton kernel does.
+fp32; dQ: ``[B, T, Hq, D]`` from dO, the LSE and Delta = rowsum(dO * O) ``[B, Hq, T]``. The forward
+and dQ take the bias as ``key_major_bias`` ``[B, Hkv, T + block]``, dK/dV as given ``[B, T, Hkv]``.
+dK/dV reads q and dO through ``[1, qt, hp, D]`` TMA boxes of their ``[B, T, Hq, D]`` views (rows past
+the batch row's end zero-filled, rows past a document's end masked through the LSE) and writes dK,
+dV, db or the fp32 partials of split lists as the Triton kernel does.
 """
 
 from __future__ import annotations
