@@ -302,8 +302,8 @@ DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_sta
 
 # forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90) at 2 or 3
 # K/V ring slots each, dQ's A operands Q / dO in registers or shared memory; dK/dV is the same in every
-# candidate
-FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True), dq=dict(impl=i, num_stages=qs, regs=qr))
+# candidate (``triton={}``: the candidate's stages hold where the Hopper kernels cannot run too)
+FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}), dq=dict(impl=i, num_stages=qs, regs=qr))
                   for i, fs, qs, qr in (("triton", 2, 2, True), ("gluon", 2, 2, True), ("gluon", 3, 2, True),
                                         ("gluon", 2, 2, False), ("gluon", 2, 3, True))]
 

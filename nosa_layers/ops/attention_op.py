@@ -50,7 +50,7 @@ from .sparse_index import SparseIndex, largest_divisor
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=3, impl="gluon", regs=True),
+        "fwd": dict(rows=64, num_warps=4, num_stages=3, impl="gluon", regs=True, triton=dict(num_stages=2)),
         "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=False),
         "dkdv": dict(rows=32, num_warps=8, num_stages=3, CHUNK="auto", SLOTS=16384, blocks=1, impl="gluon",
                      triton=dict(blocks=2, num_stages=4)),
@@ -75,12 +75,13 @@ def arch(device: torch.device) -> str:
 def launch_config(device: torch.device, q: Tensor | None = None, block: int | None = None) -> dict:
     """Launch settings for ``device``. Where the Hopper kernels cannot run (the interpreter, another
     sm9x / sm10x GPU, a triton without Gluon) or do not cover the attention's queries ``q`` with KV
-    blocks of ``block`` keys (when given; ``attention_sm90.covers``), dK/dV takes the Triton kernel's
-    own settings (``dkdv["triton"]``: two-block groups) instead of the Hopper kernel's."""
+    blocks of ``block`` keys (when given; ``attention_sm90.covers``), a kernel with Triton settings of
+    its own takes them instead of the Hopper kernel's (``dkdv["triton"]``: two-block groups;
+    ``fwd["triton"]``: two K/V stages, the setting measured for the Triton forward)."""
     cfg = CONFIG[arch(device)]
     hopper = hopper_device(device) and (q is None or sm90_kernels().covers(q, block))
-    if "triton" in cfg["dkdv"] and not hopper:
-        cfg = dict(cfg, dkdv=dict(cfg["dkdv"], **cfg["dkdv"]["triton"]))
+    if not hopper:
+        cfg = {name: dict(c, **c["triton"]) if "triton" in c else c for name, c in cfg.items()}
     return cfg
 
 
@@ -179,7 +180,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     G = Hq // Hkv
     o = _empty_like(q)
     lse = _empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    cfg = launch_config(q.device)["fwd"]
+    cfg = launch_config(q.device, q, idx.block)["fwd"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
     if grid[0] and hopper_kernel(q, idx, hp, cfg):

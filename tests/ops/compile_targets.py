@@ -62,7 +62,9 @@ def kv_descriptor_type() -> str:
 
 
 def cases(arch: str, G: int):
-    cfg = CONFIG[arch]
+    # the Triton kernels with the settings they run with (a kernel's own ``triton`` overrides: where the
+    # Hopper kernels do not run; ``launch_config``)
+    cfg = {name: dict(c, **c.get("triton", {})) for name, c in CONFIG[arch].items()}
     BS, D, KS, ST, R, E = 64, 128, 32, 16, 4, 1
     qt, _ = query_tile(G, BS, cfg["tile"]["rows"])
     word = "*i64" if qt > 32 else "*i32"

@@ -206,3 +206,17 @@ def test_the_hopper_bias_layout(dtype):
     assert torch.equal(got[..., :T], want)
     assert not got[..., T:].any()
     assert attention_op.sm90_kernels().key_major_bias(None, block) is None
+
+
+def test_the_triton_forward_keeps_its_own_stages(monkeypatch):
+    """The Hopper forward's 3 K/V slots are its own: where the Triton forward runs instead (here on
+    CPU / the interpreter; on a Hopper GPU for queries the Hopper kernels do not cover, e.g. head dim
+    256, whose K/V stages would not fit shared memory three deep) it keeps its 2 stages."""
+    cpu = torch.device("cpu")
+    assert attention_op.launch_config(cpu)["fwd"]["num_stages"] == 2
+    monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
+    assert attention_op.launch_config(cpu)["fwd"]["num_stages"] == 3
+    if attention_op.sm90_kernels() is not None:
+        q256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
+        assert attention_op.launch_config(cpu, q256, 64)["fwd"]["num_stages"] == 2
+        assert attention_op.launch_config(cpu, q256[..., :128], 64)["fwd"]["num_stages"] == 3
