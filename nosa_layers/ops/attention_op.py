@@ -38,8 +38,9 @@ from .sparse_index import SparseIndex, largest_divisor
 # registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
 # other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
 # bench/attention.py --fwd-sweep on the H200 (session 15, after the per-entry loads moved one entry
-# ahead): 3 forward slots and dQ's Q / dO in shared memory were 1-4% faster than 2 slots / registers in
-# 5 of the 6 cases each (P1, iid, smooth at 32K/32 and 16K/16). dK/dV ``impl = "gluon"``: warp-specialised
+# ahead): 3 forward slots were 3-5% faster at 16K/16 in all three cases (P1, iid, smooth) and within the
+# sweep's 4% noise at 32K/32; dQ with Q / dO in shared memory (245 registers, no spill, against 255
+# and a small spill) was at or below the others in 5 of the 6 cases. dK/dV ``impl = "gluon"``: warp-specialised
 # (a TMA producer warp, a consumer warpgroup per key block, no CTA-wide barrier per step);
 # bench/attention.py --dkdv-sweep on the H200: one-block groups, 32 rows per step, 3 slots, two programs
 # per SM, are the fastest on real selections (smooth / iid: 20-25% below the Triton kernel's two-block
