@@ -117,6 +117,25 @@ def _profile_fields(summary: Path) -> dict:
     return {"gpu_ms_per_step": s["gpu_ms_per_step"], "gpu_idle": s.get("gpu_idle"), "allocator": s.get("allocator")}
 
 
+def corpus_identity(prefix: str) -> dict:
+    """What identifies the training data of a run, so that runs on differently built corpora are not
+    compared by mistake (``data.demo_corpus`` gathers the building machine's own files): the indexed
+    dataset's document count, tokens and mean document length (from ``PREFIX.summary.json``) and a
+    fingerprint of its document sizes (sha256 of ``PREFIX.idx``, first 16 hex digits)."""
+    import hashlib
+
+    out: dict = {"prefix": os.path.basename(prefix)}
+    idx, summary = Path(prefix + ".idx"), Path(prefix + ".summary.json")
+    if idx.is_file():
+        out["idx_sha256"] = hashlib.sha256(idx.read_bytes()).hexdigest()[:16]
+    if summary.is_file():
+        info = json.loads(summary.read_text())
+        if "documents" in info and "tokens" in info:
+            out.update(documents=info["documents"], tokens=info["tokens"],
+                       mean_document_tokens=round(info["tokens"] / max(info["documents"], 1)))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -140,7 +159,9 @@ def main() -> None:
     import torch
 
     gpus = torch.cuda.device_count()
-    env = {"gpu": torch.cuda.get_device_name(0) if gpus else "none", "gpus": gpus, "torch": torch.__version__}
+    env = {"gpu": torch.cuda.get_device_name(0) if gpus else "none", "gpus": gpus, "torch": torch.__version__,
+           "data": corpus_identity(a.data)}
+    print(f"data: {env['data']}", flush=True)
     try:
         import triton
 

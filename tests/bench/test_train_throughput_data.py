@@ -1,0 +1,37 @@
+"""``bench/train_throughput.py`` records which corpus a run read (``corpus_identity``): two builds
+of the demo corpus on different machines differ, and their throughput ratios are not comparable."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _corpus(tmp_path: Path, name: str, sizes: bytes, documents: int, tokens: int) -> str:
+    prefix = tmp_path / name
+    prefix.with_suffix(".idx").write_bytes(sizes)
+    Path(str(prefix) + ".summary.json").write_text(json.dumps({"documents": documents, "tokens": tokens}))
+    return str(prefix)
+
+
+def test_the_corpus_identity_tells_two_builds_apart(tmp_path):
+    identity = _module().corpus_identity
+    a = identity(_corpus(tmp_path, "a", b"\x01\x02\x03", 3, 300))
+    assert a == {"prefix": "a", "idx_sha256": a["idx_sha256"], "documents": 3, "tokens": 300,
+                 "mean_document_tokens": 100}
+    assert len(a["idx_sha256"]) == 16
+    b = identity(_corpus(tmp_path, "b", b"\x01\x02\x04", 3, 300))
+    assert b["idx_sha256"] != a["idx_sha256"]  # same counts, other document sizes
+    assert identity(_corpus(tmp_path, "c", b"\x01\x02\x03", 3, 300))["idx_sha256"] == a["idx_sha256"]
+
+
+def test_a_missing_corpus_is_named_without_failing(tmp_path):
+    assert _module().corpus_identity(str(tmp_path / "nothing")) == {"prefix": "nothing"}
