@@ -81,9 +81,13 @@ def launch_config(device: torch.device, q: Tensor | None = None, block: int | No
     ``fwd["triton"]``: two K/V stages, the setting measured for the Triton forward)."""
     cfg = CONFIG[arch(device)]
     hopper = hopper_device(device) and (q is None or sm90_kernels().covers(q, block))
-    if not hopper:
-        cfg = {name: dict(c, **c["triton"]) if "triton" in c else c for name, c in cfg.items()}
-    return cfg
+    return cfg if hopper else triton_settings(cfg)
+
+
+def triton_settings(cfg: dict) -> dict:
+    """The launch table ``cfg`` as the Triton kernels run it: each kernel's own ``triton`` overrides
+    applied (a copy of those kernels' entries; the others are ``cfg``'s own)."""
+    return {name: dict(c, **c["triton"]) if "triton" in c else c for name, c in cfg.items()}
 
 
 GLUON_MIN_TRITON = "3.6"  # the Hopper kernels' Gluon API: written and compiled with triton 3.6 and 3.8

@@ -1,18 +1,10 @@
 """``bench/train_throughput.py`` records which corpus a run read (``corpus_identity``): two builds
 of the demo corpus on different machines differ, and their throughput ratios are not comparable."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench.loader import load_bench
 
 
 def _corpus(tmp_path: Path, name: str, sizes: bytes, documents: int, tokens: int) -> str:
@@ -23,7 +15,7 @@ def _corpus(tmp_path: Path, name: str, sizes: bytes, documents: int, tokens: int
 
 
 def test_the_corpus_identity_tells_two_builds_apart(tmp_path):
-    identity = _module().corpus_identity
+    identity = load_bench("train_throughput").corpus_identity
     a = identity(_corpus(tmp_path, "a", b"\x01\x02\x03", 3, 300))
     assert a == {"prefix": "a", "idx_sha256": a["idx_sha256"], "documents": 3, "tokens": 300,
                  "mean_document_tokens": 100}
@@ -34,4 +26,4 @@ def test_the_corpus_identity_tells_two_builds_apart(tmp_path):
 
 
 def test_a_missing_corpus_is_named_without_failing(tmp_path):
-    assert _module().corpus_identity(str(tmp_path / "nothing")) == {"prefix": "nothing"}
+    assert load_bench("train_throughput").corpus_identity(str(tmp_path / "nothing")) == {"prefix": "nothing"}

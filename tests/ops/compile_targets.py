@@ -19,7 +19,7 @@ from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
 from nosa_layers.ops import attention_sm90, topk
-from nosa_layers.ops.attention_op import CONFIG, heads_per_program
+from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
 FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
@@ -62,9 +62,7 @@ def kv_descriptor_type() -> str:
 
 
 def cases(arch: str, G: int):
-    # the Triton kernels with the settings they run with (a kernel's own ``triton`` overrides: where the
-    # Hopper kernels do not run; ``launch_config``)
-    cfg = {name: dict(c, **c.get("triton", {})) for name, c in CONFIG[arch].items()}
+    cfg = triton_settings(CONFIG[arch])  # the Triton kernels with the settings they run with
     BS, D, KS, ST, R, E = 64, 128, 32, 16, 4, 1
     qt, _ = query_tile(G, BS, cfg["tile"]["rows"])
     word = "*i64" if qt > 32 else "*i32"
