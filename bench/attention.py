@@ -568,6 +568,58 @@ def profile_kernels(T, HQ):
          kernels=kernels)
 
 
+def _host_top(fn, n=20, top=12) -> dict:
+    """Python functions where ``n`` calls of ``fn()`` spend their host time (cProfile, own time):
+    ``{"file:line(function)": microseconds per call}``, the ``top`` largest."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {f"{os.path.basename(f)}:{line}({name})": round(v[2] / n * 1e6, 1) for (f, line, name), v in rows}
+
+
+def call_overhead(T, HQ, n=20):
+    """Where the table's forward / backward time goes beyond the kernels (P1 lists): per call, the
+    host time of the call with the GPU kept busy (``torch.cuda._sleep`` queued first, so no launch
+    waits), the GPU time of back-to-back calls (host time hidden, L2 not flushed), the kernels'
+    device time (torch.profiler), the table's ``do_bench`` time (L2 flushed before each call: a host
+    time longer than the flush shows in it) and the host's top Python functions."""
+    sel, keys, cfg, idx, (qg, kg, vg, bg), do = p1_case(T, HQ)
+    o = sparse_attention(qg, kg, vg, idx, bias=bg)
+    calls = dict(forward=lambda: sparse_attention(qg, kg, vg, idx, bias=bg),
+                 backward=lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
+    for name, fn in calls.items():
+        for _ in range(3):
+            fn()
+        host = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time ahead of the call's launches
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        kernels = _device_ms(fn)
+        emit(kind="call_overhead", T=T, HQ=HQ, call=name, host_us=round(sorted(host)[n // 2] * 1e6, 1),
+             back_to_back_ms=round(start.elapsed_time(end) / n, 3),
+             kernels_ms=round(sum(ms for ms, _ in kernels.values()), 3), do_bench_ms=round(bench(fn)[0], 3),
+             host_top_us=_host_top(fn))
+
+
 def profile_index(T, HQ):
     """Where the index build spends its time (torch.profiler, CPU and CUDA, P1 lists): top ops."""
     from torch.profiler import ProfilerActivity, profile
@@ -647,7 +699,8 @@ def main():
     ap.add_argument("--shapes", default="32768x32,32768x16,16384x32,16384x16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="per-kernel device times at the first shape")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel device times and the calls' host overhead at the first shape")
     ap.add_argument("--packed", action="store_true", help="1 / 8 / 64 documents per sample at every shape")
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
@@ -702,6 +755,7 @@ def main():
         sweep(*shapes[0], dense_ms)
     if args.profile:
         profile_kernels(*shapes[0])
+        call_overhead(*shapes[0])
     cfg = NOSAConfig()
     for T, HQ in shapes:
         pieces, sel, keys = p1_lists(T, seed=1)
