@@ -180,6 +180,9 @@ def _strides_bias(bias: Tensor | None):
 
 
 def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
+    """Output ``o`` ``[B, T, Hq, D]``, log2-sum-exp ``lse`` fp32 ``[B, Hq, T]`` and the key-major bias the
+    Hopper forward read (``attention_sm90.key_major_bias``; ``None`` where it did not run or without a
+    bias), which the backward's dQ takes instead of building it again."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -188,10 +191,11 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     cfg = launch_config(q.device, q, idx.block)["fwd"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
+    kbias = None
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
-        sm90.launch_forward(q, k, v, sm90.key_major_bias(bias, idx.block), o, lse, idx, grid[0], hp, scale * LOG2E,
-                            cfg["num_stages"], cfg["regs"])
+        kbias = sm90.key_major_bias(bias, idx.block)
+        sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"], cfg["regs"])
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,
@@ -199,10 +203,12 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           *o.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
                           HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return o, lse
+    return o, lse, kbias
 
 
-def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool):
+def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float, need_db: bool, kbias=None):
+    """``dq, dk, dv`` (inputs' dtypes) and ``db`` fp32 ``[B, T, Hkv]`` (``None`` unless ``need_db``);
+    ``kbias``: the forward's key-major bias, if it made one (else the Hopper dQ builds it)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -225,7 +231,9 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     if hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
-        sm90.launch_dq(q, k, v, sm90.key_major_bias(bias, idx.block), do, lse, delta, dq, idx,
+        if kbias is None:
+            kbias = sm90.key_major_bias(bias, idx.block)
+        sm90.launch_dq(q, k, v, kbias, do, lse, delta, dq, idx,
                        idx.n_tiles * Hkv * (G // hp), hp, scale * LOG2E, scale, cfg["num_stages"], cfg["regs"])
     else:
         _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
@@ -262,16 +270,17 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
 class _NosaSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, idx, scale):
-        o, lse = attention_forward(q, k, v, bias, idx, scale)
+        o, lse, kbias = attention_forward(q, k, v, bias, idx, scale)
         ctx.save_for_backward(q, k, v, bias, o, lse)
-        ctx.idx, ctx.scale, ctx.has_bias = idx, scale, bias is not None
+        ctx.idx, ctx.scale, ctx.has_bias, ctx.kbias = idx, scale, bias is not None, kbias
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, o, lse = ctx.saved_tensors
         need_db = ctx.has_bias and ctx.needs_input_grad[3]
-        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db)
+        dq, dk, dv, db = attention_backward(q, k, v, bias, o, lse, do, ctx.idx, ctx.scale, need_db, ctx.kbias)
+        ctx.kbias = None
         if db is not None:
             db = db.to(bias.dtype)
         return dq, dk, dv, db, None, None

@@ -56,11 +56,11 @@ def _max_err(a, b) -> float:
 def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages, regs):
     q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=T + Hq + stages)
     _config(monkeypatch, "fwd", impl="triton")
-    want_o, want_lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=regs)
     assert attention_op.hopper_kernel(q, idx, attention_op.heads_per_program(Hq // Hkv, idx.qt, 64),
                                       attention_op.CONFIG["sm90"]["fwd"])
-    got_o, got_lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     assert torch.isfinite(got_o).all()
     valid = torch.isfinite(want_lse)
     assert torch.equal(valid, torch.isfinite(got_lse))
@@ -74,7 +74,7 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES)
 def test_hopper_dq_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages, regs):
     q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=3 * T + Hq + stages)
-    o, lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    o, lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     do = torch.randn_like(o)
     _config(monkeypatch, "dq", impl="triton")
     want = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, D ** -0.5, True)
@@ -98,7 +98,7 @@ def test_hopper_dkdv_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq,
     partials + the ordered reduction), 16-64 query rows per step."""
     q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=5 * T + Hq + kb, kb=kb, chunk=chunk,
                                          max_slots=None if chunk is None else 1000)
-    o, lse = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    o, lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     do = torch.randn_like(o)
     _config(monkeypatch, "dkdv", impl="triton", rows=rows, num_warps=4 * kb, num_stages=2)
     want = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, D ** -0.5, True)
@@ -130,6 +130,29 @@ def test_hopper_kernels_train_like_triton(hopper, monkeypatch, bias):
     assert len(grads["gluon"]) == (5 if bias else 4)
     for name, a, w in zip(("out", "dq", "dk", "dv", "db"), grads["gluon"], grads["triton"]):
         assert _max_err(a, w) <= 2e-2 * w.float().abs().max().item(), name
+
+
+def test_the_dq_takes_the_forwards_key_major_bias(hopper, monkeypatch):
+    """A training step builds the key-major bias once: the Hopper forward's copy goes to the dQ (one
+    ``key_major_bias`` call per step, not two), and the gradients equal those of a dQ that builds its own."""
+    q, k, v, s, sel, idx, _ = _inputs(hopper, 1, 2300, 16, 2, 128, [0, 900, 2300], torch.bfloat16, seed=11)
+    do = torch.randn_like(q)
+    o, lse, kbias = attention_op.attention_forward(q, k, v, s, idx, 128 ** -0.5)
+    assert torch.equal(kbias, attention_op.sm90_kernels().key_major_bias(s, idx.block))
+    own = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, 128 ** -0.5, True)
+    given = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, 128 ** -0.5, True, kbias)
+    for a, b in zip(own, given):
+        assert torch.equal(a, b)
+    sm90 = attention_op.sm90_kernels()
+    calls = []
+    build = sm90.key_major_bias
+    monkeypatch.setattr(sm90, "key_major_bias", lambda *a: calls.append(1) or build(*a))
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, s)]
+    out = sparse_attention(*xs[:3], idx, bias=xs[3])
+    grads = torch.autograd.grad(out, xs, do)
+    assert len(calls) == 1
+    for a, b in zip(grads, own):
+        assert torch.equal(a, b.to(a.dtype))
 
 
 def test_impl_is_checked(monkeypatch):
