@@ -677,19 +677,20 @@ def index_host_check(T, HQ, builds=56):
 
 
 def table():
-    lines = ["| case | T | HQ | density | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x ideal | bwd x ideal | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | T | HQ | density | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x ideal | bwd x ideal "
+             "| notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ROWS:
         if "fwd_ms" not in r:
             continue
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         notes = []
-        for key in ("qt", "bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s", "max_abs_diff_vs_ours"):
+        for key in ("qt", "bwd_nodb_ms", "index_ms", "select_ms", "inflation", "bitmask_fill", "compile_s",
+                    "max_abs_diff_vs_ours"):
             if r.get(key) is not None:
                 notes.append(f"{key}={r[key]:.3g}" if isinstance(r[key], float) else f"{key}={r[key]}")
-        lines.append(f"| {r['kind']} | {r['T']} | {r['HQ']} | {r['density']:.3f} | {f(r['fwd_ms'])} | {f(r['bwd_ms'])} | "
-                     f"{f(r['fwd_tflops'], 0)} | {f(r['bwd_tflops'], 0)} | {f(r.get('fwd_x_ideal'))} | "
-                     f"{f(r.get('bwd_x_ideal'))} | {' '.join(notes)} |")
+        lines.append(f"| {r['kind']} | {r['T']} | {r['HQ']} | {r['density']:.3f} | {f(r['fwd_ms'])} | "
+                     f"{f(r['bwd_ms'])} | {f(r['fwd_tflops'], 0)} | {f(r['bwd_tflops'], 0)} | "
+                     f"{f(r.get('fwd_x_ideal'))} | {f(r.get('bwd_x_ideal'))} | {' '.join(notes)} |")
     return "\n".join(lines)
 
 
@@ -704,7 +705,8 @@ def main():
     ap.add_argument("--packed", action="store_true", help="1 / 8 / 64 documents per sample at every shape")
     ap.add_argument("--index-profile", action="store_true", help="only profile the index build at the first shape")
     ap.add_argument("--dkdv-sweep", action="store_true", help="only the dK/dV key-group sweep at every shape")
-    ap.add_argument("--fwd-sweep", action="store_true", help="only the forward / dQ launch-settings sweep at every shape")
+    ap.add_argument("--fwd-sweep", action="store_true",
+                    help="only the forward / dQ launch-settings sweep at every shape")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only query tiles of 64 / 128 / 32 rows (the KV group's heads x more or fewer tokens) "
                          "at every shape")

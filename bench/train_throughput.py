@@ -19,8 +19,8 @@ of the GPU), peak memory, losses; with ``--profile-step N`` also the GPU time pe
 (attention forward / backward, NOSA selection and index, eviction head, the rest) from
 ``profile.*`` of the trainer. Usage::
 
-    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28] [--seq 16384]
-        [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
+    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
+        [--seq 16384] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
         [--extra key=value ...]
 
 The demo corpus is mostly short files (46% of its tokens are in documents shorter than 16K), so

@@ -164,8 +164,10 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
     w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
     offs_d = tl.arange(0, D)
     row_off = tok[:, None].to(tl.int64)
-    q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
-    do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None], other=0.0)
+    q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None],
+                other=0.0)
+    do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None],
+                 other=0.0)
     lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
     kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh,
@@ -212,7 +214,8 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     k = tl.load(K + bk * s_kb + kp[:, None] * s_kt + h * s_kh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     v = tl.load(V + bk * s_vb + kp[:, None] * s_vt + h * s_vh + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     if HAS_BIAS:
-        bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid, other=0.0).to(tl.float32) * 1.4426950408889634
+        bias = tl.load(Bias + bk * s_bb + kp * s_bt + h * s_bh, mask=kvalid,
+                       other=0.0).to(tl.float32) * 1.4426950408889634
     else:
         bias = tl.zeros([N], tl.float32)
     qbase = Q + bk * s_qb + (h * G) * s_qh
@@ -324,5 +327,6 @@ def _bwd_delta_kernel(O, DO, Delta, T, H, s_ob, s_ot, s_oh, s_db, s_dt, s_dh, s_
     offs_d = tl.arange(0, D)
     tm = t < T
     o = tl.load(O + b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_d[None, :], mask=tm[:, None], other=0.0)
-    do = tl.load(DO + b * s_db + t[:, None].to(tl.int64) * s_dt + h * s_dh + offs_d[None, :], mask=tm[:, None], other=0.0)
+    do = tl.load(DO + b * s_db + t[:, None].to(tl.int64) * s_dt + h * s_dh + offs_d[None, :], mask=tm[:, None],
+                 other=0.0)
     tl.store(Delta + b * s_lb + h * s_lh + t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=tm)
