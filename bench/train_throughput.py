@@ -114,7 +114,8 @@ def _profile_fields(summary: Path) -> dict:
     if not summary.exists():
         return {"gpu_ms_per_step": None}
     s = json.loads(summary.read_text())
-    return {"gpu_ms_per_step": s["gpu_ms_per_step"], "gpu_idle": s.get("gpu_idle"), "allocator": s.get("allocator")}
+    return {"gpu_ms_per_step": s["gpu_ms_per_step"], "everything_else_top": s.get("everything_else_top"),
+            "gpu_idle": s.get("gpu_idle"), "allocator": s.get("allocator")}
 
 
 def corpus_identity(prefix: str) -> dict:

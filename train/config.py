@@ -87,6 +87,9 @@ class TrainSection:
     precision: str = "bf16"  # fp32 is used on CPU whatever this says
     recompute: str = "none"
     transformer_impl: str = "local"  # layer spec: local (megatron-core local layers) | te (Transformer Engine)
+    # GPU runs: fused RMSNorm (Triton) and megatron-core's fused SwiGLU and cross entropy (same
+    # formulas, fewer passes over memory); CPU runs always take the unfused reference path
+    fusions: bool = True
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
     nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps
     locality_interval: int = 0  # log NOSA locality stats every N steps (0: off)
@@ -226,7 +229,7 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
-               "train.gc_interval",
+               "train.gc_interval", "train.fusions",
                "checkpoint.", "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "print_config",
                "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 

@@ -3,7 +3,8 @@
 The breakdown sorts every GPU kernel of the recorded steps by name into the parts of a NOSA (or
 dense) attention layer and the rest: attention forward / backward (the NOSA Triton kernels, or
 flash / cuDNN attention), NOSA selection and index kernels, and the eviction head's forward
-(the ``nosa.eviction_head`` range), so NOSA and dense runs compare part by part (ms per step).
+(the ``nosa.eviction_head`` range), so NOSA and dense runs compare part by part (ms per step), and
+names the kernels that make up the rest.
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ def breakdown(events, steps: int) -> dict:
     return out
 
 
+def top_other_kernels(events, steps: int, n: int = 15) -> list[dict]:
+    """The ``n`` kernels of "everything else" (not attention, selection or index) with the most GPU
+    time: ``{"kernel", "ms_per_step", "calls_per_step"}``, names cut to 160 characters."""
+    rows = []
+    for ev in events:
+        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        if any(f in ev.key for frags in PARTS.values() for f in frags):
+            continue
+        ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
+        rows.append({"kernel": ev.key[:160], "ms_per_step": round(ms / steps, 3),
+                     "calls_per_step": round((getattr(ev, "count", 0) or 0) / steps, 2)})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
+
+
 def _allocator_counts() -> dict:
     """CUDA caching-allocator counters: device mallocs / frees and retries (a retry frees the cache
     and synchronises: GPU idle), plus the reserved-memory peak in GiB."""
@@ -89,7 +105,9 @@ class StepProfiler:
         tmp = self.out / f".trace.json.tmp-{os.getpid()}"
         self.prof.export_chrome_trace(str(tmp))
         os.replace(tmp, self.out / "trace.json")
-        summary = {"steps": [self.start, step], "gpu_ms_per_step": breakdown(self.prof.key_averages(), self.n)}
+        events = self.prof.key_averages()
+        summary = {"steps": [self.start, step], "gpu_ms_per_step": breakdown(events, self.n),
+                   "everything_else_top": top_other_kernels(events, self.n)}
         if torch.cuda.is_available():
             mem1 = _allocator_counts()
             summary["allocator"] = {k: mem1[k] - self.mem0.get(k, 0) for k in mem1 if k.startswith("num_")}

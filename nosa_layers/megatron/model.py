@@ -27,6 +27,17 @@ from nosa_layers.megatron.rope import LongRoPERotaryEmbedding
 from nosa_layers.megatron.spec import get_nosa_decoder_block_spec, have_te
 from nosa_layers.rope.longrope import LongRoPEConfig
 
+
+def fused_config(model: ModelConfig) -> dict:
+    """megatron-core fusions that ``build_model(fusions=True)`` turns on: its SwiGLU (keeps only the
+    input for the backward) and, for bf16 models (its logit gradient is bf16), its cross entropy
+    (fewer fp32 passes over the ``[tokens, vocab]`` logits)."""
+    out = dict(bias_activation_fusion=True)
+    if model.params_dtype == "bfloat16":
+        out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+    return out
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -130,7 +141,7 @@ def _check_parallel_state(parallel: ParallelConfig) -> None:
 def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[ParallelConfig] = None,
                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                 vp_stage: Optional[int] = None, seq_length: Optional[int] = None, use_te: bool = False,
-                init_seed: Optional[int] = None, **config_overrides) -> NOSAGPTModel:
+                init_seed: Optional[int] = None, fusions: bool = False, **config_overrides) -> NOSAGPTModel:
     """One pipeline stage (``vp_stage`` chunk) of the model, on this rank's TP shard.
 
     ``pre_process`` / ``post_process`` default to this rank's pipeline position. ``seq_length``
@@ -138,10 +149,14 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
     layer spec instead of megatron-core's local one (explicit: never chosen because TE imports;
     its checkpoints name the fused norms differently). ``init_seed`` (needs
     ``use_cpu_initialization``) makes the initial weights independent of the parallel layout
-    (:class:`NOSAGPTModel`). Extra keywords override ``TransformerConfig`` fields (e.g.
+    (:class:`NOSAGPTModel`). ``fusions`` (GPU training): the fused Triton RMSNorm of the local spec
+    and megatron-core's fused SwiGLU and cross entropy (``torch.compile``; the same formulas, fewer
+    passes over memory). Extra keywords override ``TransformerConfig`` fields (e.g.
     ``recompute_granularity``, ``bias_activation_fusion``).
     """
     parallel = parallel or ParallelConfig()
+    if fusions:
+        config_overrides = dict(fused_config(model), **config_overrides)
     validate(model, attn, parallel, seq_length=seq_length)
     _check_parallel_state(parallel)
     config = build_transformer_config(model, attn, parallel, **config_overrides)
@@ -153,7 +168,8 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
         raise ValueError("use_te=True but Transformer Engine is not importable; install it (pip install -e .[te]) "
                          "or build the local spec")
     block_spec = get_nosa_decoder_block_spec(config, model, attn, use_te=use_te, vp_stage=vp_stage,
-                                             pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+                                             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                                             fused_norm=fusions)
     if init_seed is not None:
         if not config.use_cpu_initialization:
             raise ValueError("init_seed needs use_cpu_initialization=True (GPU initialisation draws per TP rank)")

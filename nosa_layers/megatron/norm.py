@@ -1,7 +1,9 @@
 """RMSNorm for the local (non-TE) spec that also works with sequence parallelism.
 
 megatron-core's ``WrappedTorchNorm`` refuses ``sequence_parallel``; this module marks its weight
-with ``sequence_parallel`` so ``finalize_model_grads`` all-reduces its gradient over TP.
+with ``sequence_parallel`` so ``finalize_model_grads`` all-reduces its gradient over TP. With
+``fused=True`` CUDA inputs run the one-kernel Triton norm (``nosa_layers.ops.rms_norm``) instead
+of the reference's elementwise passes; CPU inputs always take the reference.
 """
 
 from __future__ import annotations
@@ -10,22 +12,33 @@ import torch
 from torch import Tensor, nn
 
 
-class RMSNorm(nn.Module):
-    """``y = w * x / sqrt(mean(x^2) + eps)`` computed in fp32 (HF Llama/MiniCPM formula).
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``y = w * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in fp32 (HF Llama/MiniCPM formula)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
 
-    Built by megatron as ``RMSNorm(config=..., hidden_size=..., eps=...)``; ``x [..., hidden]``.
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim of ``x [..., hidden]`` (:func:`rms_norm_reference`).
+
+    Built by megatron as ``RMSNorm(config=..., hidden_size=..., eps=...)``; ``fused`` comes from the
+    layer spec (``train.fusions``).
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused) -> None:
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, fused: bool = False, **unused) -> None:
         super().__init__()
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
             raise ValueError(f"nosa RMSNorm built with normalization={config.normalization!r}; use RMSNorm")
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if self.fused and x.is_cuda:
+            from nosa_layers.ops.rms_norm import fused_rms_norm
+
+            return fused_rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)

@@ -53,9 +53,17 @@ def rope_attention_factor(model: ModelConfig) -> float:
     return 1.0
 
 
+def _norm_spec(fused_norm: bool):
+    """The local spec's RMSNorm, fused (one Triton kernel on CUDA inputs) or the reference formula."""
+    return ModuleSpec(module=RMSNorm, params={"fused": True}) if fused_norm else RMSNorm
+
+
 def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
-                        use_te: Optional[bool] = None) -> ModuleSpec:
-    """``ModuleSpec(TransformerLayer)`` whose attention is ``variant`` (dense | infllm_v2 | nosa)."""
+                        use_te: Optional[bool] = None, fused_norm: bool = False) -> ModuleSpec:
+    """``ModuleSpec(TransformerLayer)`` whose attention is ``variant`` (dense | infllm_v2 | nosa).
+
+    ``fused_norm``: the local spec's norms run the fused Triton RMSNorm on CUDA inputs (the TE spec
+    has its own fused norms)."""
     use_te = have_te() if use_te is None else use_te
     if use_te:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -64,7 +72,8 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
         dense_core = TEDotProductAttention
     else:
         submods = get_gpt_layer_local_submodules(normalization="RMSNorm")
-        submods = replace(submods, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+        norm = _norm_spec(fused_norm)
+        submods = replace(submods, input_layernorm=norm, pre_mlp_layernorm=norm)
         dense_core = DenseCoreAttention
     stock = submods.self_attention.submodules
 
@@ -98,11 +107,11 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
 
 
 def get_nosa_decoder_block_spec(config, model: ModelConfig, attn: AttentionConfig, use_te: Optional[bool] = None,
-                                vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
-                                ) -> TransformerBlockSubmodules:
+                                vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                                fused_norm: bool = False) -> TransformerBlockSubmodules:
     """Layer specs of the layers this pipeline stage builds (``config`` is the TransformerConfig)."""
     use_te = have_te() if use_te is None else use_te
-    specs = [get_nosa_layer_spec(model, attn, v, use_te) for v in attn.layer_variants(model.num_layers)]
+    specs = [get_nosa_layer_spec(model, attn, v, use_te, fused_norm) for v in attn.layer_variants(model.num_layers)]
     if config.pipeline_model_parallel_layout is not None:
         raise NotImplementedError("pipeline_model_parallel_layout is not supported by the NOSA spec; "
                                   "use uniform pipeline stages")
@@ -113,5 +122,5 @@ def get_nosa_decoder_block_spec(config, model: ModelConfig, attn: AttentionConfi
 
         final_norm = TENorm
     else:
-        final_norm = RMSNorm
+        final_norm = _norm_spec(fused_norm)
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + num], layer_norm=final_norm)

@@ -18,17 +18,18 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, topk
+from nosa_layers.ops import attention_sm90, rms_norm, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
 FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
-FLOATS = {"qk_scale", "sm_scale"}
-INT_ARGS = {"T", "H", "K1", "K2", "NBW"}  # upper-case scalars
+FLOATS = {"qk_scale", "sm_scale", "eps"}
+INT_ARGS = {"T", "H", "N", "K1", "K2", "NBW"}  # upper-case scalars
 UNIT = {"s_bh", "s_db_h"}  # strides of 1 in a real launch (the bias / db head stride): constants
 # scalars that are not multiples of 16 in a real launch (counts, the bias / db token stride = Hkv)
-NOT_DIV16 = {"s_bt", "s_db_t", "n_tiles", "cap", "n_lists", "chunk", "T", "H", "NBW", "K1", "K2"}
+NOT_DIV16 = {"s_bt", "s_db_t", "n_tiles", "cap", "n_lists", "chunk", "T", "H", "N", "NBW", "K1", "K2",
+             "rows_per_program"}
 
 
 def signature(fn, const: dict, ptr: dict) -> dict:
@@ -95,6 +96,11 @@ def cases(arch: str, G: int):
         yield f"topk_nb{nbp}", topk._select_kernel, dict(BR=br, NBP=nbp, NCLS=topk.width_classes(nbp, 64), RS=rs,
                                                           BS=BS, KS=KS, ST=ST, R=R, E=E, INIT=1, LOCAL=16,
                                                           EVICT=True), {"Out": "*u8"}, warps, 3
+    for hidden in (2048, 4096):  # the fused RMSNorm of the 1B and 8B shapes
+        bh, warps = triton.next_power_of_2(hidden), rms_norm._num_warps(hidden)
+        yield f"rms_norm_fwd_h{hidden}", rms_norm._rms_norm_fwd_kernel, dict(BH=bh), {"RSTD": "*fp32"}, warps, 3
+        yield f"rms_norm_bwd_h{hidden}", rms_norm._rms_norm_bwd_kernel, dict(BH=bh), \
+            {"RSTD": "*fp32", "DWP": "*fp32"}, warps, 3
 
 
 def gluon_cases(G: int):

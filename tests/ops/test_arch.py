@@ -14,7 +14,8 @@ from tests.ops.conftest import HAS_TRITON
 
 SHARED_PER_BLOCK = {"sm80": 166912, "sm90": 232448}  # bytes of shared memory one program may use
 KERNELS = {"fwd", "dq", "dkdv", "dkdv_reduce", "delta", "pack_lists", "inv_count", "scan", "inv_fill", "compress",
-           "sel_lse", "sel_block", "topk_nb64", "topk_nb512"}
+           "sel_lse", "sel_block", "topk_nb64", "topk_nb512",
+           "rms_norm_fwd_h2048", "rms_norm_bwd_h2048", "rms_norm_fwd_h4096", "rms_norm_bwd_h4096"}
 GLUON_KERNELS = {"fwd_sm90", "dq_sm90", "dkdv_sm90"}  # attention_sm90: Hopper only
 
 

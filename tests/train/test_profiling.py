@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from train.profiling import breakdown
+from train.profiling import breakdown, top_other_kernels
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -16,6 +16,7 @@ class Ev:
     device_type: object
     self_device_time_total: float  # us
     device_time_total: float = 0.0
+    count: int = 1
 
 
 def test_kernels_are_sorted_into_parts_per_step():
@@ -33,6 +34,15 @@ def test_kernels_are_sorted_into_parts_per_step():
     assert got["eviction_head_forward"] == pytest.approx(0.4)
     assert got["total_gpu"] == pytest.approx(17.0)
     assert got["everything_else"] == pytest.approx(17.0 - 2.3 - 4.0 - 0.6 - 0.1 - 0.4)
+
+
+def test_the_rest_is_named_kernel_by_kernel_largest_first():
+    events = [Ev("_fwd_kernel", CUDA, 9000), Ev("elementwise_kernel<mul>", CUDA, 3000, count=8),
+              Ev("sm90_xmma_gemm_bf16", CUDA, 20000, count=4), Ev("aten::mm", CPU, 20000),
+              Ev("reduce_kernel<sum>", CUDA, 500, count=2)]
+    top = top_other_kernels(events, steps=2, n=2)
+    assert [r["kernel"] for r in top] == ["sm90_xmma_gemm_bf16", "elementwise_kernel<mul>"]
+    assert top[0]["ms_per_step"] == pytest.approx(10.0) and top[1]["calls_per_step"] == 4.0
 
 
 def _x(cat, name, ts, dur, **kw):
