@@ -46,9 +46,10 @@ def test_bf16_output_is_the_reference_up_to_one_rounding(dev, shape, seed):
     y, dx, dw = _grads(_fused, x, w, dy)
     yr = rms_norm_reference(x, w, 1e-5)
     assert y.dtype == torch.bfloat16
-    # compiled: the statistics are summed in another order, so a value may round to the neighbouring
-    # bf16; the interpreter rounds its two bf16 casts toward zero, which may add one more step
-    ulps = 1 if dev.type == "cuda" else 3
+    # the statistics are summed in another order, so the normalised value may round to the
+    # neighbouring bf16 and the product with w round the other way: two steps compiled; the
+    # interpreter rounds its two bf16 casts toward zero, which may add one more
+    ulps = 2 if dev.type == "cuda" else 3
     ulp = torch.finfo(torch.bfloat16).eps * yr.float().abs().clamp_min(1e-30)
     assert ((y.float() - yr.float()).abs() <= ulps * ulp).all()
     if dev.type == "cuda":
@@ -102,7 +103,7 @@ def test_training_shape_bf16(cuda):
     y, dx, dw = _grads(_fused, x, w, dy)
     yr, dx16, dw16 = _grads(rms_norm_reference, x, w, dy)
     ulp = torch.finfo(torch.bfloat16).eps * yr.float().abs().clamp_min(1e-30)
-    assert ((y.float() - yr.float()).abs() <= ulp).all()
+    assert ((y.float() - yr.float()).abs() <= 2 * ulp).all() and (y == yr).float().mean() > 0.9
     _, dx64, dw64 = _grads(rms_norm_reference, x.double(), w.double(), dy.double())
     assert (dx.double() - dx64).abs().max() <= 1.5 * (dx16.double() - dx64).abs().max()
     assert (dw.double() - dw64).abs().max() <= 1.5 * (dw16.double() - dw64).abs().max()
