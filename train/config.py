@@ -229,8 +229,8 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
-               "train.gc_interval", "train.fusions",
-               "checkpoint.", "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "print_config",
+               "train.gc_interval", "train.fusions", "checkpoint.", "logging.", "profile.", "parallel.",
+               "cluster.", "run.device", "init_from", "print_config",
                "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 
 

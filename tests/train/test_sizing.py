@@ -1,4 +1,5 @@
-"""dry_run sizing: the per-GPU estimate agrees with the peaks measured on an H200, the verdict
+"""dry_run sizing: the per-GPU estimate agrees with the peaks measured on an H200 (never more than 5%
+below, at most 10% above: it plans), the verdict
 names what would fit, the world size is a flag, and a set WORLD_SIZE never makes it wait."""
 
 import subprocess
@@ -28,16 +29,22 @@ def _estimate_gib(overrides: list[str], world_size: int = 1) -> float:
     return max(s.total for s in estimate_memory(cfg, _counts(cfg), world_size)) / GIB
 
 
-# Peak allocated GiB of the 1B-shaped CPT at 16K, micro-batch 1, global batch 2, one H200 (and TP=2 on
-# two), as docs/BENCHMARKS.md records them.
-MEASURED = [([], 1, 96.7), (["attention=dense"], 1, 95.6), (["train.recompute=none"], 1, 94.6),
-            (["attention=dense", "train.recompute=none"], 1, 95.6), (["parallel=tp2"], 2, 48.7)]
+# Peak allocated GiB of the 1B-shaped CPT at 16K (and 14 layers at 32K), micro-batch 1, global batch 2,
+# one H200 (and TP=2 on two), as docs/BENCHMARKS.md records them: before the fusions (sessions 6-16)
+# and with them (session 17).
+UNFUSED, NR = "train.fusions=false", "train.recompute=none"
+AT_32K = ["model.num_layers=14", "train.seq_length=32768", "model.max_position_embeddings=32768", NR]
+MEASURED = [([UNFUSED], 1, 96.7), (["attention=dense", UNFUSED], 1, 95.6), ([NR, UNFUSED], 1, 94.6),
+            (["attention=dense", NR, UNFUSED], 1, 95.6), (["parallel=tp2", UNFUSED], 2, 48.7),
+            ([*AT_32K, UNFUSED], 1, 88.0), (["attention=dense", *AT_32K, UNFUSED], 1, 88.6),
+            ([NR], 1, 77.9), (["attention=dense", NR], 1, 79.0),
+            (AT_32K, 1, 75.6), (["attention=dense", *AT_32K], 1, 76.2)]
 
 
 @pytest.mark.parametrize("overrides, world, peak", MEASURED)
-def test_estimate_is_within_5_percent_of_the_measured_peaks(overrides, world, peak):
+def test_estimate_is_close_to_the_measured_peaks_and_rather_above(overrides, world, peak):
     got = _estimate_gib(overrides, world)
-    assert abs(got - peak) / peak < 0.05, (overrides, got, peak)
+    assert -0.05 < (got - peak) / peak < 0.10, (overrides, got, peak)
 
 
 def test_nosa_terms_scale_with_key_blocks_and_the_proof_model_is_small():
