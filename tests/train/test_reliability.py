@@ -48,7 +48,7 @@ def test_resume_falls_back_from_a_damaged_checkpoint_and_rotation_keeps_intact_o
     assert (f"warning: checkpoint {ckpts / 'iter_0000004'} is damaged: __0_0.distcp does not match its "
             f"checksum: falling back to {ckpts / 'iter_0000002'}") in p.stdout
     assert f"resumed from {ckpts / 'iter_0000002'} at step 2" in p.stdout
-    assert "layer spec=local (megatron-core local layers), initial weights from (seed, layer)" in p.stdout
+    assert "layer spec=local (megatron-core local layers), fusions=off, initial weights from (seed, layer)" in p.stdout
     changed = next(ln for ln in p.stdout.splitlines() if ln.startswith("resuming with changed settings: "))
     assert "checkpoint.keep_last 0 -> 2; run.dir " in changed and changed.endswith("; train.max_steps 4 -> 6")
     assert sorted(d.name for d in ckpts.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
