@@ -2,7 +2,8 @@
 index, and the block selection (plus the fused RMSNorm of the layers, ``rms_norm.py``). Importing
 needs ``triton`` (ImportError otherwise) but no GPU; calling needs CUDA tensors, or
 ``TRITON_INTERPRET=1`` for CPU tests. Each kernel has a plain PyTorch reference in ``nosa_layers``
-(``selection.py``, ``reference.py``) it is tested against; ``nosa_layers.dispatch`` chooses between them. See README.md in this folder."""
+(``selection.py``, ``reference.py``) it is tested against; ``nosa_layers.dispatch`` chooses between
+them. See README.md in this folder."""
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 

@@ -58,4 +58,3 @@ def test_layer_pattern():
     with pytest.raises(ValueError, match="unknown variants"):
         validate(m, replace(a, layer_pattern=["dense", "nosa", "mla", "nosa"]))
     assert a.nosa_config_for("infllm_v2").eviction_head == "none"
-
