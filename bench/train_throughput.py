@@ -16,8 +16,9 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users
 pay) and as the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak
 of the GPU), peak memory, losses; with ``--profile-step N`` also the GPU time per step by part
-(attention forward / backward, NOSA selection and index, eviction head, the rest) from
-``profile.*`` of the trainer. Usage::
+(attention forward / backward, NOSA selection and index, eviction head, the rest) and the 15
+largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pair take the same
+``train.fusions`` (on by default; ``--extra train.fusions=false`` for the unfused layers). Usage::
 
     python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
         [--seq 16384] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
