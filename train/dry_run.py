@@ -8,12 +8,12 @@ Per-GPU bytes of the most loaded pipeline stage then follow from the layout:
 * optimizer: fp32 master weights (bf16/fp16 only, 4 B) + Adam moments (8 B), also split over
   DP x CP with the distributed optimizer;
 * activations per layer and token, as this project's layers keep them for the backward (bf16 a = 2 B):
-  two RMSNorms computed in fp32 ``2 (4 + 2a) h`` (fused, ``train.fusions``: their input only, ``2 a h``);
+  two RMSNorms computed in fp32 ``2 (4 + 2a) h`` (fused, ``train.fusions``: their input, ``2 a h``);
   attention ``a (5 q + 5 kv)`` (fused QKV output, rotated q/k, the kernel's contiguous q/k/v,
   attention output and projection input; flash-style kernels keep no s x s matrix);
   SwiGLU MLP ``4 a f`` (gate|up output, silu(gate), down-projection input; the fused SwiGLU keeps
-  ``a f`` less, not credited here: with it the estimate fell 5-9% below the peaks measured at 32K). ``q``/``kv``: query / KV
-  channels, ``f``: FFN size. Norm terms split by TP only with sequence parallelism. Selective
+  ``a f`` less, not credited here: with it the estimate fell 5-9% below the peaks measured at 32K).
+  ``q``/``kv``: query / KV channels, ``f``: FFN size. Norm terms split by TP only with sequence parallelism. Selective
   recompute of core attention frees nothing more for flash-style kernels; full recompute keeps
   ``a h`` per layer plus one layer's full set;
 * NOSA layers add the block selection (1 B) and the kernels' block-sparse index (4 B) per
@@ -108,8 +108,8 @@ def layer_activation_bytes(cfg: RunConfig) -> dict:
     tokens = t.seq_length // cp * t.micro_batch_size
     h, f = m.hidden_size, m.ffn_hidden_size
     q, kv = m.num_attention_heads * m.kv_channels, m.num_kv_heads * m.kv_channels
-    fused = t.fusions and t.precision != "fp32"  # GPU runs (CPU runs are fp32 and never fuse)
-    norms = 2 * (act if fused else 4 + 2 * act) * h / (tp if p.sequence_parallel else 1)
+    # the plan is for GPUs, where train.fusions applies (fused norms keep only their input)
+    norms = 2 * (act if t.fusions else 4 + 2 * act) * h / (tp if p.sequence_parallel else 1)
     full = tokens * (norms + (act * (5 * q + 5 * kv) + 4 * act * f) / tp)
     kept = {"none": full, "selective": full,
             "full": tokens * act * h / (tp if p.sequence_parallel else 1)}[t.recompute]

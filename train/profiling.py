@@ -27,6 +27,11 @@ PARTS = {  # kernel-name fragments, checked in this order
 EVICTION_RANGE = "nosa.eviction_head"
 
 
+def part_of(kernel: str):
+    """The part of :data:`PARTS` a kernel name belongs to, or ``None`` (everything else)."""
+    return next((name for name, frags in PARTS.items() if any(f in kernel for f in frags)), None)
+
+
 def breakdown(events, steps: int) -> dict:
     """GPU ms per step by part from ``profiler.key_averages()`` (kernels and the eviction range)."""
     parts = {name: 0.0 for name in PARTS}
@@ -39,10 +44,9 @@ def breakdown(events, steps: int) -> dict:
             continue  # CPU ops: their kernels are counted as kernel events
         ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
         total += ms
-        for name, frags in PARTS.items():
-            if any(f in ev.key for f in frags):
-                parts[name] += ms
-                break
+        part = part_of(ev.key)
+        if part is not None:
+            parts[part] += ms
     parts["eviction_head_forward"] = eviction
     parts["everything_else"] = total - sum(parts.values())
     out = {k: round(v / steps, 3) for k, v in parts.items()}
@@ -55,9 +59,7 @@ def top_other_kernels(events, steps: int, n: int = 15) -> list[dict]:
     time: ``{"kernel", "ms_per_step", "calls_per_step"}``, names cut to 160 characters."""
     rows = []
     for ev in events:
-        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        if any(f in ev.key for frags in PARTS.values() for f in frags):
+        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA or part_of(ev.key) is not None:
             continue
         ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
         rows.append({"kernel": ev.key[:160], "ms_per_step": round(ms / steps, 3),

@@ -120,11 +120,12 @@ class Trainer:
         elif cfg.train.recompute == "full":
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+        fusions = cfg.train.fusions and env.device.type == "cuda"  # CPU runs keep the reference layers
         chunks = []
         for i in range(vpp or 1):
             m = build_model(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
                             seq_length=cfg.train.seq_length, use_te=cfg.train.transformer_impl == "te",
-                            fusions=cfg.train.fusions and env.device.type == "cuda", **overrides)
+                            fusions=fusions, **overrides)
             if env.device.type == "cuda":
                 m.cuda(torch.cuda.current_device())
             if self.precision in ("bf16", "fp16"):
@@ -152,7 +153,7 @@ class Trainer:
                   f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
                   f"PP={ps.get_pipeline_model_parallel_world_size()} DP={env.dp_size}), precision={self.precision}, "
                   f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
-                  f"{'on' if cfg.train.fusions and env.device.type == 'cuda' else 'off'}, initial weights "
+                  f"{'on' if fusions else 'off'}, initial weights "
                   f"{'from (seed, layer) on the CPU: the same for every layout' if 'init_seed' in overrides else 'drawn per TP rank on the GPU'}")
         self._build_data()
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.attention, cfg.train.seq_length)
