@@ -149,8 +149,8 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
     layer spec instead of megatron-core's local one (explicit: never chosen because TE imports;
     its checkpoints name the fused norms differently). ``init_seed`` (needs
     ``use_cpu_initialization``) makes the initial weights independent of the parallel layout
-    (:class:`NOSAGPTModel`). ``fusions`` (GPU training): the fused Triton RMSNorm of the local spec
-    and megatron-core's fused SwiGLU and cross entropy (``torch.compile``; the same formulas, fewer
+    (:class:`NOSAGPTModel`). ``fusions`` (GPU training): the fused Triton RMSNorm of the local spec,
+    the fused Triton RoPE and megatron-core's fused SwiGLU and cross entropy (``torch.compile``; the same formulas, fewer
     passes over memory). Extra keywords override ``TransformerConfig`` fields (e.g.
     ``recompute_granularity``, ``bias_activation_fusion``).
     """
@@ -169,7 +169,7 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
                          "or build the local spec")
     block_spec = get_nosa_decoder_block_spec(config, model, attn, use_te=use_te, vp_stage=vp_stage,
                                              pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                                             fused_norm=fusions)
+                                             fusions=fusions)
     if init_seed is not None:
         if not config.use_cpu_initialization:
             raise ValueError("init_seed needs use_cpu_initialization=True (GPU initialisation draws per TP rank)")

@@ -16,16 +16,25 @@ over as ``prepared``, so the recompute does not select again. The megatron-core 
 here (``_checkpointed_attention_forward``, ``_yarn_concentration_factor``,
 ``_apply_rotary_pos_emb_bshd``) are checked by ``tests/megatron/test_megatron_hooks.py``.
 
-Packed RoPE: megatron's THD RoPE syncs with the host (``cu_seqlens.tolist()``/``.item()``) for q
-and k in every layer. :meth:`NOSAMegatronSelfAttention.forward` instead hands megatron
-``rotary_pos_emb=None`` and rotates q/k itself with megatron's ``_apply_rotary_pos_emb_bshd`` and
-per-token angles ``freqs[pos]`` (positions computed on the device once per step, cached on the
-``PackedSeqParams``): the same math per token, so bitwise equal. Conditions (else megatron's
-path): THD, CP=1, unfused RoPE, no padded ``cu_seqlens``, no inference context.
+RoPE applied here (:meth:`NOSAMegatronSelfAttention.forward` hands megatron ``rotary_pos_emb=None``
+and rotates q/k itself right after the QKV projection), in two cases:
+
+* packed (THD) sequences: megatron's THD RoPE syncs with the host (``cu_seqlens.tolist()`` /
+  ``.item()``) for q and k in every layer; here the angles are taken per token, ``freqs[pos]``
+  (positions computed on the device once per step, cached on the ``PackedSeqParams``);
+* ``fused_rope`` (``train.fusions``) on CUDA inputs (or under the Triton interpreter), packed or not: one Triton kernel each way
+  (``nosa_layers.ops.rope``) instead of megatron's six elementwise passes, with cos / sin tables
+  computed once per forward and shared by the layers (:func:`rope_tables_for`).
+
+Either way the math is megatron's unfused ``_apply_rotary_pos_emb_bshd`` per token, so the result
+is bitwise equal. Conditions (else megatron's path): CP=1, megatron's own RoPE fusion off, no
+inference context, no flash decode; packed: no padded ``cu_seqlens``; fused: non-interleaved RoPE
+over the whole head dim.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -40,6 +49,8 @@ from nosa_layers import EvictionOutput, build_eviction_head
 from nosa_layers.megatron.core_attention import NOSACoreAttention
 from nosa_layers.megatron.heads import gather_heads, replicate_grad, tp_head_layout
 from nosa_layers.rope.packed import document_positions
+
+_TABLES: dict = {}  # rope_tables_for's one entry: (freqs, mscale, dtype) -> (cos, sin)
 
 
 @dataclass
@@ -57,15 +68,39 @@ def eviction_head_builder(name: str, num_q_heads: int, num_kv_heads: int, head_d
     return head.to(dtype)
 
 
-def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
-    """Per-token RoPE angles ``[T, 1, 1, D]`` of a packed row from megatron's ``[max_s, 1, 1, D]``:
-    ``freqs[position within the document]``, as megatron's THD RoPE applies them (CP=1). The
-    positions are computed once per ``cu_seqlens`` and cached on ``packed_seq_params`` (all layers
-    of a step share it; the cache keeps ``cu_seqlens`` alive, so its ``id`` stays its own)."""
+def packed_positions(packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """Position of every token of a packed row within its document ``[T]`` (int64, on the device),
+    computed once per ``cu_seqlens`` and cached on ``packed_seq_params`` (all layers of a step share
+    it; the cache keeps ``cu_seqlens`` alive, so its ``id`` stays its own)."""
     cache = packed_seq_params.__dict__.setdefault("_nosa_doc_positions", {})
     if id(cu_seqlens) not in cache:
         cache[id(cu_seqlens)] = (cu_seqlens, document_positions(cu_seqlens, num_tokens))
-    return freqs[cache[id(cu_seqlens)][1]]
+    return cache[id(cu_seqlens)][1]
+
+
+def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """Per-token RoPE angles ``[T, 1, 1, D]`` of a packed row from megatron's ``[max_s, 1, 1, D]``:
+    ``freqs[position within the document]``, as megatron's THD RoPE applies them (CP=1)."""
+    return freqs[packed_positions(packed_seq_params, cu_seqlens, num_tokens)]
+
+
+def kernels_run_on(x: Tensor) -> bool:
+    """Whether the Triton kernels run on ``x``: CUDA, or the interpreter (``TRITON_INTERPRET=1``, tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rope_tables_for(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The fused RoPE's ``cos, sin`` ``[P, D]`` of megatron's angles ``freqs`` (``ops.rope.rope_tables``),
+    computed once per ``freqs`` tensor: the model makes one per forward and every layer reads it, so
+    one cached entry serves all layers of a micro-batch (held until the next ``freqs`` replaces it)."""
+    from nosa_layers.ops.rope import rope_tables
+
+    key = (mscale, dtype)
+    hit = _TABLES.get("entry")
+    if hit is None or hit[0] is not freqs or hit[1] != key:
+        hit = (freqs, key, rope_tables(freqs, mscale, dtype))
+        _TABLES["entry"] = hit
+    return hit[2]
 
 
 class NOSAMegatronSelfAttention(SelfAttention):
@@ -76,8 +111,8 @@ class NOSAMegatronSelfAttention(SelfAttention):
     all TP ranks; inputs (pre-RoPE v, and q/k for heads with ``reads_qk``) all-gathered over TP; the head runs on all
     KV heads identically on every rank; its output's gradient is all-reduced over TP
     (:func:`replicate_grad`) so the replicated parameters receive identical, complete gradients.
-    Packed (THD) RoPE is applied here without host syncs when :meth:`_sync_free_rope_applies`
-    (module docstring).
+    RoPE is applied here (packed without host syncs, or fused) when :meth:`_rope_applies_here`
+    (module docstring); ``fused_rope`` comes from the layer spec (``train.fusions``).
     """
 
     sync_free_rope: bool = True  # False: packed RoPE always through megatron's per-document loop
@@ -85,7 +120,7 @@ class NOSAMegatronSelfAttention(SelfAttention):
     def __init__(self, config, submodules: NOSAMegatronSelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_comm_type: Optional[str] = None,
                  pg_collection=None, pp_layer_offset: Optional[int] = None, name: Optional[str] = None,
-                 rope_attention_factor: float = 1.0) -> None:
+                 rope_attention_factor: float = 1.0, fused_rope: bool = False) -> None:
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
@@ -96,7 +131,8 @@ class NOSAMegatronSelfAttention(SelfAttention):
             self._yarn_concentration_factor = float(rope_attention_factor)
         self.tp_group_, self.layout = tp_head_layout(
             self.pg_collection, config.num_attention_heads, config.num_query_groups)
-        self._pending_rope = None  # ((q_freqs, k_freqs), packed_seq_params) during a sync-free forward
+        self.fused_rope = fused_rope
+        self._pending_rope = None  # ((q_freqs, k_freqs), packed_seq_params or None) while RoPE is applied here
         self.eviction_head = None
         if getattr(submodules, "eviction_head", None) is not None:
             spec = submodules.eviction_head
@@ -105,27 +141,35 @@ class NOSAMegatronSelfAttention(SelfAttention):
                 self.eviction_head = None  # InfLLM-V2 ("none" head): nothing to run
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
-        """megatron's forward; packed RoPE moves into :meth:`get_query_key_value_tensors` when it can."""
+        """megatron's forward; RoPE moves into :meth:`get_query_key_value_tensors` when it can."""
         rope = kwargs.get("rotary_pos_emb")
-        if args or not self._sync_free_rope_applies(rope, kwargs):
+        if args or not self._rope_applies_here(rope, kwargs, hidden_states):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
-        self._pending_rope = (rope if isinstance(rope, tuple) else (rope, rope), kwargs["packed_seq_params"])
+        self._pending_rope = (rope if isinstance(rope, tuple) else (rope, rope), kwargs.get("packed_seq_params"))
         try:
             return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
         finally:
             self._pending_rope = None
 
-    def _sync_free_rope_applies(self, rope, kwargs: dict) -> bool:
-        """Packed THD training/eval forward whose RoPE megatron would apply per document (CP=1, unfused, unpadded)."""
+    def _fuses_rope(self) -> bool:
+        """Whether the fused kernel covers this layer's RoPE (non-interleaved, not MLA's)."""
+        cfg = self.config
+        return self.fused_rope and not cfg.rotary_interleaved and not cfg.multi_latent_attention
+
+    def _rope_applies_here(self, rope, kwargs: dict, hidden_states: Tensor) -> bool:
+        """Training/eval forward whose RoPE this layer applies itself (module docstring): packed THD rows
+        (sync-free; unpadded ``cu_seqlens``), or any rows when the fused kernel runs (CUDA inputs)."""
         psp, cfg = kwargs.get("packed_seq_params"), self.config
-        if not (self.sync_free_rope and rope is not None and psp is not None and psp.qkv_format == "thd"):
+        if rope is None or kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:
             return False
         no_rope = bool(cfg.no_rope_freq) and cfg.no_rope_freq[self.layer_number - 1]
+        if cfg.apply_rope_fusion or cfg.flash_decode or no_rope or self.pg_collection.cp.size() != 1:
+            return False
+        if psp is None:
+            return self._fuses_rope() and kernels_run_on(hidden_states)
         unpadded = all(pad is None or pad is cu for pad, cu in ((psp.cu_seqlens_q_padded, psp.cu_seqlens_q),
                                                                 (psp.cu_seqlens_kv_padded, psp.cu_seqlens_kv)))
-        return (kwargs.get("inference_context") is None and kwargs.get("inference_params") is None
-                and not cfg.apply_rope_fusion and not cfg.flash_decode and not no_rope and unpadded
-                and self.pg_collection.cp.size() == 1)
+        return psp.qkv_format == "thd" and unpadded and (self.sync_free_rope or self._fuses_rope())
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
                                     split_qkv=True):
@@ -133,26 +177,34 @@ class NOSAMegatronSelfAttention(SelfAttention):
                                                   split_qkv=split_qkv)
         if not isinstance(out, tuple) or len(out) < 3:
             if self._pending_rope is not None:
-                raise RuntimeError("sync-free packed RoPE needs split q/k/v (split_qkv=True)")
+                raise RuntimeError("RoPE in the NOSA layer needs split q/k/v (split_qkv=True)")
             return out
         query, key, value = out[0], out[1], out[2]
         if self.eviction_head is not None:
             self.core_attention.pending_eviction = self._eviction(query, key, value)
         if self._pending_rope is not None:
-            out = (*self._packed_rope(query, key), *out[2:])
+            out = (*self._rope(query, key), *out[2:])
         return out
 
-    def _packed_rope(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        """RoPE on packed q ``[T, 1, Hq/tp, D]`` and k ``[T, 1, Hkv_local, D]`` at per-document positions."""
+    def _rope(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE on q ``[s, b, Hq/tp, D]`` and k ``[s, b, Hkv_local, D]``: at per-document positions for
+        packed rows (b = 1), at the row index otherwise; fused on CUDA inputs when ``_fuses_rope``."""
         (q_freqs, k_freqs), psp = self._pending_rope
+        mscale = self._yarn_concentration_factor
 
-        def rope(x: Tensor, freqs: Optional[Tensor], cu: Tensor) -> Tensor:
+        def rope(x: Tensor, freqs: Optional[Tensor], cu: Optional[Tensor]) -> Tensor:
             if freqs is None:
                 return x
-            return _apply_rotary_pos_emb_bshd(x, packed_rope_freqs(freqs, psp, cu, x.size(0)),
-                                              rotary_interleaved=self.config.rotary_interleaved,
-                                              mscale=self._yarn_concentration_factor)
+            if self._fuses_rope() and kernels_run_on(x) and freqs.shape[-1] == x.shape[-1]:
+                from nosa_layers.ops.rope import fused_rope
 
+                cos, sin = rope_tables_for(freqs, mscale, x.dtype)
+                return fused_rope(x, cos, sin, None if cu is None else packed_positions(psp, cu, x.size(0)))
+            f = freqs if cu is None else packed_rope_freqs(freqs, psp, cu, x.size(0))
+            return _apply_rotary_pos_emb_bshd(x, f, rotary_interleaved=self.config.rotary_interleaved, mscale=mscale)
+
+        if psp is None:
+            return rope(query, q_freqs, None), rope(key, k_freqs, None)
         return rope(query, q_freqs, psp.cu_seqlens_q), rope(key, k_freqs, psp.cu_seqlens_kv)
 
     def _eviction(self, query: Tensor, key: Tensor, value: Tensor) -> EvictionOutput:

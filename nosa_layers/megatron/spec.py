@@ -59,11 +59,11 @@ def _norm_spec(fused_norm: bool):
 
 
 def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
-                        use_te: Optional[bool] = None, fused_norm: bool = False) -> ModuleSpec:
+                        use_te: Optional[bool] = None, fusions: bool = False) -> ModuleSpec:
     """``ModuleSpec(TransformerLayer)`` whose attention is ``variant`` (dense | infllm_v2 | nosa).
 
-    ``fused_norm``: the local spec's norms run the fused Triton RMSNorm on CUDA inputs (the TE spec
-    has its own fused norms)."""
+    ``fusions``: the attention's RoPE runs the fused Triton kernel on CUDA inputs, and the local
+    spec's norms the fused Triton RMSNorm (the TE spec has its own fused norms)."""
     use_te = have_te() if use_te is None else use_te
     if use_te:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -72,7 +72,7 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
         dense_core = TEDotProductAttention
     else:
         submods = get_gpt_layer_local_submodules(normalization="RMSNorm")
-        norm = _norm_spec(fused_norm)
+        norm = _norm_spec(fusions)
         submods = replace(submods, input_layernorm=norm, pre_mlp_layernorm=norm)
         dense_core = DenseCoreAttention
     stock = submods.self_attention.submodules
@@ -95,7 +95,8 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
 
     self_attention = ModuleSpec(
         module=NOSAMegatronSelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "rope_attention_factor": rope_attention_factor(model)},
+        params={"attn_mask_type": AttnMaskType.causal, "rope_attention_factor": rope_attention_factor(model),
+                "fused_rope": fusions},
         submodules=NOSAMegatronSelfAttentionSubmodules(
             linear_qkv=stock.linear_qkv, core_attention=core, linear_proj=stock.linear_proj,
             q_layernorm=stock.q_layernorm, k_layernorm=stock.k_layernorm, eviction_head=eviction))
@@ -108,10 +109,10 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
 
 def get_nosa_decoder_block_spec(config, model: ModelConfig, attn: AttentionConfig, use_te: Optional[bool] = None,
                                 vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
-                                fused_norm: bool = False) -> TransformerBlockSubmodules:
+                                fusions: bool = False) -> TransformerBlockSubmodules:
     """Layer specs of the layers this pipeline stage builds (``config`` is the TransformerConfig)."""
     use_te = have_te() if use_te is None else use_te
-    specs = [get_nosa_layer_spec(model, attn, v, use_te, fused_norm) for v in attn.layer_variants(model.num_layers)]
+    specs = [get_nosa_layer_spec(model, attn, v, use_te, fusions) for v in attn.layer_variants(model.num_layers)]
     if config.pipeline_model_parallel_layout is not None:
         raise NotImplementedError("pipeline_model_parallel_layout is not supported by the NOSA spec; "
                                   "use uniform pipeline stages")
@@ -122,5 +123,5 @@ def get_nosa_decoder_block_spec(config, model: ModelConfig, attn: AttentionConfi
 
         final_norm = TENorm
     else:
-        final_norm = _norm_spec(fused_norm)
+        final_norm = _norm_spec(fusions)
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + num], layer_norm=final_norm)

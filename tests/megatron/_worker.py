@@ -447,6 +447,71 @@ def _sync_free_rope_case(case, docs, calls: dict, counted_thd, thd) -> dict:
             "layers": case.model.num_layers, "mscale": mscale}
 
 
+def check_fused_rope(out: dict) -> None:
+    """The fused RoPE kernel (interpreter; fp32 is bitwise there) against megatron's unfused RoPE in
+    a whole model: packed THD rows and plain rows, plain RoPE and LongRoPE (``mscale`` != 1)."""
+    for case_name in ("packed", "longrope"):
+        for docs_name, docs in (("docs", ROPE_DOCS), ("rows", None)):
+            key = f"fused_rope/{case_name}/{docs_name}"
+            try:
+                out[key] = _fused_rope_case(CASES[case_name], docs)
+            except Exception:
+                out[key] = traceback.format_exc()
+                print(out[key], file=sys.stderr, flush=True)
+
+
+def _fused_rope_case(case, docs) -> dict:
+    """One row (packed into ``docs``, or plain when None) through a fresh model of ``case``, every layer's
+    ``fused_rope`` on and off; counts the kernel's launches and megatron's unfused RoPE calls."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from nosa_layers.megatron import self_attention
+    from nosa_layers.ops import rope as rope_ops
+
+    setup(LAYOUTS["ref"].parallel)
+    model = build_model(case.model, case.attn, seq_length=SEQ, use_te=False)
+    perturb_eviction(model, case.seed)
+    tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(7))
+    w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(8))
+    layers = [layer.self_attention for layer in model.decoder.layers]
+    calls = {"kernel": 0, "megatron": 0}
+    launch, bshd, bshd_sa = rope_ops._launch, rope_utils._apply_rotary_pos_emb_bshd, \
+        self_attention._apply_rotary_pos_emb_bshd
+
+    def counted(fn, name):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    res = {}
+    for fused in (True, False):
+        for layer in layers:
+            layer.fused_rope = fused
+        model.zero_grad(set_to_none=True)
+        calls.update(kernel=0, megatron=0)
+        rope_ops._launch = counted(launch, "kernel")
+        rope_utils._apply_rotary_pos_emb_bshd = counted(bshd, "megatron")
+        self_attention._apply_rotary_pos_emb_bshd = counted(bshd_sa, "megatron")
+        try:
+            if docs is None:
+                logits = model(tok, torch.arange(SEQ)[None], None)
+            else:
+                psp, pos = packed_row(docs)
+                logits = model(tok, pos, None, packed_seq_params=psp)
+            (logits.float() * w).sum().backward()
+        finally:
+            rope_ops._launch, rope_utils._apply_rotary_pos_emb_bshd = launch, bshd
+            self_attention._apply_rotary_pos_emb_bshd = bshd_sa
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        res[fused] = (logits.detach().clone(), grads, dict(calls))
+    (l_new, g_new, c_new), (l_ref, g_ref, c_ref) = res[True], res[False]
+    return {"logits_equal": torch.equal(l_new, l_ref), "max_logit_diff": (l_new - l_ref).abs().max().item(),
+            "grads_equal": g_new.keys() == g_ref.keys() and all(torch.equal(g_new[n], g_ref[n]) for n in g_ref),
+            "grads": len(g_ref), "calls_fused": c_new, "calls_unfused": c_ref, "layers": case.model.num_layers,
+            "mscale": layers[0]._yarn_concentration_factor, "dtype": str(case.model.params_dtype)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["ref", "par"], required=True)
@@ -473,7 +538,7 @@ def main() -> None:
             dist.barrier()
     if args.role == "ref":
         for check in (check_core_attention, check_layer_vs_reference, check_mup, check_longrope,
-                      check_sync_free_rope):
+                      check_sync_free_rope, check_fused_rope):
             try:
                 check(summary)
             except Exception:

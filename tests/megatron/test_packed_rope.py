@@ -46,3 +46,18 @@ def test_sync_free_packed_rope_is_bitwise_megatron(megatron_ref, case, docs):
         assert r["mscale"] != 1.0, "the LongRoPE case does not exercise the attention factor"
     assert r["logits_equal"], f"logits differ: max abs {r['max_logit_diff']:.2e}"
     assert r["grads"] > 0 and r["grads_equal"], "gradients differ"
+
+
+@pytest.mark.parametrize("docs", ["docs", "rows"])
+@pytest.mark.parametrize("case", ["packed", "longrope"])
+def test_fused_rope_is_bitwise_megatron_in_a_model(megatron_ref, case, docs):
+    """``train.fusions``' RoPE kernel (here under the interpreter, fp32) replaces megatron's unfused
+    RoPE in every layer, forward and backward, with bitwise-equal logits and gradients."""
+    r = megatron_ref.status("ref", f"fused_rope/{case}/{docs}")
+    assert r["dtype"] == "float32", "bitwise equality under the interpreter needs fp32 (its bf16 casts truncate)"
+    assert r["calls_fused"] == {"kernel": 4 * r["layers"], "megatron": 0}, r["calls_fused"]  # q, k; fwd, bwd
+    assert r["calls_unfused"] == {"kernel": 0, "megatron": 2 * r["layers"]}, r["calls_unfused"]
+    if case == "longrope":
+        assert r["mscale"] != 1.0, "the LongRoPE case does not exercise the attention factor"
+    assert r["logits_equal"], f"logits differ: max abs {r['max_logit_diff']:.2e}"
+    assert r["grads"] > 0 and r["grads_equal"], "gradients differ"
