@@ -65,11 +65,22 @@ CONFIG = {
 }
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (asked once: a launch consults it several times)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of the CUDA ``device``."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def arch(device: torch.device) -> str:
     """``sm90`` for Hopper and newer data-center GPUs (and the interpreter), ``sm80`` otherwise."""
     if device.type != "cuda" or interpreting():
         return "sm90"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     return "sm90" if major in (9, 10) else "sm80"
 
 
@@ -117,7 +128,7 @@ def hopper_device(device: torch.device) -> bool:
     Hopper-only), not the interpreter, a triton with the Gluon API they are written for."""
     if device.type != "cuda" or interpreting():
         return False
-    return torch.cuda.get_device_capability(device) == (9, 0) and sm90_kernels() is not None
+    return capability(device) == (9, 0) and sm90_kernels() is not None
 
 
 def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "query") -> bool:

@@ -83,7 +83,8 @@ def _launch(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, sign:
         pos = positions if positions is not None else cos  # a stand-in pointer, never read
         _rope_kernel[(S * B,)](x, cos, sin, pos, out, B, H, *x.stride()[:3], *out.stride()[:3], cos.stride(0),
                                SIGN=sign, HAS_POS=positions is not None, HALF=D // 2,
-                               BH=triton.next_power_of_2(H), num_warps=1 if interpreting() else 4)
+                               BH=triton.next_power_of_2(H), num_warps=1 if interpreting() else 4,
+                               enable_fp_fusion=False)  # no multiply-add: PyTorch rounds each product
     return out
 
 

@@ -244,3 +244,19 @@ def test_the_triton_forward_keeps_its_own_stages(monkeypatch):
         q256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
         assert attention_op.launch_config(cpu, q256, 64)["fwd"]["num_stages"] == 2
         assert attention_op.launch_config(cpu, q256[..., :128], 64)["fwd"]["num_stages"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_major_bias_layout(dtype):
+    """``key_major_bias``: fp32 ``[B, Hkv, T + block]``, each head's keys contiguous in log2 units (the
+    bias upcast before the product), ``block`` zeros past the end (runs anywhere: plain torch ops)."""
+    from nosa_layers.ops._common import LOG2E
+    from nosa_layers.ops.attention_sm90 import key_major_bias
+
+    g = torch.Generator().manual_seed(11)
+    bias = torch.randn(2, 37, 3, generator=g).to(dtype)
+    out = key_major_bias(bias, 64)
+    assert out.shape == (2, 3, 37 + 64) and out.dtype == torch.float32 and out.is_contiguous()
+    assert torch.equal(out[..., :37], bias.float().permute(0, 2, 1) * LOG2E)
+    assert torch.equal(out[..., 37:], torch.zeros(2, 3, 64))
+    assert key_major_bias(None, 64) is None
