@@ -150,8 +150,8 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
     its checkpoints name the fused norms differently). ``init_seed`` (needs
     ``use_cpu_initialization``) makes the initial weights independent of the parallel layout
     (:class:`NOSAGPTModel`). ``fusions`` (GPU training): the fused Triton RMSNorm of the local spec,
-    the fused Triton RoPE and megatron-core's fused SwiGLU and cross entropy (``torch.compile``; the same formulas, fewer
-    passes over memory). Extra keywords override ``TransformerConfig`` fields (e.g.
+    the fused Triton RoPE and megatron-core's fused SwiGLU and cross entropy (``torch.compile``; the
+    same formulas, fewer passes over memory). Extra keywords override ``TransformerConfig`` fields (e.g.
     ``recompute_granularity``, ``bias_activation_fusion``).
     """
     parallel = parallel or ParallelConfig()

@@ -1,6 +1,6 @@
 """Triton kernels of NOSA attention: block-sparse attention with the eviction-bias gradient, its
-index, and the block selection (plus the fused RMSNorm of the layers, ``rms_norm.py``). Importing
-needs ``triton`` (ImportError otherwise) but no GPU; calling needs CUDA tensors, or
+index, and the block selection (plus the fused RMSNorm and RoPE of the layers, ``rms_norm.py`` and
+``rope.py``). Importing needs ``triton`` (ImportError otherwise) but no GPU; calling needs CUDA tensors, or
 ``TRITON_INTERPRET=1`` for CPU tests. Each kernel has a plain PyTorch reference in ``nosa_layers``
 (``selection.py``, ``reference.py``) it is tested against; ``nosa_layers.dispatch`` chooses between
 them. See README.md in this folder."""

@@ -120,5 +120,6 @@ def fused_rope(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = N
     if positions is None and cos.shape[0] < S:
         raise ValueError(f"fused_rope: {S} tokens but only {cos.shape[0]} table rows")
     if positions is not None and (positions.shape != (S,) or positions.dtype.is_floating_point):
-        raise ValueError(f"fused_rope: positions must be [{S}] integers, got {tuple(positions.shape)} {positions.dtype}")
+        raise ValueError(f"fused_rope: positions must be [{S}] integers, got {tuple(positions.shape)} "
+                         f"{positions.dtype}")
     return _FusedRope.apply(x, cos, sin, positions)

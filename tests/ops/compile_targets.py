@@ -18,18 +18,18 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, rms_norm, topk
+from nosa_layers.ops import attention_sm90, rms_norm, rope, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
 FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
 I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
 FLOATS = {"qk_scale", "sm_scale", "eps"}
-INT_ARGS = {"T", "H", "N", "K1", "K2", "NBW"}  # upper-case scalars
+INT_ARGS = {"T", "H", "N", "K1", "K2", "NBW", "B"}  # upper-case scalars
 UNIT = {"s_bh", "s_db_h"}  # strides of 1 in a real launch (the bias / db head stride): constants
 # scalars that are not multiples of 16 in a real launch (counts, the bias / db token stride = Hkv)
 NOT_DIV16 = {"s_bt", "s_db_t", "n_tiles", "cap", "n_lists", "chunk", "T", "H", "N", "NBW", "K1", "K2",
-             "rows_per_program"}
+             "rows_per_program", "B"}
 
 
 def signature(fn, const: dict, ptr: dict) -> dict:
@@ -101,6 +101,10 @@ def cases(arch: str, G: int):
         yield f"rms_norm_fwd_h{hidden}", rms_norm._rms_norm_fwd_kernel, dict(BH=bh), {"RSTD": "*fp32"}, warps, 3
         yield f"rms_norm_bwd_h{hidden}", rms_norm._rms_norm_bwd_kernel, dict(BH=bh), \
             {"RSTD": "*fp32", "DWP": "*fp32"}, warps, 3
+    for heads in (2, 16, 32):  # the fused RoPE of k (2 KV heads) and q (16 / 32 heads), head dim 128
+        for sign, has_pos in ((1, True), (-1, False)):
+            yield f"rope_h{heads}_{'fwd' if sign == 1 else 'bwd'}", rope._rope_kernel, \
+                dict(SIGN=sign, HAS_POS=has_pos, HALF=64, BH=heads), {"POS": "*i64"}, 4, 3
 
 
 def gluon_cases(G: int):
