@@ -116,7 +116,7 @@ def _profile_fields(summary: Path) -> dict:
         return {"gpu_ms_per_step": None}
     s = json.loads(summary.read_text())
     return {"gpu_ms_per_step": s["gpu_ms_per_step"], "everything_else_top": s.get("everything_else_top"),
-            "gpu_idle": s.get("gpu_idle"), "allocator": s.get("allocator")}
+            "gpu_idle": s.get("gpu_idle"), "host": s.get("host"), "allocator": s.get("allocator")}
 
 
 def corpus_identity(prefix: str) -> dict:
@@ -219,6 +219,10 @@ def main() -> None:
                   f"longest at {' < '.join(g.get('longest_gap_stack', [])[:8])}")
         for g in idle.get("longest_gaps", [])[:4]:
             print(f"  gap {g['ms']:.2f} ms at {' < '.join(g['host_stack'])} runtime {g['runtime_ms']}")
+        for h in r.get("host") or []:
+            print(f"  host thread {h['thread']}: {h['launches_per_step']} launches/step, {h['span_ms_per_step']} ms/step: "
+                  f"{h['in_ops_ms_per_step']} in ops, {h['between_ops_ms_per_step']} between; top self: "
+                  + ", ".join(f"{o['op']} {o['self_ms_per_step']} ({o['calls_per_step']})" for o in h["top_ops"][:6]))
     print(json.dumps(env, indent=1))
     for r in results:
         if "error_tail" in r:

@@ -22,7 +22,8 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")
 
 
-def _events(trace: dict) -> list[dict]:
+def trace_events(trace: dict) -> list[dict]:
+    """The complete (``ph == X``) events of a Chrome trace."""
     evs = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     return [e for e in evs if e.get("ph") == "X" and "dur" in e]
 
@@ -109,7 +110,7 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
 
 
 def summarize_file(path: str | Path, steps: int, min_ms: float = 0.2) -> dict:
-    return summarize(_events(json.loads(Path(path).read_text())), steps, min_ms)
+    return summarize(trace_events(json.loads(Path(path).read_text())), steps, min_ms)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from train.gpu_idle import summarize_file
+from train.gpu_idle import summarize, trace_events
+from train.host_time import host_work
 
 PARTS = {  # kernel-name fragments, checked in this order
     "nosa_selection": ("_compress_kernel", "_sel_lse_kernel", "_sel_block_kernel", "_select_kernel"),
@@ -114,7 +115,9 @@ class StepProfiler:
             mem1 = _allocator_counts()
             summary["allocator"] = {k: mem1[k] - self.mem0.get(k, 0) for k in mem1 if k.startswith("num_")}
             summary["allocator"]["reserved_peak_gib"] = mem1["reserved_peak_gib"]
-            summary["gpu_idle"] = summarize_file(self.out / "trace.json", self.n)
+            trace = trace_events(json.loads((self.out / "trace.json").read_text()))
+            summary["gpu_idle"] = summarize(trace, self.n)
+            summary["host"] = host_work(trace, self.n)
         tmp = self.out / f".summary.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, self.out / "summary.json")

@@ -77,3 +77,30 @@ def test_gpu_idle_gaps_name_the_host_work_that_caused_them():
     assert s["host_sync_ms_per_step"] == {"cudaStreamSynchronize": 1.45}
     assert s["allocator_calls_per_step"]["cudaMalloc"]["count"] == 1.0
     assert s["allocator_calls_per_step"]["cudaMalloc"]["ms"] == pytest.approx(0.775, abs=0.006)
+
+
+def test_host_work_splits_threads_and_counts_self_time_and_launches():
+    from train.host_time import host_work
+
+    main, bwd = dict(pid=1, tid=1), dict(pid=1, tid=2)
+    events = [
+        # main thread: op A 0-100 us containing op B 10-40 (and its launch) and op C 50-60; op D 200-250
+        _x("cpu_op", "A", 0, 100, **main), _x("cpu_op", "B", 10, 30, **main), _x("cpu_op", "C", 50, 10, **main),
+        _x("cuda_runtime", "cudaLaunchKernel", 20, 5, **main), _x("cpu_op", "D", 200, 50, **main),
+        _x("cuda_driver", "cuLaunchKernelEx", 150, 5, **main),  # a Triton launch between ops
+        _x("cuda_runtime", "cudaMemcpyAsync", 210, 5, **main),
+        _x("cuda_runtime", "cudaStreamSynchronize", 220, 20, **main),  # not a launch
+        # autograd thread: one op with one launch
+        _x("cpu_op", "E", 300, 40, **bwd), _x("cuda_runtime", "cudaLaunchKernel", 310, 5, **bwd),
+        _x("user_annotation", "ProfilerStep#1", 0, 400, **main),  # ranges are not ops
+        _x("kernel", "gemm", 30, 100, pid=0, tid=7),
+    ]
+    t0, t1 = host_work(events, steps=2)
+    assert (t0["launches_per_step"], t1["launches_per_step"]) == (1.5, 0.5)
+    assert t0["span_ms_per_step"] == 0.125 and t0["in_ops_ms_per_step"] == 0.075  # 250 us span, 150 in ops
+    assert t0["between_ops_ms_per_step"] == 0.05
+    self_ms = {o["op"]: o["self_ms_per_step"] for o in t0["top_ops"]}
+    assert self_ms == {"A": 0.03, "B": 0.015, "C": 0.005, "D": 0.025}  # A: 100 - 30 - 10 us, over 2 steps
+    assert [o["op"] for o in t0["top_ops"]] == ["A", "D", "B", "C"]
+    assert t1["top_ops"] == [{"op": "E", "self_ms_per_step": 0.02, "calls_per_step": 0.5}]
+    assert host_work(events, steps=2, threads=1) == [t0]
