@@ -219,9 +219,12 @@ def main() -> None:
                   f"longest at {' < '.join(g.get('longest_gap_stack', [])[:8])}")
         for g in idle.get("longest_gaps", [])[:4]:
             print(f"  gap {g['ms']:.2f} ms at {' < '.join(g['host_stack'])} runtime {g['runtime_ms']}")
-        for h in r.get("host") or []:
-            print(f"  host thread {h['thread']}: {h['launches_per_step']} launches/step, {h['span_ms_per_step']} ms/step: "
-                  f"{h['in_ops_ms_per_step']} in ops, {h['between_ops_ms_per_step']} between; top self: "
+        host = r.get("host") or {}
+        if host:
+            print(f"  host: ops span {host['span_ms_per_step']} ms/step, {host['outside_ops_ms_per_step']} outside any op")
+        for h in host.get("threads", []):
+            print(f"  host thread {h['thread']}: {h['launches_per_step']} launches/step, {h['in_ops_ms_per_step']} ms/step "
+                  "in ops; top self: "
                   + ", ".join(f"{o['op']} {o['self_ms_per_step']} ({o['calls_per_step']})" for o in h["top_ops"][:6]))
     print(json.dumps(env, indent=1))
     for r in results:

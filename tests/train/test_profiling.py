@@ -95,12 +95,14 @@ def test_host_work_splits_threads_and_counts_self_time_and_launches():
         _x("user_annotation", "ProfilerStep#1", 0, 400, **main),  # ranges are not ops
         _x("kernel", "gemm", 30, 100, pid=0, tid=7),
     ]
-    t0, t1 = host_work(events, steps=2)
+    h = host_work(events, steps=2)
+    t0, t1 = h["threads"]
     assert (t0["launches_per_step"], t1["launches_per_step"]) == (1.5, 0.5)
-    assert t0["span_ms_per_step"] == 0.125 and t0["in_ops_ms_per_step"] == 0.075  # 250 us span, 150 in ops
-    assert t0["between_ops_ms_per_step"] == 0.05
+    assert t0["in_ops_ms_per_step"] == 0.075 and t1["in_ops_ms_per_step"] == 0.02  # 150 and 40 us
+    # ops span 0-340 us; inside an op: 0-100, 200-250, 300-340 -> outside 150 us
+    assert h["span_ms_per_step"] == 0.17 and h["outside_ops_ms_per_step"] == 0.075
     self_ms = {o["op"]: o["self_ms_per_step"] for o in t0["top_ops"]}
     assert self_ms == {"A": 0.03, "B": 0.015, "C": 0.005, "D": 0.025}  # A: 100 - 30 - 10 us, over 2 steps
     assert [o["op"] for o in t0["top_ops"]] == ["A", "D", "B", "C"]
     assert t1["top_ops"] == [{"op": "E", "self_ms_per_step": 0.02, "calls_per_step": 0.5}]
-    assert host_work(events, steps=2, threads=1) == [t0]
+    assert host_work(events, steps=2, threads=1)["threads"] == [t0]
