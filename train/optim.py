@@ -1,4 +1,5 @@
-"""megatron-core AdamW (optionally distributed) and its LR scheduler, configured in optimizer steps."""
+"""megatron-core AdamW (optionally distributed, optionally torch's fused kernel) and its LR scheduler,
+configured in optimizer steps."""
 
 from __future__ import annotations
 
@@ -28,6 +29,37 @@ def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
         grad_norm_skip_threshold=float(torch.finfo(torch.float32).max),
     )
     return get_megatron_optimizer(ocfg, model_chunks)
+
+
+def use_fused_adam(optimizer, fused: bool) -> int:
+    """Run every torch Adam(W) inside megatron-core's ``optimizer`` with torch's fused kernel (one
+    kernel per parameter group and dtype instead of the multi-tensor path's dozen passes; megatron-core
+    falls back to torch's optimizer without Transformer Engine or Apex) or with the multi-tensor path.
+    The step counters move where that path keeps them, one tensor per parameter: on the parameter's
+    device (fused) or on the CPU. Call after building the optimizer and after loading a checkpoint
+    (loading restores the saved groups' settings). Returns how many torch optimizers it set."""
+    n = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = (True, None) if fused else (None, None)
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    device = p.device if fused or group.get("capturable") else torch.device("cpu")
+                    inner.state[p]["step"] = step.detach().to(device=device, dtype=torch.float32).clone()
+        n += 1
+    return n
+
+
+def adam_is_fused(optimizer) -> bool:
+    """Whether every parameter group of the torch Adam(W)s inside ``optimizer`` runs the fused kernel."""
+    groups = [g for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+              if isinstance(getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))
+              for g in opt.optimizer.param_groups]
+    return bool(groups) and all(g.get("fused") for g in groups)
 
 
 def build_scheduler(cfg: RunConfig, optimizer):

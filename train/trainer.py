@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -27,7 +28,7 @@ from train.finite import grads_nonfinite, weights_nonfinite
 from train.gc_control import GarbageCollection
 from train.metrics import IntervalStats, MetricsLogger, format_eta, local_peak_memory_gib, max_over_ranks
 from train.metrics import peak_flops, train_flops_per_token
-from train.optim import build_optimizer, build_scheduler, mixed_precision
+from train.optim import adam_is_fused, build_optimizer, build_scheduler, mixed_precision, use_fused_adam
 from train.preemption import StopSignal
 from train.profiling import StepProfiler
 from train.read_ahead import StepBatches
@@ -141,6 +142,9 @@ class Trainer:
         for m in self.model:
             m.broadcast_params()
         self.optimizer = build_optimizer(cfg, self.model, self.precision)
+        # torch's fused AdamW with the other fusions (test hook: also on the CPU, which has the kernel)
+        self.fused_adam = fusions or os.environ.get("NOSA_TEST_FUSED_ADAM") == "1"
+        use_fused_adam(self.optimizer, self.fused_adam)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         mc = self.model_config
         mc.finalize_model_grads_func = finalize_model_grads
@@ -199,6 +203,7 @@ class Trainer:
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
             self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
+            use_fused_adam(self.optimizer, self.fused_adam)  # the checkpoint brought its groups' settings
             self.train_batches.load_state_dict(loader_state)
             self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))
             log0(env, f"resumed from {latest} at step {self.step}")
@@ -209,6 +214,8 @@ class Trainer:
             if self.precision in ("bf16", "fp16"):
                 self.optimizer.reload_model_params()
             log0(env, f"initialised weights from {src}")
+        if adam_is_fused(self.optimizer):  # read back after any load: what the steps will run
+            log0(env, "optimizer: torch's fused AdamW kernel")
 
     # ------------------------------------------------------------------ steps
     def _microbatches(self, loader) -> list[dict]:
