@@ -114,6 +114,10 @@ class OptimSection:
     warmup_steps: int = 0
     wsd_decay_fraction: float = 0.1  # WSD: share of max_steps spent in the final decay
     wsd_decay_style: str = "linear"
+    # torch's fused AdamW kernel (megatron-core uses torch's AdamW without Transformer Engine or Apex):
+    # one kernel per parameter group instead of the multi-tensor passes, same update up to rounding;
+    # off by default until measured on a GPU; a resumed run may switch it
+    fused: bool = False
 
 
 @dataclass
@@ -229,7 +233,7 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
-               "train.gc_interval", "train.fusions", "checkpoint.", "logging.", "profile.", "parallel.",
+               "train.gc_interval", "train.fusions", "optim.fused", "checkpoint.", "logging.", "profile.", "parallel.",
                "cluster.", "run.device", "init_from", "print_config",
                "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -142,9 +141,7 @@ class Trainer:
         for m in self.model:
             m.broadcast_params()
         self.optimizer = build_optimizer(cfg, self.model, self.precision)
-        # torch's fused AdamW with the other fusions (test hook: also on the CPU, which has the kernel)
-        self.fused_adam = fusions or os.environ.get("NOSA_TEST_FUSED_ADAM") == "1"
-        use_fused_adam(self.optimizer, self.fused_adam)
+        use_fused_adam(self.optimizer, cfg.optim.fused)  # torch has the kernel for CPUs too
         self.scheduler = build_scheduler(cfg, self.optimizer)
         mc = self.model_config
         mc.finalize_model_grads_func = finalize_model_grads
@@ -203,7 +200,7 @@ class Trainer:
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
             self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
-            use_fused_adam(self.optimizer, self.fused_adam)  # the checkpoint brought its groups' settings
+            use_fused_adam(self.optimizer, cfg.optim.fused)  # the checkpoint brought its groups' settings
             self.train_batches.load_state_dict(loader_state)
             self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))
             log0(env, f"resumed from {latest} at step {self.step}")

@@ -158,22 +158,21 @@ def test_overlap_param_gather_syncs_before_eval_and_save(tmp_path, data_args):
 
 
 def test_fused_adam_resumes_bit_for_bit_and_takes_over_a_multi_tensor_checkpoint(tmp_path, data_args):
-    """torch's fused AdamW (``train.fusions`` on GPUs; here its CPU kernel through the test hook): the
-    losses follow the unfused run's, a fused run resumes bit for bit, and a checkpoint written by the
-    unfused path resumes fused with its step counters (a lost count would change the bias correction
-    of the first steps by far more than the tolerance)."""
-    fused = {"NOSA_TEST_FUSED_ADAM": "1"}
+    """``optim.fused`` (torch's fused AdamW; here its CPU kernel): a fused run resumes bit for bit, and
+    a checkpoint written by the multi-tensor path resumes fused with its step counters, its losses
+    within rounding of the fused run's (a lost count would change the bias correction of the first
+    steps by far more than the tolerance)."""
     base = [*PRETRAIN, *data_args, "train.max_steps=4", "checkpoint.interval=0"]
-    full = run_main([*base, f"run.dir={tmp_path / 'full'}"], env=fused)
+    full = run_main([*base, f"run.dir={tmp_path / 'full'}", "optim.fused=true"])
     assert "optimizer: torch's fused AdamW kernel" in full.stdout
     split = tmp_path / "split"
-    run_main([*base, f"run.dir={split}", "train.exit_after_steps=2"], env=fused)
-    run_main([*base, f"run.dir={split}"], env=fused)
+    run_main([*base, f"run.dir={split}", "train.exit_after_steps=2", "optim.fused=true"])
+    run_main([*base, f"run.dir={split}", "optim.fused=true"])
     assert losses(split) == losses(tmp_path / "full") and len(losses(split)) == 4  # bitwise
     mixed = tmp_path / "mixed"
     p = run_main([*base, f"run.dir={mixed}", "train.exit_after_steps=2"])
     assert "fused AdamW" not in p.stdout
-    p = run_main([*base, f"run.dir={mixed}"], env=fused)
+    p = run_main([*base, f"run.dir={mixed}", "optim.fused=true"])
     assert "resumed from" in p.stdout and "at step 2" in p.stdout
     assert "optimizer: torch's fused AdamW kernel" in p.stdout  # the groups after loading the unfused ones
     assert _close(losses(mixed), losses(tmp_path / "full"), rel=1e-4), (losses(mixed), losses(tmp_path / "full"))
