@@ -35,7 +35,6 @@ over the whole head dim.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -87,7 +86,11 @@ def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_
 
 def kernels_run_on(x: Tensor) -> bool:
     """Whether the Triton kernels run on ``x``: CUDA, or the interpreter (``TRITON_INTERPRET=1``, tests)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if x.is_cuda:
+        return True
+    from nosa_layers.ops._common import interpreting
+
+    return interpreting()
 
 
 def rope_tables_for(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
