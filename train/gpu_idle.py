@@ -28,16 +28,20 @@ def trace_events(trace: dict) -> list[dict]:
     return [e for e in evs if e.get("ph") == "X" and "dur" in e]
 
 
-def gpu_busy(events: list[dict]) -> list[tuple[float, float]]:
-    """Merged ``[start, end)`` intervals (µs) in which any GPU stream ran a kernel, copy or memset."""
-    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATS)
+def merge_intervals(intervals) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals."""
     merged: list[list[float]] = []
-    for s, t in iv:
+    for s, t in sorted(intervals):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], t)
         else:
             merged.append([s, t])
     return [(s, t) for s, t in merged]
+
+
+def gpu_busy(events: list[dict]) -> list[tuple[float, float]]:
+    """Merged ``[start, end)`` intervals (µs) in which any GPU stream ran a kernel, copy or memset."""
+    return merge_intervals((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATS)
 
 
 def idle_gaps(events: list[dict], min_ms: float = 0.2) -> list[dict]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from train.gpu_idle import merge_intervals
+
 LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaMemsetAsync", "cudaMemcpyAsync", "cudaGraphLaunch")
 
 
@@ -50,12 +52,8 @@ def _self_times(ops: list[dict]) -> tuple[dict, list]:
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, t in sorted(intervals):
-        if t > end:
-            total += t - max(s, end)
-            end = t
-    return total / 1e3
+    """Length of the union of ``(start, end)`` intervals (µs), in ms."""
+    return sum(t - s for s, t in merge_intervals(intervals)) / 1e3
 
 
 def host_work(events: list[dict], steps: int, top: int = 12, threads: int = 2) -> dict:
