@@ -2,8 +2,9 @@
 
 megatron-core's ``WrappedTorchNorm`` refuses ``sequence_parallel``; this module marks its weight
 with ``sequence_parallel`` so ``finalize_model_grads`` all-reduces its gradient over TP. With
-``fused=True`` CUDA inputs run the one-kernel Triton norm (``nosa_layers.ops.rms_norm``) instead
-of the reference's elementwise passes; CPU inputs always take the reference.
+``fused=True`` inputs the kernels run on (``nosa_layers.ops._common.kernels_run_on``: CUDA, or the
+interpreter in tests) take the one-kernel Triton norm (``nosa_layers.ops.rms_norm``) instead of the
+reference's elementwise passes; the trainer builds fused layers for GPU runs only.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ class RMSNorm(nn.Module):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused and x.is_cuda:
+        if self.fused:
+            from nosa_layers.ops._common import kernels_run_on
             from nosa_layers.ops.rms_norm import fused_rms_norm
 
-            return fused_rms_norm(x, self.weight, self.eps)
+            if kernels_run_on(x):
+                return fused_rms_norm(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)

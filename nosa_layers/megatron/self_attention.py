@@ -84,15 +84,6 @@ def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_
     return freqs[packed_positions(packed_seq_params, cu_seqlens, num_tokens)]
 
 
-def kernels_run_on(x: Tensor) -> bool:
-    """Whether the Triton kernels run on ``x``: CUDA, or the interpreter (``TRITON_INTERPRET=1``, tests)."""
-    if x.is_cuda:
-        return True
-    from nosa_layers.ops._common import interpreting
-
-    return interpreting()
-
-
 def rope_tables_for(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The fused RoPE's ``cos, sin`` ``[P, D]`` of megatron's angles ``freqs`` (``ops.rope.rope_tables``),
     computed once per ``freqs`` tensor: the model makes one per forward and every layer reads it, so
@@ -170,7 +161,11 @@ class NOSAMegatronSelfAttention(SelfAttention):
         if cfg.apply_rope_fusion or cfg.flash_decode or no_rope or self.pg_collection.cp.size() != 1:
             return False
         if psp is None:
-            return self._fuses_rope() and kernels_run_on(hidden_states)
+            if not self._fuses_rope():
+                return False
+            from nosa_layers.ops._common import kernels_run_on
+
+            return kernels_run_on(hidden_states)
         unpadded = all(pad is None or pad is cu for pad, cu in ((psp.cu_seqlens_q_padded, psp.cu_seqlens_q),
                                                                 (psp.cu_seqlens_kv_padded, psp.cu_seqlens_kv)))
         return psp.qkv_format == "thd" and unpadded and (self.sync_free_rope or self._fuses_rope())
@@ -199,11 +194,13 @@ class NOSAMegatronSelfAttention(SelfAttention):
         def rope(x: Tensor, freqs: Optional[Tensor], cu: Optional[Tensor]) -> Tensor:
             if freqs is None:
                 return x
-            if self._fuses_rope() and kernels_run_on(x) and freqs.shape[-1] == x.shape[-1]:
+            if self._fuses_rope() and freqs.shape[-1] == x.shape[-1]:
+                from nosa_layers.ops._common import kernels_run_on
                 from nosa_layers.ops.rope import fused_rope
 
-                cos, sin = rope_tables_for(freqs, mscale, x.dtype)
-                return fused_rope(x, cos, sin, None if cu is None else packed_positions(psp, cu, x.size(0)))
+                if kernels_run_on(x):
+                    cos, sin = rope_tables_for(freqs, mscale, x.dtype)
+                    return fused_rope(x, cos, sin, None if cu is None else packed_positions(psp, cu, x.size(0)))
             f = freqs if cu is None else packed_rope_freqs(freqs, psp, cu, x.size(0))
             return _apply_rotary_pos_emb_bshd(x, f, rotary_interleaved=self.config.rotary_interleaved, mscale=mscale)
 

@@ -15,6 +15,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def kernels_run_on(x: Tensor) -> bool:
+    """Whether the Triton kernels run on ``x``: a CUDA tensor, or any under the interpreter (tests); the
+    rule the fused layers (``train.fusions``) use to take the kernel instead of their reference."""
+    return x.is_cuda or interpreting()
+
+
 def check_device(*tensors: Tensor | None) -> None:
     """Triton kernels need CUDA tensors, or ``TRITON_INTERPRET=1`` (CPU tests)."""
     if interpreting():

@@ -84,7 +84,11 @@ def test_a_weight_of_the_wrong_size_is_a_clear_error(dev):
         _fused(x, w[:16], 1e-5)
 
 
-def test_the_module_fuses_only_cuda_inputs(dev):
+def test_the_module_fuses_where_the_kernels_run(dev, monkeypatch):
+    """``fused=True`` takes the kernel on CUDA and under the interpreter (tests), and the reference
+    formula, bit for bit, on a CPU without it."""
+    from nosa_layers.ops import rms_norm
+
     class Cfg:
         normalization, params_dtype, sequence_parallel = "RMSNorm", torch.float32, False
 
@@ -93,9 +97,14 @@ def test_the_module_fuses_only_cuda_inputs(dev):
         fused.weight.uniform_(0.5, 1.5)
         plain.weight.copy_(fused.weight)
     x = torch.randn(5, 48, device=dev)
+    calls = []
+    kernel = rms_norm.fused_rms_norm
+    monkeypatch.setattr(rms_norm, "fused_rms_norm", lambda *a: calls.append(1) or kernel(*a))
     torch.testing.assert_close(fused(x), plain(x), rtol=1e-4, atol=1e-4)
-    if dev.type == "cpu":  # the CPU always takes the reference formula, bit for bit
-        assert torch.equal(fused(x), plain(x))
+    assert calls == [1]
+    if dev.type == "cpu":  # without the interpreter the CPU takes the reference formula
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert torch.equal(fused(x), plain(x)) and calls == [1]
 
 
 def test_training_shape_bf16(cuda):
