@@ -12,6 +12,7 @@ from the reference weights. Each rank writes what it owns to ``OUT/<case>/<layou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -392,91 +393,53 @@ def check_longrope(out: dict) -> None:
     out["longrope_megatron"] = {"abs": worst}
 
 
-def check_sync_free_rope(out: dict) -> None:
-    """Packed THD logits and gradients with the sync-free RoPE vs megatron's per-document RoPE."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    thd = rope_utils._apply_rotary_pos_emb_thd
-    calls = {"thd": 0}
-
-    def counted_thd(*args, **kwargs):
-        calls["thd"] += 1
-        return thd(*args, **kwargs)
-
+def _record_cases(out: dict, prefix: str, rows: tuple, run) -> None:
+    """``out[f"{prefix}/{case}/{rows name}"] = run(case, docs)`` for the packed and LongRoPE cases,
+    each recorded on its own so one failure does not hide the others."""
     for case_name in ("packed", "longrope"):
-        for docs_name, docs in (("docs", ROPE_DOCS), ("one_doc", [SEQ])):
-            key = f"sync_free_rope/{case_name}/{docs_name}"
-            try:  # recorded per case so one failure does not hide the others
-                out[key] = _sync_free_rope_case(CASES[case_name], docs, calls, counted_thd, thd)
+        for docs_name, docs in rows:
+            key = f"{prefix}/{case_name}/{docs_name}"
+            try:
+                out[key] = run(CASES[case_name], docs)
             except Exception:
                 out[key] = traceback.format_exc()
                 print(out[key], file=sys.stderr, flush=True)
 
 
-def _sync_free_rope_case(case, docs, calls: dict, counted_thd, thd) -> dict:
-    """One packed row of ``docs`` through a fresh model of ``case``, sync-free RoPE on and off."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from nosa_layers.megatron.self_attention import NOSAMegatronSelfAttention
-
+def _run_both(case, docs, seed: int, variant) -> tuple[dict, dict]:
+    """One row (packed into ``docs``, or plain when None) through a fresh model of ``case``, forward and
+    backward, once per ``variant(model, on)`` context (on, then off); returns the comparison of the two
+    runs' logits and gradients, and the values each context yielded."""
     setup(LAYOUTS["ref"].parallel)
     model = build_model(case.model, case.attn, seq_length=SEQ, use_te=False)
     perturb_eviction(model, case.seed)
-    mscale = model.decoder.layers[0].self_attention._yarn_concentration_factor
-    tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
-    w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(6))
-    res = {}
-    for sync_free in (True, False):
-        NOSAMegatronSelfAttention.sync_free_rope = sync_free
+    tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(seed + 1))
+    res, seen = {}, {}
+    for on in (True, False):
         model.zero_grad(set_to_none=True)
-        psp, pos = packed_row(docs)  # a fresh PackedSeqParams: no cached positions
-        calls["thd"] = 0
-        rope_utils._apply_rotary_pos_emb_thd = counted_thd
-        try:
-            logits = model(tok, pos, None, packed_seq_params=psp)
+        with variant(model, on) as counts:
+            if docs is None:
+                logits = model(tok, torch.arange(SEQ)[None], None)
+            else:
+                psp, pos = packed_row(docs)  # a fresh PackedSeqParams: no cached positions
+                logits = model(tok, pos, None, packed_seq_params=psp)
             (logits.float() * w).sum().backward()
-        finally:
-            rope_utils._apply_rotary_pos_emb_thd = thd
-            NOSAMegatronSelfAttention.sync_free_rope = True
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        res[sync_free] = (logits.detach().clone(), grads, calls["thd"])
-    (l_new, g_new, thd_new), (l_ref, g_ref, thd_ref) = res[True], res[False]
+        seen[on] = dict(counts)
+        res[on] = (logits.detach().clone(),
+                   {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    (l_new, g_new), (l_ref, g_ref) = res[True], res[False]
     return {"logits_equal": torch.equal(l_new, l_ref), "max_logit_diff": (l_new - l_ref).abs().max().item(),
             "grads_equal": g_new.keys() == g_ref.keys() and all(torch.equal(g_new[n], g_ref[n]) for n in g_ref),
-            "grads": len(g_ref), "thd_calls_new": thd_new, "thd_calls_megatron": thd_ref,
-            "layers": case.model.num_layers, "mscale": mscale}
+            "grads": len(g_ref), "layers": case.model.num_layers,
+            "mscale": model.decoder.layers[0].self_attention._yarn_concentration_factor,
+            "dtype": str(case.model.params_dtype)}, seen
 
 
-def check_fused_rope(out: dict) -> None:
-    """The fused RoPE kernel (interpreter; fp32 is bitwise there) against megatron's unfused RoPE in
-    a whole model: packed THD rows and plain rows, plain RoPE and LongRoPE (``mscale`` != 1)."""
-    for case_name in ("packed", "longrope"):
-        for docs_name, docs in (("docs", ROPE_DOCS), ("rows", None)):
-            key = f"fused_rope/{case_name}/{docs_name}"
-            try:
-                out[key] = _fused_rope_case(CASES[case_name], docs)
-            except Exception:
-                out[key] = traceback.format_exc()
-                print(out[key], file=sys.stderr, flush=True)
-
-
-def _fused_rope_case(case, docs) -> dict:
-    """One row (packed into ``docs``, or plain when None) through a fresh model of ``case``, every layer's
-    ``fused_rope`` on and off; counts the kernel's launches and megatron's unfused RoPE calls."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from nosa_layers.megatron import self_attention
-    from nosa_layers.ops import rope as rope_ops
-
-    setup(LAYOUTS["ref"].parallel)
-    model = build_model(case.model, case.attn, seq_length=SEQ, use_te=False)
-    perturb_eviction(model, case.seed)
-    tok = torch.randint(0, case.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(7))
-    w = torch.randn(1, SEQ, case.model.vocab_size, generator=torch.Generator().manual_seed(8))
-    layers = [layer.self_attention for layer in model.decoder.layers]
-    calls = {"kernel": 0, "megatron": 0}
-    launch, bshd, bshd_sa = rope_ops._launch, rope_utils._apply_rotary_pos_emb_bshd, \
-        self_attention._apply_rotary_pos_emb_bshd
+@contextlib.contextmanager
+def _counting(calls: dict, patches: list):
+    """Replace ``(module, attribute, name)`` functions with ones that count their calls into ``calls[name]``."""
+    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
 
     def counted(fn, name):
         def wrapped(*args, **kwargs):
@@ -484,32 +447,60 @@ def _fused_rope_case(case, docs) -> dict:
             return fn(*args, **kwargs)
         return wrapped
 
-    res = {}
-    for fused in (True, False):
-        for layer in layers:
-            layer.fused_rope = fused
-        model.zero_grad(set_to_none=True)
-        calls.update(kernel=0, megatron=0)
-        rope_ops._launch = counted(launch, "kernel")
-        rope_utils._apply_rotary_pos_emb_bshd = counted(bshd, "megatron")
-        self_attention._apply_rotary_pos_emb_bshd = counted(bshd_sa, "megatron")
+    for (mod, attr, name), (_, _, fn) in zip(patches, saved):
+        setattr(mod, attr, counted(fn, name))
+    try:
+        yield calls
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+
+
+def check_sync_free_rope(out: dict) -> None:
+    """Packed THD logits and gradients with the sync-free RoPE vs megatron's per-document RoPE."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from nosa_layers.megatron.self_attention import NOSAMegatronSelfAttention
+
+    @contextlib.contextmanager
+    def sync_free(model, on: bool):
+        NOSAMegatronSelfAttention.sync_free_rope = on
         try:
-            if docs is None:
-                logits = model(tok, torch.arange(SEQ)[None], None)
-            else:
-                psp, pos = packed_row(docs)
-                logits = model(tok, pos, None, packed_seq_params=psp)
-            (logits.float() * w).sum().backward()
+            with _counting({"thd": 0}, [(rope_utils, "_apply_rotary_pos_emb_thd", "thd")]) as calls:
+                yield calls
         finally:
-            rope_ops._launch, rope_utils._apply_rotary_pos_emb_bshd = launch, bshd
-            self_attention._apply_rotary_pos_emb_bshd = bshd_sa
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        res[fused] = (logits.detach().clone(), grads, dict(calls))
-    (l_new, g_new, c_new), (l_ref, g_ref, c_ref) = res[True], res[False]
-    return {"logits_equal": torch.equal(l_new, l_ref), "max_logit_diff": (l_new - l_ref).abs().max().item(),
-            "grads_equal": g_new.keys() == g_ref.keys() and all(torch.equal(g_new[n], g_ref[n]) for n in g_ref),
-            "grads": len(g_ref), "calls_fused": c_new, "calls_unfused": c_ref, "layers": case.model.num_layers,
-            "mscale": layers[0]._yarn_concentration_factor, "dtype": str(case.model.params_dtype)}
+            NOSAMegatronSelfAttention.sync_free_rope = True
+
+    def run(case, docs):
+        r, seen = _run_both(case, docs, 5, sync_free)
+        return {**r, "thd_calls_new": seen[True]["thd"], "thd_calls_megatron": seen[False]["thd"]}
+
+    _record_cases(out, "sync_free_rope", (("docs", ROPE_DOCS), ("one_doc", [SEQ])), run)
+
+
+def check_fused_rope(out: dict) -> None:
+    """The fused RoPE kernel (interpreter; fp32 is bitwise there) against megatron's unfused RoPE in
+    a whole model, every layer's ``fused_rope`` on and off: packed THD rows and plain rows, plain RoPE
+    and LongRoPE (``mscale`` != 1); counts the kernel's launches and megatron's unfused RoPE calls."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from nosa_layers.megatron import self_attention
+    from nosa_layers.ops import rope as rope_ops
+
+    @contextlib.contextmanager
+    def fused(model, on: bool):
+        for layer in model.decoder.layers:
+            layer.self_attention.fused_rope = on
+        with _counting({"kernel": 0, "megatron": 0}, [
+                (rope_ops, "_launch", "kernel"), (rope_utils, "_apply_rotary_pos_emb_bshd", "megatron"),
+                (self_attention, "_apply_rotary_pos_emb_bshd", "megatron")]) as calls:
+            yield calls
+
+    def run(case, docs):
+        r, seen = _run_both(case, docs, 7, fused)
+        return {**r, "calls_fused": seen[True], "calls_unfused": seen[False]}
+
+    _record_cases(out, "fused_rope", (("docs", ROPE_DOCS), ("rows", None)), run)
 
 
 def main() -> None:
