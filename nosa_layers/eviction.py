@@ -68,6 +68,13 @@ class EvictionHead(nn.Module):
         raise NotImplementedError
 
 
+def value_gated_score(v: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor) -> Tensor:
+    """The value-gated score ``A * softplus(v.flatten(-2) @ weight.T + bias)`` in fp32 (the reference):
+    ``v [B, T, Hkv, D]``, ``weight [Hkv, Hkv * D]``, ``bias [Hkv]`` or ``None``, ``A [Hkv]`` -> ``[B, T, Hkv]``."""
+    z = F.linear(v.flatten(-2).float(), weight.float(), None if bias is None else bias.float())
+    return A.float() * F.softplus(z)
+
+
 class _ValueGatedHead(EvictionHead):
     """Shared by ED-DMA, DMA and S-DMA: ``s = A * softplus(delta(concat_h v_h))``.
 
@@ -82,14 +89,14 @@ class _ValueGatedHead(EvictionHead):
                          bias=bias, detach_value=detach_value)
         self.A = nn.Parameter(torch.zeros(num_kv_heads))
         self.delta = nn.Linear(num_kv_heads * head_dim, num_kv_heads, bias=bias)
+        self.score_op: Callable[..., Tensor] = value_gated_score
 
     def gated_score(self, v: Tensor) -> Tensor:
-        """``A * softplus(delta(v))`` in fp32, ``[B, T, Hkv]``."""
+        """``A * softplus(delta(v))`` in fp32, ``[B, T, Hkv]``, by ``score_op`` (the reference
+        :func:`value_gated_score`, or a fused kernel of the same semantics set by the layer spec)."""
         if self.detach_value:
             v = v.detach()
-        z = F.linear(v.flatten(-2).float(), self.delta.weight.float(),
-                     None if self.delta.bias is None else self.delta.bias.float())
-        return self.A.float() * F.softplus(z)
+        return self.score_op(v, self.delta.weight, self.delta.bias, self.A)
 
 
 @register_eviction_head("ed_dma")

@@ -87,7 +87,7 @@ class TrainSection:
     precision: str = "bf16"  # fp32 is used on CPU whatever this says
     recompute: str = "none"
     transformer_impl: str = "local"  # layer spec: local (megatron-core local layers) | te (Transformer Engine)
-    # GPU runs: fused RMSNorm and RoPE (Triton) and megatron-core's fused SwiGLU and cross entropy
+    # GPU runs: fused RMSNorm, RoPE and eviction score (Triton) and megatron-core's fused SwiGLU and cross entropy
     # (same formulas, fewer passes over memory); CPU runs always take the unfused reference path
     fusions: bool = True
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)

@@ -61,10 +61,16 @@ class NOSAMegatronSelfAttentionSubmodules(SelfAttentionSubmodules):
 
 
 def eviction_head_builder(name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                          detach_value: bool, dtype: torch.dtype = torch.float32):
-    """The registry's eviction head with the FULL head counts (replicated on every TP rank)."""
+                          detach_value: bool, dtype: torch.dtype = torch.float32, fused: bool = False):
+    """The registry's eviction head with the FULL head counts (replicated on every TP rank);
+    ``fused`` (``train.fusions``): value-gated heads compute their score with the fused Triton kernels
+    (``nosa_layers.ops.gated_score``) on inputs the kernels run on."""
     head = build_eviction_head(name, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                bias=bias, detach_value=detach_value)
+    if fused and hasattr(head, "score_op"):
+        from nosa_layers.ops.gated_score import fused_gated_score
+
+        head.score_op = fused_gated_score
     return head.to(dtype)
 
 
@@ -222,7 +228,8 @@ class NOSAMegatronSelfAttention(SelfAttention):
         def local(x: Optional[Tensor]) -> Optional[Tensor]:
             if x is None:
                 return None
-            return replicate_grad(x, lay, grp)[..., lo:hi]
+            x = replicate_grad(x, lay, grp)
+            return x if (lo, hi) == (0, x.shape[-1]) else x[..., lo:hi]  # (a full slice costs a backward copy)
 
         if ev.bias is ev.score:
             s = local(ev.score)

@@ -62,8 +62,9 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
                         use_te: Optional[bool] = None, fusions: bool = False) -> ModuleSpec:
     """``ModuleSpec(TransformerLayer)`` whose attention is ``variant`` (dense | infllm_v2 | nosa).
 
-    ``fusions``: the attention's RoPE runs the fused Triton kernel on CUDA inputs, and the local
-    spec's norms the fused Triton RMSNorm (the TE spec has its own fused norms)."""
+    ``fusions``: the attention's RoPE and the value-gated eviction score run fused Triton kernels on
+    CUDA inputs, and the local spec's norms the fused Triton RMSNorm (the TE spec has its own fused
+    norms)."""
     use_te = have_te() if use_te is None else use_te
     if use_te:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -89,7 +90,7 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
             eviction = ModuleSpec(module=eviction_head_builder, params=dict(
                 name=nosa_cfg.eviction_head, num_q_heads=model.num_attention_heads,
                 num_kv_heads=model.num_kv_heads, head_dim=model.kv_channels, bias=attn.eviction_bias,
-                detach_value=nosa_cfg.detach_value))
+                detach_value=nosa_cfg.detach_value, fused=fusions))
     else:
         raise ValueError(f"unknown attention variant {variant!r}; use dense, infllm_v2 or nosa")
 

@@ -18,7 +18,7 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, rms_norm, rope, topk
+from nosa_layers.ops import attention_sm90, gated_score, rms_norm, rope, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
@@ -29,7 +29,7 @@ INT_ARGS = {"T", "H", "N", "K1", "K2", "NBW", "B"}  # upper-case scalars
 UNIT = {"s_bh", "s_db_h"}  # strides of 1 in a real launch (the bias / db head stride): constants
 # scalars that are not multiples of 16 in a real launch (counts, the bias / db token stride = Hkv)
 NOT_DIV16 = {"s_bt", "s_db_t", "n_tiles", "cap", "n_lists", "chunk", "T", "H", "N", "NBW", "K1", "K2",
-             "rows_per_program", "B"}
+             "rows_per_program", "B", "s_st", "s_zt", "s_gt", "s_gh", "n_parts"}
 
 
 def signature(fn, const: dict, ptr: dict) -> dict:
@@ -101,6 +101,13 @@ def cases(arch: str, G: int):
         yield f"rms_norm_fwd_h{hidden}", rms_norm._rms_norm_fwd_kernel, dict(BH=bh), {"RSTD": "*fp32"}, warps, 3
         yield f"rms_norm_bwd_h{hidden}", rms_norm._rms_norm_bwd_kernel, dict(BH=bh), \
             {"RSTD": "*fp32", "DWP": "*fp32"}, warps, 3
+    for hkv in (2, 8):  # the fused eviction score of the 1B (2 KV heads) and 8B-like (8) shapes, head dim 128
+        f32 = {"S": "*fp32", "Z": "*fp32", "G": "*fp32", "P": "*fp32", "DB": "*bf16"}
+        common = dict(HKV=hkv, HP=hkv, D=D, ROWS=gated_score.ROWS)
+        yield f"gated_score_h{hkv}_fwd", gated_score._gated_score_fwd_kernel, dict(common, HAS_BIAS=False), f32, 4, 3
+        yield f"gated_score_h{hkv}_bwd", gated_score._gated_score_bwd_kernel, dict(common, NEED_DV=True), f32, 4, 3
+        yield f"gated_score_h{hkv}_reduce", gated_score._partials_reduce_kernel, \
+            dict(HKV=hkv, HP=hkv, D=D, HAS_BIAS=False, COLS=256), f32, 4, 3
     for heads in (2, 16, 32):  # the fused RoPE of k (2 KV heads) and q (16 / 32 heads), head dim 128
         for sign, has_pos in ((1, True), (-1, False)):
             yield f"rope_h{heads}_{'fwd' if sign == 1 else 'bwd'}", rope._rope_kernel, \

@@ -16,7 +16,8 @@ SHARED_PER_BLOCK = {"sm80": 166912, "sm90": 232448}  # bytes of shared memory on
 KERNELS = {"fwd", "dq", "dkdv", "dkdv_reduce", "delta", "pack_lists", "inv_count", "scan", "inv_fill", "compress",
            "sel_lse", "sel_block", "topk_nb64", "topk_nb512",
            "rms_norm_fwd_h2048", "rms_norm_bwd_h2048", "rms_norm_fwd_h4096", "rms_norm_bwd_h4096",
-           *(f"rope_h{h}_{d}" for h in (2, 16, 32) for d in ("fwd", "bwd"))}
+           *(f"rope_h{h}_{d}" for h in (2, 16, 32) for d in ("fwd", "bwd")),
+           *(f"gated_score_h{h}_{d}" for h in (2, 8) for d in ("fwd", "bwd", "reduce"))}
 GLUON_KERNELS = {"fwd_sm90", "dq_sm90", "dkdv_sm90"}  # attention_sm90: Hopper only
 
 

@@ -1,0 +1,187 @@
+"""Fused value-gated eviction score (Triton): ``s = A * softplus(v_row @ W^T + b)`` in one kernel
+forward and two backward (per-tile gradients + one ordered reduction of the parameter partials),
+instead of the reference's six launches forward (three casts, the product, softplus, the scale)
+and about twelve backward.
+
+Semantics: :func:`nosa_layers.eviction.value_gated_score` (ED-DMA / DMA / S-DMA's ``gated_score``):
+``v [B, T, Hkv, D]`` (any float dtype), ``W [Hkv, Hkv * D]`` (the row of all KV heads, head-major),
+``b [Hkv]`` or ``None``, ``A [Hkv]``; the score ``[B, T, Hkv]`` is fp32 and everything is computed
+in fp32. Products are summed in a different order than cuBLAS, so results equal the reference to
+fp32 rounding, not bit for bit. Deterministic: the parameter gradients are reduced over the
+per-tile partials in a fixed order. The forward keeps the pre-activation ``z [B, T, Hkv]`` (fp32)
+for the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._common import interpreting, kernels_run_on
+
+ROWS = 64  # tokens per program
+
+
+@triton.jit
+def _softplus(z):
+    """torch's softplus (beta 1, threshold 20) in fp32: ``max(z, 0) + log1p(exp(-|z|))``, with log1p
+    evaluated as ``log(w) * u / (w - 1)``, ``w = 1 + u`` (exact to a few ulps for small ``u``)."""
+    u = tl.exp(-tl.abs(z))
+    w = 1.0 + u
+    tiny = w == 1.0
+    log1p = tl.where(tiny, u, tl.log(w) * (u / tl.where(tiny, 1.0, w - 1.0)))
+    return tl.where(z > 20.0, z, tl.maximum(z, 0.0) + log1p)
+
+
+@triton.jit(do_not_specialize=("T",))
+def _gated_score_fwd_kernel(V, W, Bias, A, S, Z, T, s_vb, s_vt, s_vh, s_sb, s_st,
+                            HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            ROWS: tl.constexpr):
+    """Program (tile, b): ``ROWS`` tokens of row ``b``; ``S``/``Z`` ``[B, T, HKV]`` (strides s_sb, s_st)."""
+    tile, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    t = tile * ROWS + tl.arange(0, ROWS)
+    tm = t < T
+    j = tl.arange(0, HP)  # output head
+    jm = j < HKV
+    d = tl.arange(0, D)
+    z = tl.zeros([ROWS, HP], dtype=tl.float32)
+    for h in tl.static_range(HKV):  # input head: columns h*D .. h*D+D of the value row
+        v = tl.load(V + b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + d[None, :], mask=tm[:, None],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + j[:, None] * (HKV * D) + h * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
+        z += tl.sum(v[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        z += tl.load(Bias + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+    a = tl.load(A + j, mask=jm, other=0.0).to(tl.float32)
+    s = a[None, :] * _softplus(z)
+    off = b * s_sb + t[:, None].to(tl.int64) * s_st + j[None, :]
+    m = tm[:, None] & jm[None, :]
+    tl.store(S + off, s, mask=m)
+    tl.store(Z + off, z, mask=m)
+
+
+@triton.jit(do_not_specialize=("T", "n_tiles"))
+def _gated_score_bwd_kernel(V, W, A, Z, G, DV, P, T, n_tiles, s_vb, s_vt, s_vh, s_dvb, s_dvt, s_dvh,
+                            s_zb, s_zt, s_gb, s_gt, s_gh,
+                            HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NEED_DV: tl.constexpr,
+                            ROWS: tl.constexpr):
+    """Program (tile, b): ``dv`` of its tokens and its fp32 partials ``P[b * n_tiles + tile]``:
+    ``[HP, HKV * D]`` of dW, then ``[HP]`` of db and ``[HP]`` of dA (row length ``HP * (HKV*D + 2)``)."""
+    tile, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    t = tile * ROWS + tl.arange(0, ROWS)
+    tm = t < T
+    j = tl.arange(0, HP)
+    jm = j < HKV
+    d = tl.arange(0, D)
+    m = tm[:, None] & jm[None, :]
+    z = tl.load(Z + b * s_zb + t[:, None].to(tl.int64) * s_zt + j[None, :], mask=m, other=0.0)
+    g = tl.load(G + b * s_gb + t[:, None].to(tl.int64) * s_gt + j[None, :] * s_gh, mask=m, other=0.0)
+    a = tl.load(A + j, mask=jm, other=0.0).to(tl.float32)
+    sig = tl.where(z > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-z)))  # d softplus / dz (threshold as torch)
+    dz = g * a[None, :] * sig  # [ROWS, HP], 0 on masked rows / heads
+    row = P + (b * n_tiles + tile) * (HP * (HKV * D + 2))
+    for h in tl.static_range(HKV):
+        v = tl.load(V + b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + d[None, :], mask=tm[:, None],
+                    other=0.0).to(tl.float32)
+        dw = tl.sum(dz[:, :, None] * v[:, None, :], axis=0)  # [HP, D]
+        tl.store(row + j[:, None] * (HKV * D) + h * D + d[None, :], dw)
+        if NEED_DV:
+            w = tl.load(W + j[:, None] * (HKV * D) + h * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
+            dv = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)  # [ROWS, D]
+            tl.store(DV + b * s_dvb + t[:, None].to(tl.int64) * s_dvt + h * s_dvh + d[None, :],
+                     dv.to(DV.dtype.element_ty), mask=tm[:, None])
+    tl.store(row + HP * (HKV * D) + j, tl.sum(dz, axis=0))
+    tl.store(row + HP * (HKV * D) + HP + j, tl.sum(g * _softplus(z), axis=0))
+
+
+@triton.jit(do_not_specialize=("n_parts",))
+def _partials_reduce_kernel(P, DW, DB, DA, n_parts, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, COLS: tl.constexpr):
+    """Sum the partial rows of ``P`` in order (deterministic) for ``COLS`` columns per program and
+    write them, cast, to ``DW [HKV, HKV*D]``, ``DB [HKV]`` and ``DA [HKV]``."""
+    width = HP * (HKV * D + 2)
+    c = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    cm = c < width
+    acc = tl.zeros([COLS], dtype=tl.float32)
+    ptr = P + c
+    for _ in range(0, n_parts):
+        acc += tl.load(ptr, mask=cm, other=0.0)
+        ptr += width
+    jw = c // (HKV * D)
+    tl.store(DW + c, acc.to(DW.dtype.element_ty), mask=cm & (c < HP * (HKV * D)) & (jw < HKV))
+    k = c - HP * (HKV * D)
+    if HAS_BIAS:
+        tl.store(DB + k, acc.to(DB.dtype.element_ty), mask=cm & (k >= 0) & (k < HKV))
+    k = k - HP
+    tl.store(DA + k, acc.to(DA.dtype.element_ty), mask=cm & (k >= 0) & (k < HKV))
+
+
+def _warps() -> int:
+    return 1 if interpreting() else 4
+
+
+class _FusedGatedScore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, v: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor) -> Tensor:
+        B, T, Hkv, D = v.shape
+        hp = triton.next_power_of_2(Hkv)
+        s = torch.empty(B, T, Hkv, dtype=torch.float32, device=v.device)
+        z = torch.empty_like(s)
+        w, a = weight.contiguous(), A.contiguous()
+        if B * T:
+            _gated_score_fwd_kernel[(triton.cdiv(T, ROWS), B)](
+                v, w, a if bias is None else bias.contiguous(), a, s, z, T, *v.stride()[:3], *s.stride()[:2],
+                HKV=Hkv, HP=hp, D=D, HAS_BIAS=bias is not None, ROWS=ROWS, num_warps=_warps())
+        ctx.save_for_backward(v, w, a, z)
+        ctx.has_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
+        return s
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        v, w, a, z = ctx.saved_tensors
+        B, T, Hkv, D = v.shape
+        hp = triton.next_power_of_2(Hkv)
+        need_dv = ctx.needs_input_grad[0]
+        dv = torch.empty_like(v) if need_dv else None
+        dw, da = torch.empty_like(w), torch.empty_like(a)
+        db = torch.empty(Hkv, dtype=ctx.bias_dtype, device=v.device) if ctx.has_bias else None
+        n_tiles = triton.cdiv(T, ROWS)
+        width = hp * (Hkv * D + 2)
+        parts = torch.empty(max(B * n_tiles, 1), width, dtype=torch.float32, device=v.device)
+        if B * T:
+            out = v if dv is None else dv
+            _gated_score_bwd_kernel[(n_tiles, B)](
+                v, w, a, z, g, out, parts, T, n_tiles, *v.stride()[:3], *out.stride()[:3], *z.stride()[:2],
+                *g.stride(), HKV=Hkv, HP=hp, D=D, NEED_DV=need_dv, ROWS=ROWS, num_warps=_warps())
+        else:
+            parts.zero_()
+        cols = 256
+        _partials_reduce_kernel[(triton.cdiv(width, cols),)](
+            parts, dw, da if db is None else db, da, parts.shape[0], HKV=Hkv, HP=hp, D=D, HAS_BIAS=db is not None,
+            COLS=cols, num_warps=_warps())
+        return dv, dw, db, da
+
+
+def supports_gated_score(v: Tensor) -> bool:
+    """Whether the kernels cover ``v [B, T, Hkv, D]``: D a power of two up to 256, at most 16 KV
+    heads, the head dim contiguous, on a device the kernels run on."""
+    D, Hkv = v.shape[-1], v.shape[-2]
+    return (kernels_run_on(v) and v.dim() == 4 and 16 <= D <= 256 and D & (D - 1) == 0 and Hkv <= 16
+            and v.stride(-1) == 1)
+
+
+def fused_gated_score(v: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor) -> Tensor:
+    """``A * softplus(v.flatten(-2) @ weight.T + bias)`` fp32 ``[B, T, Hkv]`` of ``v [B, T, Hkv, D]``:
+    the kernels where :func:`supports_gated_score`, else the reference
+    (:func:`nosa_layers.eviction.value_gated_score`); differentiable in v, weight, bias and A."""
+    from nosa_layers.eviction import value_gated_score
+
+    Hkv, D = v.shape[-2], v.shape[-1]
+    if weight.shape != (Hkv, Hkv * D) or A.shape != (Hkv,) or (bias is not None and bias.shape != (Hkv,)):
+        raise ValueError(f"fused_gated_score: weight {tuple(weight.shape)}, A {tuple(A.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit v {tuple(v.shape)}")
+    if not supports_gated_score(v):
+        return value_gated_score(v, weight, bias, A)
+    return _FusedGatedScore.apply(v, weight, bias, A)
