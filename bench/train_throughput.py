@@ -102,6 +102,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "step_s": statistics.median(times),
         "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
         "slowest_step_s": times[-1],
+        "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in steady},
         **(_profile_fields(profile) if a.profile_step else {}),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),

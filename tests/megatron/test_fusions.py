@@ -25,6 +25,23 @@ def test_fusions_reach_the_norms_and_the_megatron_config():
     assert plain.submodules.input_layernorm is RMSNorm
     assert fused.submodules.self_attention.params["fused_rope"] is True
     assert plain.submodules.self_attention.params["fused_rope"] is False
+    assert fused.submodules.self_attention.submodules.eviction_head.params["fused"] is True
+    assert plain.submodules.self_attention.submodules.eviction_head.params["fused"] is False
     assert fused_config(model)["bias_activation_fusion"] and "cross_entropy_loss_fusion" not in fused_config(model)
     bf16 = fused_config(replace(model, params_dtype="bfloat16"))
     assert bf16["cross_entropy_loss_fusion"] and bf16["cross_entropy_fusion_impl"] == "native"
+
+
+def test_fused_eviction_heads_take_the_fused_score_and_others_keep_theirs():
+    from nosa_layers.eviction import value_gated_score
+    from nosa_layers.megatron.self_attention import eviction_head_builder
+    from nosa_layers.ops.gated_score import fused_gated_score
+
+    def build(name, fused):
+        return eviction_head_builder(name, num_q_heads=8, num_kv_heads=2, head_dim=16, bias=True,
+                                     detach_value=True, fused=fused)
+
+    for name in ("ed_dma", "dma", "s_dma"):
+        assert build(name, True).score_op is fused_gated_score
+        assert build(name, False).score_op is value_gated_score
+    assert not hasattr(build("locret", True), "score_op")
