@@ -9,7 +9,11 @@ Semantics: :func:`nosa_layers.eviction.value_gated_score` (ED-DMA / DMA / S-DMA'
 in fp32. Products are summed in a different order than cuBLAS, so results equal the reference to
 fp32 rounding, not bit for bit. Deterministic: the parameter gradients are reduced over the
 per-tile partials in a fixed order. The forward keeps the pre-activation ``z [B, T, Hkv]`` (fp32)
-for the backward.
+and the values (a compact copy when ``v`` is a view of a larger buffer) for the backward.
+
+The products are fp32 dot tiles (``input_precision="ieee"``, never TF32) over ``max(16, Hkv)``
+padded heads: a broadcast-multiply-and-sum over a 3-D tile of few heads compiled to wrong ``dv``
+on an H200 (Triton 3.6, 2 KV heads, D = 128) while the interpreter was right.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from torch import Tensor
 
 from ._common import interpreting, kernels_run_on
@@ -25,10 +30,21 @@ ROWS = 64  # tokens per program
 
 
 @triton.jit
-def _softplus(z):
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """``exp`` in fp32: libdevice's (correctly rounded) when compiled; ``tl.exp`` (numpy's) under the
+    interpreter, which has no libdevice. ``tl.exp``'s fast ``ex2.approx`` loses about 20 ulp far in
+    the left tail, where the score ``~ exp(z)`` still ranks blocks."""
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _softplus(z, LIBDEVICE: tl.constexpr):
     """torch's softplus (beta 1, threshold 20) in fp32: ``max(z, 0) + log1p(exp(-|z|))``, with log1p
     evaluated as ``log(w) * u / (w - 1)``, ``w = 1 + u`` (exact to a few ulps for small ``u``)."""
-    u = tl.exp(-tl.abs(z))
+    u = _exp(-tl.abs(z), LIBDEVICE)
     w = 1.0 + u
     tiny = w == 1.0
     log1p = tl.where(tiny, u, tl.log(w) * (u / tl.where(tiny, 1.0, w - 1.0)))
@@ -36,26 +52,31 @@ def _softplus(z):
 
 
 @triton.jit(do_not_specialize=("T",))
-def _gated_score_fwd_kernel(V, W, Bias, A, S, Z, T, s_vb, s_vt, s_vh, s_sb, s_st,
+def _gated_score_fwd_kernel(V, W, Bias, A, S, Z, VC, T, s_vb, s_vt, s_vh, s_sb, s_st,
                             HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ROWS: tl.constexpr):
-    """Program (tile, b): ``ROWS`` tokens of row ``b``; ``S``/``Z`` ``[B, T, HKV]`` (strides s_sb, s_st)."""
+                            COPY_V: tl.constexpr, ROWS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Program (tile, b): ``ROWS`` tokens of row ``b``; ``S``/``Z`` ``[B, T, HKV]`` (strides s_sb, s_st).
+    ``z [ROWS, HP] = sum_h v_h [ROWS, D] @ W_h^T [D, HP]`` as fp32 dots (``ieee``: no TF32).
+    ``COPY_V``: also write the values it reads to the contiguous ``VC [B, T, HKV, D]``."""
     tile, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     t = tile * ROWS + tl.arange(0, ROWS)
     tm = t < T
-    j = tl.arange(0, HP)  # output head
+    j = tl.arange(0, HP)  # output head (HP >= 16 for the dot; heads >= HKV are masked)
     jm = j < HKV
     d = tl.arange(0, D)
     z = tl.zeros([ROWS, HP], dtype=tl.float32)
     for h in tl.static_range(HKV):  # input head: columns h*D .. h*D+D of the value row
         v = tl.load(V + b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + d[None, :], mask=tm[:, None],
-                    other=0.0).to(tl.float32)
-        w = tl.load(W + j[:, None] * (HKV * D) + h * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
-        z += tl.sum(v[:, None, :] * w[None, :, :], axis=2)
+                    other=0.0)
+        if COPY_V:
+            tl.store(VC + (b * T + t[:, None].to(tl.int64)) * (HKV * D) + h * D + d[None, :], v, mask=tm[:, None])
+        v = v.to(tl.float32)
+        wt = tl.load(W + j[None, :] * (HKV * D) + h * D + d[:, None], mask=jm[None, :], other=0.0).to(tl.float32)
+        z = tl.dot(v, wt, z, input_precision="ieee")
     if HAS_BIAS:
         z += tl.load(Bias + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     a = tl.load(A + j, mask=jm, other=0.0).to(tl.float32)
-    s = a[None, :] * _softplus(z)
+    s = a[None, :] * _softplus(z, LIBDEVICE)
     off = b * s_sb + t[:, None].to(tl.int64) * s_st + j[None, :]
     m = tm[:, None] & jm[None, :]
     tl.store(S + off, s, mask=m)
@@ -66,9 +87,10 @@ def _gated_score_fwd_kernel(V, W, Bias, A, S, Z, T, s_vb, s_vt, s_vh, s_sb, s_st
 def _gated_score_bwd_kernel(V, W, A, Z, G, DV, P, T, n_tiles, s_vb, s_vt, s_vh, s_dvb, s_dvt, s_dvh,
                             s_zb, s_zt, s_gb, s_gt, s_gh,
                             HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NEED_DV: tl.constexpr,
-                            ROWS: tl.constexpr):
+                            ROWS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program (tile, b): ``dv`` of its tokens and its fp32 partials ``P[b * n_tiles + tile]``:
-    ``[HP, HKV * D]`` of dW, then ``[HP]`` of db and ``[HP]`` of dA (row length ``HP * (HKV*D + 2)``)."""
+    ``[HKV, HKV * D]`` of dW, then ``[HKV]`` of db and ``[HKV]`` of dA (row length ``HKV * (HKV*D + 2)``).
+    ``dW_h = dz^T @ v_h`` and ``dv_h = dz @ W_h`` as fp32 dots (``ieee``)."""
     tile, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     t = tile * ROWS + tl.arange(0, ROWS)
     tm = t < T
@@ -79,29 +101,30 @@ def _gated_score_bwd_kernel(V, W, A, Z, G, DV, P, T, n_tiles, s_vb, s_vt, s_vh, 
     z = tl.load(Z + b * s_zb + t[:, None].to(tl.int64) * s_zt + j[None, :], mask=m, other=0.0)
     g = tl.load(G + b * s_gb + t[:, None].to(tl.int64) * s_gt + j[None, :] * s_gh, mask=m, other=0.0)
     a = tl.load(A + j, mask=jm, other=0.0).to(tl.float32)
-    sig = tl.where(z > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-z)))  # d softplus / dz (threshold as torch)
+    sig = tl.where(z > 20.0, 1.0, 1.0 / (1.0 + _exp(-z, LIBDEVICE)))  # d softplus / dz (threshold as torch)
     dz = g * a[None, :] * sig  # [ROWS, HP], 0 on masked rows / heads
-    row = P + (b * n_tiles + tile) * (HP * (HKV * D + 2))
+    dzt = tl.trans(dz)  # [HP, ROWS]
+    row = P + (b * n_tiles + tile) * (HKV * (HKV * D + 2))
     for h in tl.static_range(HKV):
         v = tl.load(V + b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + d[None, :], mask=tm[:, None],
                     other=0.0).to(tl.float32)
-        dw = tl.sum(dz[:, :, None] * v[:, None, :], axis=0)  # [HP, D]
-        tl.store(row + j[:, None] * (HKV * D) + h * D + d[None, :], dw)
+        dw = tl.dot(dzt, v, input_precision="ieee")  # [HP, D]
+        tl.store(row + j[:, None] * (HKV * D) + h * D + d[None, :], dw, mask=jm[:, None])
         if NEED_DV:
             w = tl.load(W + j[:, None] * (HKV * D) + h * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
-            dv = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)  # [ROWS, D]
+            dv = tl.dot(dz, w, input_precision="ieee")  # [ROWS, D]
             tl.store(DV + b * s_dvb + t[:, None].to(tl.int64) * s_dvt + h * s_dvh + d[None, :],
                      dv.to(DV.dtype.element_ty), mask=tm[:, None])
-    tl.store(row + HP * (HKV * D) + j, tl.sum(dz, axis=0))
-    tl.store(row + HP * (HKV * D) + HP + j, tl.sum(g * _softplus(z), axis=0))
+    tl.store(row + HKV * (HKV * D) + j, tl.sum(dz, axis=0), mask=jm)
+    tl.store(row + HKV * (HKV * D + 1) + j, tl.sum(g * _softplus(z, LIBDEVICE), axis=0), mask=jm)
 
 
 @triton.jit(do_not_specialize=("n_parts",))
-def _partials_reduce_kernel(P, DW, DB, DA, n_parts, HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, COLS: tl.constexpr):
+def _partials_reduce_kernel(P, DW, DB, DA, n_parts, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            COLS: tl.constexpr):
     """Sum the partial rows of ``P`` in order (deterministic) for ``COLS`` columns per program and
     write them, cast, to ``DW [HKV, HKV*D]``, ``DB [HKV]`` and ``DA [HKV]``."""
-    width = HP * (HKV * D + 2)
+    width = HKV * (HKV * D + 2)
     c = tl.program_id(0) * COLS + tl.arange(0, COLS)
     cm = c < width
     acc = tl.zeros([COLS], dtype=tl.float32)
@@ -109,13 +132,17 @@ def _partials_reduce_kernel(P, DW, DB, DA, n_parts, HKV: tl.constexpr, HP: tl.co
     for _ in range(0, n_parts):
         acc += tl.load(ptr, mask=cm, other=0.0)
         ptr += width
-    jw = c // (HKV * D)
-    tl.store(DW + c, acc.to(DW.dtype.element_ty), mask=cm & (c < HP * (HKV * D)) & (jw < HKV))
-    k = c - HP * (HKV * D)
+    tl.store(DW + c, acc.to(DW.dtype.element_ty), mask=cm & (c < HKV * (HKV * D)))
+    k = c - HKV * (HKV * D)
     if HAS_BIAS:
         tl.store(DB + k, acc.to(DB.dtype.element_ty), mask=cm & (k >= 0) & (k < HKV))
-    k = k - HP
+    k = k - HKV
     tl.store(DA + k, acc.to(DA.dtype.element_ty), mask=cm & (k >= 0) & (k < HKV))
+
+
+def _padded_heads(hkv: int) -> int:
+    """Heads per tile: a power of two of at least 16 (the smallest dot tile on every backend)."""
+    return max(16, triton.next_power_of_2(hkv))
 
 
 def _warps() -> int:
@@ -126,15 +153,20 @@ class _FusedGatedScore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor) -> Tensor:
         B, T, Hkv, D = v.shape
-        hp = triton.next_power_of_2(Hkv)
+        hp = _padded_heads(Hkv)
         s = torch.empty(B, T, Hkv, dtype=torch.float32, device=v.device)
         z = torch.empty_like(s)
         w, a = weight.contiguous(), A.contiguous()
+        # A view of a larger buffer (megatron's fused QKV projection) is saved as a compact copy the
+        # forward writes on the way: saving the view would keep the whole buffer alive until backward.
+        copy_v = v.untyped_storage().nbytes() > v.numel() * v.element_size()
+        saved_v = torch.empty(v.shape, dtype=v.dtype, device=v.device) if copy_v else v
         if B * T:
             _gated_score_fwd_kernel[(triton.cdiv(T, ROWS), B)](
-                v, w, a if bias is None else bias.contiguous(), a, s, z, T, *v.stride()[:3], *s.stride()[:2],
-                HKV=Hkv, HP=hp, D=D, HAS_BIAS=bias is not None, ROWS=ROWS, num_warps=_warps())
-        ctx.save_for_backward(v, w, a, z)
+                v, w, a if bias is None else bias.contiguous(), a, s, z, saved_v, T, *v.stride()[:3],
+                *s.stride()[:2], HKV=Hkv, HP=hp, D=D, HAS_BIAS=bias is not None, COPY_V=copy_v, ROWS=ROWS,
+                LIBDEVICE=not interpreting(), num_warps=_warps())
+        ctx.save_for_backward(saved_v, w, a, z)
         ctx.has_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
         return s
 
@@ -142,24 +174,25 @@ class _FusedGatedScore(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         v, w, a, z = ctx.saved_tensors
         B, T, Hkv, D = v.shape
-        hp = triton.next_power_of_2(Hkv)
+        hp = _padded_heads(Hkv)
         need_dv = ctx.needs_input_grad[0]
         dv = torch.empty_like(v) if need_dv else None
         dw, da = torch.empty_like(w), torch.empty_like(a)
         db = torch.empty(Hkv, dtype=ctx.bias_dtype, device=v.device) if ctx.has_bias else None
         n_tiles = triton.cdiv(T, ROWS)
-        width = hp * (Hkv * D + 2)
+        width = Hkv * (Hkv * D + 2)
         parts = torch.empty(max(B * n_tiles, 1), width, dtype=torch.float32, device=v.device)
         if B * T:
             out = v if dv is None else dv
             _gated_score_bwd_kernel[(n_tiles, B)](
                 v, w, a, z, g, out, parts, T, n_tiles, *v.stride()[:3], *out.stride()[:3], *z.stride()[:2],
-                *g.stride(), HKV=Hkv, HP=hp, D=D, NEED_DV=need_dv, ROWS=ROWS, num_warps=_warps())
+                *g.stride(), HKV=Hkv, HP=hp, D=D, NEED_DV=need_dv, ROWS=ROWS, LIBDEVICE=not interpreting(),
+                num_warps=_warps())
         else:
             parts.zero_()
         cols = 256
         _partials_reduce_kernel[(triton.cdiv(width, cols),)](
-            parts, dw, da if db is None else db, da, parts.shape[0], HKV=Hkv, HP=hp, D=D, HAS_BIAS=db is not None,
+            parts, dw, da if db is None else db, da, parts.shape[0], HKV=Hkv, D=D, HAS_BIAS=db is not None,
             COLS=cols, num_warps=_warps())
         return dv, dw, db, da
 

@@ -103,11 +103,13 @@ def cases(arch: str, G: int):
             {"RSTD": "*fp32", "DWP": "*fp32"}, warps, 3
     for hkv in (2, 8):  # the fused eviction score of the 1B (2 KV heads) and 8B-like (8) shapes, head dim 128
         f32 = {"S": "*fp32", "Z": "*fp32", "G": "*fp32", "P": "*fp32", "DB": "*bf16"}
-        common = dict(HKV=hkv, HP=hkv, D=D, ROWS=gated_score.ROWS)
-        yield f"gated_score_h{hkv}_fwd", gated_score._gated_score_fwd_kernel, dict(common, HAS_BIAS=False), f32, 4, 3
-        yield f"gated_score_h{hkv}_bwd", gated_score._gated_score_bwd_kernel, dict(common, NEED_DV=True), f32, 4, 3
+        common = dict(HKV=hkv, HP=gated_score._padded_heads(hkv), D=D, ROWS=gated_score.ROWS)
+        yield f"gated_score_h{hkv}_fwd", gated_score._gated_score_fwd_kernel, \
+            dict(common, HAS_BIAS=False, COPY_V=True, LIBDEVICE=True), f32, 4, 3
+        yield f"gated_score_h{hkv}_bwd", gated_score._gated_score_bwd_kernel, \
+            dict(common, NEED_DV=True, LIBDEVICE=True), f32, 4, 3
         yield f"gated_score_h{hkv}_reduce", gated_score._partials_reduce_kernel, \
-            dict(HKV=hkv, HP=hkv, D=D, HAS_BIAS=False, COLS=256), f32, 4, 3
+            dict(HKV=hkv, D=D, HAS_BIAS=False, COLS=256), f32, 4, 3
     for heads in (2, 16, 32):  # the fused RoPE of k (2 KV heads) and q (16 / 32 heads), head dim 128
         for sign, has_pos in ((1, True), (-1, False)):
             yield f"rope_h{heads}_{'fwd' if sign == 1 else 'bwd'}", rope._rope_kernel, \

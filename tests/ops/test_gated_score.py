@@ -151,3 +151,26 @@ def test_heads_with_the_fused_score_match_the_reference_heads(dev, name):
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
     assert set(fused.state_dict()) == set(build_eviction_head(name, num_q_heads=4, num_kv_heads=2,
                                                               head_dim=32, bias=True).state_dict())
+
+
+def test_a_view_of_the_fused_qkv_buffer_is_saved_as_a_compact_copy(dev):
+    """v sliced from megatron's ``[b, s, 3 * Hkv, D]`` projection: the backward keeps Hkv heads of
+    values, not the whole projection, and its gradients are those of the reference."""
+    from nosa_layers.ops.gated_score import fused_gated_score
+
+    _, w, b, a, gs = _inputs(2, 45, 2, 32, torch.float32, 12, dev)
+    qkv = torch.randn(2, 45, 6, 32, device=dev, dtype=torch.bfloat16)
+    v = qkv[:, :, 4:].detach().requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        s = fused_gated_score(v, w, b, a)
+    assert max(saved) <= max(v.numel() * v.element_size(), s.numel() * 4)
+    dv, = torch.autograd.grad(s, v, gs)
+    dvr, = torch.autograd.grad(value_gated_score(v, w, b, a), v, gs)
+    torch.testing.assert_close(dv.float(), dvr.float(), rtol=0, atol=2 * torch.finfo(torch.bfloat16).eps
+                               * dvr.float().abs().max().item())
