@@ -4,7 +4,8 @@
 One GPU, identical inputs: ``v [1, T, Hkv, D]`` bf16 (a strided view of a fused QKV buffer, as the
 attention layer hands it over), the head's parameters in bf16 (as ``Float16Module`` keeps them).
 Per shape and implementation: forward ms, forward + backward ms (median of
-``triton.testing.do_bench``), CUDA kernels launched per forward + backward (torch.profiler), and
+``triton.testing.do_bench``; at these sizes mostly the host's launch path), CUDA kernels launched
+per forward + backward and their summed GPU time (torch.profiler), and
 the largest difference of the score and the gradients from the fp32 reference.
 
 Usage: python bench/eviction_score.py --out DIR [--shapes 16384x8x64,32768x8x64]
@@ -51,13 +52,15 @@ def fwd_bwd(op, args, gs):
     return s, [t.grad for t in args]
 
 
-def kernels_per_call(fn) -> int:
+def kernels_per_call(fn) -> tuple[int, float]:
+    """CUDA kernels one call launches and their summed GPU time in microseconds (torch.profiler)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels), sum(e.device_time for e in kernels)
 
 
 def measure(T: int, hkv: int, d: int) -> list[dict]:
@@ -74,9 +77,9 @@ def measure(T: int, hkv: int, d: int) -> list[dict]:
         with torch.no_grad():
             fwd_ms = do_bench(lambda: op(*args))
         both_ms = do_bench(lambda: fwd_bwd(op, args, gs))
+        n_kernels, gpu_us = kernels_per_call(lambda: fwd_bwd(op, args, gs))
         rows.append({"T": T, "Hkv": hkv, "D": d, "impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms,
-                     "kernels_fwd_bwd": kernels_per_call(lambda: fwd_bwd(op, args, gs)),
-                     "max_rel_err_vs_fp32": err})
+                     "kernels_fwd_bwd": n_kernels, "kernel_us_fwd_bwd": gpu_us, "max_rel_err_vs_fp32": err})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -99,12 +102,14 @@ def main() -> None:
     with open(tmp, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     os.replace(tmp, os.path.join(a.out, "eviction_score.json"))
-    print("\n| T | Hkv | D | impl | fwd ms | fwd+bwd ms | kernels fwd+bwd | max rel. err (score, dv, dW) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| T | Hkv | D | impl | fwd ms | fwd+bwd ms | kernels fwd+bwd | their GPU us "
+          "| max rel. err (score, dv, dW) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e = r["max_rel_err_vs_fp32"]
         print(f"| {r['T']} | {r['Hkv']} | {r['D']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
-              f"{r['kernels_fwd_bwd']} | {e['score']:.1e}, {e['dv']:.1e}, {e['dw']:.1e} |")
+              f"{r['kernels_fwd_bwd']} | {r['kernel_us_fwd_bwd']:.1f} | "
+              f"{e['score']:.1e}, {e['dv']:.1e}, {e['dw']:.1e} |")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ fp32 rounding, not bit for bit. Deterministic: the parameter gradients are reduc
 per-tile partials in a fixed order. The forward keeps the pre-activation ``z [B, T, Hkv]`` (fp32)
 and the values (a compact copy when ``v`` is a view of a larger buffer) for the backward.
 
-The products are fp32 dot tiles (``input_precision="ieee"``, never TF32) over ``max(16, Hkv)``
-padded heads: a broadcast-multiply-and-sum over a 3-D tile of few heads compiled to wrong ``dv``
-on an H200 (Triton 3.6, 2 KV heads, D = 128) while the interpreter was right.
+Every product is a 2-D tile ``[ROWS, D]`` reduced over one axis, one (input head, output head) pair
+at a time: a first version that broadcast ``[ROWS, heads, D]`` tiles and reduced them compiled to a
+wrong ``dv`` on an H200 (Triton 3.6, 2 and 4 KV heads) while the interpreter was right, and a
+version with fp32 ``tl.dot`` tiles (exact, ``ieee``) took about 0.3 ms per backward at 16K tokens.
 """
 
 from __future__ import annotations
@@ -56,28 +57,29 @@ def _gated_score_fwd_kernel(V, W, Bias, A, S, Z, VC, T, s_vb, s_vt, s_vh, s_sb, 
                             HKV: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                             COPY_V: tl.constexpr, ROWS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program (tile, b): ``ROWS`` tokens of row ``b``; ``S``/``Z`` ``[B, T, HKV]`` (strides s_sb, s_st).
-    ``z [ROWS, HP] = sum_h v_h [ROWS, D] @ W_h^T [D, HP]`` as fp32 dots (``ieee``: no TF32).
+    ``z[:, j] = sum_h v_h [ROWS, D] . W[j, h*D:(h+1)*D]``: one row reduction per (h, j), fp32.
     ``COPY_V``: also write the values it reads to the contiguous ``VC [B, T, HKV, D]``."""
     tile, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     t = tile * ROWS + tl.arange(0, ROWS)
     tm = t < T
-    j = tl.arange(0, HP)  # output head (HP >= 16 for the dot; heads >= HKV are masked)
-    jm = j < HKV
+    jj = tl.arange(0, HP)  # output head (heads >= HKV are masked)
+    jm = jj < HKV
     d = tl.arange(0, D)
     z = tl.zeros([ROWS, HP], dtype=tl.float32)
-    for h in tl.static_range(HKV):  # input head: columns h*D .. h*D+D of the value row
+    for h in range(HKV):  # input head: columns h*D .. h*D+D of the value row
         v = tl.load(V + b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + d[None, :], mask=tm[:, None],
                     other=0.0)
         if COPY_V:
             tl.store(VC + (b * T + t[:, None].to(tl.int64)) * (HKV * D) + h * D + d[None, :], v, mask=tm[:, None])
         v = v.to(tl.float32)
-        wt = tl.load(W + j[None, :] * (HKV * D) + h * D + d[:, None], mask=jm[None, :], other=0.0).to(tl.float32)
-        z = tl.dot(v, wt, z, input_precision="ieee")
+        for j in range(HKV):
+            w = tl.load(W + j * (HKV * D) + h * D + d).to(tl.float32)
+            z += tl.where(jj[None, :] == j, tl.sum(v * w[None, :], axis=1)[:, None], 0.0)
     if HAS_BIAS:
-        z += tl.load(Bias + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    a = tl.load(A + j, mask=jm, other=0.0).to(tl.float32)
+        z += tl.load(Bias + jj, mask=jm, other=0.0).to(tl.float32)[None, :]
+    a = tl.load(A + jj, mask=jm, other=0.0).to(tl.float32)
     s = a[None, :] * _softplus(z, LIBDEVICE)
-    off = b * s_sb + t[:, None].to(tl.int64) * s_st + j[None, :]
+    off = b * s_sb + t[:, None].to(tl.int64) * s_st + jj[None, :]
     m = tm[:, None] & jm[None, :]
     tl.store(S + off, s, mask=m)
     tl.store(Z + off, z, mask=m)
@@ -90,33 +92,34 @@ def _gated_score_bwd_kernel(V, W, A, Z, G, DV, P, T, n_tiles, s_vb, s_vt, s_vh, 
                             ROWS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program (tile, b): ``dv`` of its tokens and its fp32 partials ``P[b * n_tiles + tile]``:
     ``[HKV, HKV * D]`` of dW, then ``[HKV]`` of db and ``[HKV]`` of dA (row length ``HKV * (HKV*D + 2)``).
-    ``dW_h = dz^T @ v_h`` and ``dv_h = dz @ W_h`` as fp32 dots (``ieee``)."""
+    Per (h, j): ``dW[j, h*D:] = dz[:, j] . v_h`` (a column reduction) and ``dv_h += dz[:, j] W[j, h*D:]``."""
     tile, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     t = tile * ROWS + tl.arange(0, ROWS)
     tm = t < T
-    j = tl.arange(0, HP)
-    jm = j < HKV
+    jj = tl.arange(0, HP)
+    jm = jj < HKV
     d = tl.arange(0, D)
     m = tm[:, None] & jm[None, :]
-    z = tl.load(Z + b * s_zb + t[:, None].to(tl.int64) * s_zt + j[None, :], mask=m, other=0.0)
-    g = tl.load(G + b * s_gb + t[:, None].to(tl.int64) * s_gt + j[None, :] * s_gh, mask=m, other=0.0)
-    a = tl.load(A + j, mask=jm, other=0.0).to(tl.float32)
+    z = tl.load(Z + b * s_zb + t[:, None].to(tl.int64) * s_zt + jj[None, :], mask=m, other=0.0)
+    g = tl.load(G + b * s_gb + t[:, None].to(tl.int64) * s_gt + jj[None, :] * s_gh, mask=m, other=0.0)
+    a = tl.load(A + jj, mask=jm, other=0.0).to(tl.float32)
     sig = tl.where(z > 20.0, 1.0, 1.0 / (1.0 + _exp(-z, LIBDEVICE)))  # d softplus / dz (threshold as torch)
     dz = g * a[None, :] * sig  # [ROWS, HP], 0 on masked rows / heads
-    dzt = tl.trans(dz)  # [HP, ROWS]
     row = P + (b * n_tiles + tile) * (HKV * (HKV * D + 2))
-    for h in tl.static_range(HKV):
+    for h in range(HKV):
         v = tl.load(V + b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + d[None, :], mask=tm[:, None],
                     other=0.0).to(tl.float32)
-        dw = tl.dot(dzt, v, input_precision="ieee")  # [HP, D]
-        tl.store(row + j[:, None] * (HKV * D) + h * D + d[None, :], dw, mask=jm[:, None])
+        dv = tl.zeros([ROWS, D], dtype=tl.float32)
+        for j in range(HKV):
+            dz_j = tl.sum(tl.where(jj[None, :] == j, dz, 0.0), axis=1)  # [ROWS]
+            tl.store(row + j * (HKV * D) + h * D + d, tl.sum(dz_j[:, None] * v, axis=0))
+            if NEED_DV:
+                dv += dz_j[:, None] * tl.load(W + j * (HKV * D) + h * D + d).to(tl.float32)[None, :]
         if NEED_DV:
-            w = tl.load(W + j[:, None] * (HKV * D) + h * D + d[None, :], mask=jm[:, None], other=0.0).to(tl.float32)
-            dv = tl.dot(dz, w, input_precision="ieee")  # [ROWS, D]
             tl.store(DV + b * s_dvb + t[:, None].to(tl.int64) * s_dvt + h * s_dvh + d[None, :],
                      dv.to(DV.dtype.element_ty), mask=tm[:, None])
-    tl.store(row + HKV * (HKV * D) + j, tl.sum(dz, axis=0), mask=jm)
-    tl.store(row + HKV * (HKV * D + 1) + j, tl.sum(g * _softplus(z, LIBDEVICE), axis=0), mask=jm)
+    tl.store(row + HKV * (HKV * D) + jj, tl.sum(dz, axis=0), mask=jm)
+    tl.store(row + HKV * (HKV * D + 1) + jj, tl.sum(g * _softplus(z, LIBDEVICE), axis=0), mask=jm)
 
 
 @triton.jit(do_not_specialize=("n_parts",))
@@ -141,8 +144,8 @@ def _partials_reduce_kernel(P, DW, DB, DA, n_parts, HKV: tl.constexpr, D: tl.con
 
 
 def _padded_heads(hkv: int) -> int:
-    """Heads per tile: a power of two of at least 16 (the smallest dot tile on every backend)."""
-    return max(16, triton.next_power_of_2(hkv))
+    """Heads per tile: the next power of two."""
+    return triton.next_power_of_2(hkv)
 
 
 def _warps() -> int:
