@@ -15,7 +15,9 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 
 Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users
 pay) and as the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak
-of the GPU), peak memory, losses; with ``--profile-step N`` also the GPU time per step by part
+of the GPU), peak memory, losses, per-step times with each step's attention work (the trainer's
+``attention_work``: sum of squared document lengths / S^2) and the line fitted through them (how
+much of the step-to-step variation the documents explain); with ``--profile-step N`` also the GPU time per step by part
 (attention forward / backward, NOSA selection and index, eviction head, the rest) and the 15
 largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pair take the same
 ``train.fusions`` (on by default; ``--extra train.fusions=false`` for the unfused layers). Usage::
@@ -103,12 +105,30 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
         "slowest_step_s": times[-1],
         "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in steady},
+        "attention_work": {r["step"]: round(r["attention_work"], 4) for r in steady if "attention_work" in r},
+        "step_time_vs_attention_work": _fit([r.get("attention_work") for r in steady],
+                                            [r["step_time_s"] for r in steady]),
         **(_profile_fields(profile) if a.profile_step else {}),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),
         "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
     })
     return out
+
+
+def _fit(work: list, times: list) -> dict | None:
+    """Least-squares ``time = base_s + slope_s * work`` over the measured steps and the correlation:
+    how much of the step-to-step variation the documents of each step explain (None where the
+    work does not vary, e.g. EOD packing)."""
+    if len(work) < 3 or any(w is None for w in work) or max(work) - min(work) < 1e-9:
+        return None
+    mw, mt = statistics.fmean(work), statistics.fmean(times)
+    sww = sum((w - mw) ** 2 for w in work)
+    stt = sum((t - mt) ** 2 for t in times)
+    swt = sum((w - mw) * (t - mt) for w, t in zip(work, times))
+    slope = swt / sww
+    return {"base_s": round(mt - slope * mw, 4), "slope_s": round(slope, 4),
+            "r": round(swt / (sww * stt) ** 0.5, 3) if stt > 0 else None}
 
 
 def _profile_fields(summary: Path) -> dict:
@@ -204,6 +224,12 @@ def main() -> None:
         print(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_median_step']:.0f} | "
               f"{r['p90_over_median']:.2f} | {r['slowest_step_s']:.2f} | {mfu} | {r['peak_mem_gib']:.1f} | {gamma} | "
               f"{r['losses'][0]:.4f}, {r['losses'][-1]:.4f} |")
+    for r in results:
+        fit = r.get("step_time_vs_attention_work")
+        if fit:
+            print(f"{r['run']}: step time = {fit['base_s']:.3f} s + {fit['slope_s']:.3f} s x attention work "
+                  f"(sum of squared document lengths / S^2; r = {fit['r']}; work "
+                  f"{min(r['attention_work'].values()):.3f}-{max(r['attention_work'].values()):.3f})")
     parts = [r for r in results if r.get("gpu_ms_per_step")]
     if parts:
         keys = list(parts[0]["gpu_ms_per_step"])

@@ -6,7 +6,9 @@ has one JSON object per logged step with at least ``step, loss, lr, grad_norm, t
 ``loss`` is the mean over the steps since the previous logged row (the loss of each step is
 already the per-token mean over the whole global batch, i.e. over all DP ranks), ``step_time_s``
 and ``tokens_per_s`` are interval means, ``eta_s`` is the remaining steps times the mean step time,
-``peak_mem_gib`` is the largest peak of any rank (all-reduce MAX).
+``peak_mem_gib`` is the largest peak of any rank (all-reduce MAX), ``attention_work`` the interval
+mean of :func:`causal_attention_work` of the loss-owning rank's micro-batches (what makes step
+times of packed-document runs vary).
 """
 
 from __future__ import annotations
@@ -61,27 +63,53 @@ def train_flops_per_token(model: ModelConfig, attn: AttentionConfig, seq_len: in
     return float(flops)
 
 
+def causal_attention_work(batches: list[dict]) -> float:
+    """The causal attention work of a step's CPU micro-batches relative to one document per row: the
+    mean over rows of ``sum_d len_d**2 / S**2`` (1.0 for rows without ``cu_seqlens``, i.e. EOD packing;
+    ``1 / n`` for ``n`` equal documents). Dense attention with document masking costs about this
+    share of a full causal pass, so step times of packed-document runs follow it."""
+    from data.packing import row_cu_seqlens
+
+    shares = []
+    for batch in batches:
+        rows, S = batch["tokens"].shape
+        for b in range(rows):
+            if "cu_seqlens" not in batch:
+                shares.append(1.0)
+                continue
+            lens = row_cu_seqlens(batch, b).diff().double()
+            shares.append(float((lens * lens).sum()) / S**2)
+    return math.fsum(shares) / max(len(shares), 1)
+
+
 class IntervalStats:
     """Per-step values between two logged rows; :meth:`flush` returns their means and starts anew."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.times: list[float] = []
+        self.work: list[float] = []
 
-    def add(self, loss: float, step_time_s: float) -> None:
-        """One optimizer step: its loss (non-finite losses are left out of the mean) and wall time (s)."""
+    def add(self, loss: float, step_time_s: float, attention_work: float | None = None) -> None:
+        """One optimizer step: its loss (non-finite losses are left out of the mean), wall time (s) and
+        :func:`causal_attention_work` of its batches (where known)."""
         if math.isfinite(loss):
             self.losses.append(loss)
         self.times.append(step_time_s)
+        if attention_work is not None:
+            self.work.append(attention_work)
 
     def flush(self, tokens_per_step: int, steps_left: int) -> dict:
-        """``loss`` (mean over finite steps; NaN if none), ``step_time_s``, ``tokens_per_s``, ``eta_s``."""
+        """``loss`` (mean over finite steps; NaN if none), ``step_time_s``, ``tokens_per_s``, ``eta_s``
+        and, where recorded, ``attention_work`` (their means)."""
         n = max(len(self.times), 1)
         dt = math.fsum(self.times) / n
         out = {"loss": math.fsum(self.losses) / len(self.losses) if self.losses else float("nan"),
                "step_time_s": dt, "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
                "eta_s": dt * steps_left}
-        self.losses, self.times = [], []
+        if self.work:
+            out["attention_work"] = math.fsum(self.work) / len(self.work)
+        self.losses, self.times, self.work = [], [], []
         return out
 
 

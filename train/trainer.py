@@ -26,7 +26,7 @@ from train.distributed import DistEnv
 from train.finite import grads_nonfinite, weights_nonfinite
 from train.gc_control import GarbageCollection
 from train.metrics import IntervalStats, MetricsLogger, format_eta, local_peak_memory_gib, max_over_ranks
-from train.metrics import peak_flops, train_flops_per_token
+from train.metrics import causal_attention_work, peak_flops, train_flops_per_token
 from train.optim import adam_is_fused, build_optimizer, build_scheduler, mixed_precision, use_fused_adam
 from train.preemption import StopSignal
 from train.profiling import StepProfiler
@@ -270,7 +270,9 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = [to_microbatch(b, self.env.device) for b in self.train_batches.take()]
+        batches = self.train_batches.take()
+        work = causal_attention_work(batches)
+        mbs = [to_microbatch(b, self.env.device) for b in batches]
         every = self.cfg.train.locality_interval
         record = bool(every) and (self.step + 1) % every == 0
         for m in self._nosa_modules() if record else []:
@@ -301,7 +303,7 @@ class Trainer:
             self._non_finite_step(bad)
         else:
             self.nonfinite_streak = 0
-        return {"loss": loss, "lr": lr, "skipped": not ok,
+        return {"loss": loss, "lr": lr, "skipped": not ok, "attention_work": work,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, **stats}
 
     def _non_finite_step(self, what: str) -> None:
@@ -414,7 +416,7 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step += 1
                 profiler.after(self.step, partial(log0, env))
-                interval.add(out["loss"], dt)
+                interval.add(out["loss"], dt, out.get("attention_work"))
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
                        "grad_norm": out["grad_norm"], "skipped": out["skipped"]}
                 row.update({k: v for k, v in out.items() if k.startswith("nosa_")})

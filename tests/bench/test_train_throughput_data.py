@@ -27,3 +27,13 @@ def test_the_corpus_identity_tells_two_builds_apart(tmp_path):
 
 def test_a_missing_corpus_is_named_without_failing(tmp_path):
     assert load_bench("train_throughput").corpus_identity(str(tmp_path / "nothing")) == {"prefix": "nothing"}
+
+
+def test_step_times_are_fitted_against_the_attention_work_of_each_step():
+    fit = load_bench("train_throughput")._fit
+    work = [0.2, 0.5, 0.3, 0.9]
+    assert fit(work, [0.8 + 0.5 * w for w in work]) == {"base_s": 0.8, "slope_s": 0.5, "r": 1.0}
+    noisy = fit(work, [1.0, 0.9, 1.1, 1.0])  # times that do not follow the documents
+    assert abs(noisy["r"]) < 0.5
+    assert fit([1.0] * 4, [1.0, 1.2, 0.9, 1.1]) is None  # EOD packing: the work never varies
+    assert fit([0.2, None, 0.3, 0.4], [1.0] * 4) is None and fit([0.2, 0.3], [1.0, 1.1]) is None

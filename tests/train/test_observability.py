@@ -24,6 +24,31 @@ def test_interval_means_leave_out_non_finite_losses_and_give_an_eta():
     assert [format_eta(x) for x in (5, 184, 7380, 93784, float("nan"))] == ["5s", "3m04s", "2h03m", "1d02h03m", "-"]
 
 
+def test_attention_work_follows_the_documents_of_the_step():
+    """sum(len^2) / S^2 per row, averaged over the step's micro-batches; 1.0 without ``cu_seqlens``."""
+    import numpy as np
+
+    from data.packing import collate
+    from train.metrics import causal_attention_work
+
+    def row(cu):
+        return {"tokens": np.zeros(128), "labels": np.zeros(128), "position_ids": np.zeros(128),
+                "loss_mask": np.ones(128), "cu_seqlens": np.array(cu)}
+
+    halves, one, thirds = row([0, 64, 128]), row([0, 128]), row([0, 32, 64, 128])
+    assert causal_attention_work([collate([halves])]) == 0.5
+    assert causal_attention_work([collate([halves, one])]) == 0.75  # rows of one micro-batch
+    assert causal_attention_work([collate([thirds]), collate([one])]) == (0.375 + 1.0) / 2
+    eod = {k: v for k, v in one.items() if k != "cu_seqlens"}
+    assert causal_attention_work([collate([eod])]) == 1.0
+    s = IntervalStats()
+    s.add(1.0, 1.0, 0.5)
+    s.add(1.0, 1.0, 0.25)
+    assert s.flush(10, 0)["attention_work"] == 0.375
+    s.add(1.0, 1.0)
+    assert "attention_work" not in s.flush(10, 0)
+
+
 def test_wandb_id_is_unique_per_run_and_kept_across_a_resume(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     first = wandb_run_id(a, "nosa_8b/cpt", resumed=False)

@@ -66,12 +66,17 @@ def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args):
               "parallel.pipeline_model_parallel_size=2"], nproc=2)
     assert _close(losses(cpt1), losses(cpt_tp), rel=1e-5), (losses(cpt1), losses(cpt_tp))
     assert _close(losses(cpt1), losses(cpt_pp), rel=1e-5), (losses(cpt1), losses(cpt_pp))
+    work = lambda d: [r["attention_work"] for r in metrics(d) if "loss" in r]  # the step's documents
+    assert work(pre) == [1.0, 1.0]  # EOD packing: every row one causal pass
+    assert len(work(cpt1)) == 2 and all(0 < w <= 1 for w in work(cpt1))
+    assert work(cpt1) == work(cpt_tp) == work(cpt_pp)  # same data whatever the layout
     cfg = json.loads((cpt_tp / "checkpoints" / "iter_0000002" / "nosa_config.json").read_text())
     assert cfg["attention"]["variant"] == "nosa" and cfg["model"]["rope_type"] == "longrope"
     run_main(["recipe=tiny_sft", *data_args, f"run.dir={sft}", f"init_from={cpt_tp}", "train.seq_length=256",
               "train.global_batch_size=2", "train.max_steps=2", "optim.warmup_steps=1", "checkpoint.interval=0",
               "parallel.pipeline_model_parallel_size=2"], nproc=2)
     assert len(losses(sft)) == 2 and all(math.isfinite(v) for v in losses(sft).values())
+    assert len(work(sft)) == 2 and all(0 < w < 0.5 for w in work(sft))  # rows packed with short conversations
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
