@@ -27,7 +27,10 @@ from torch import Tensor
 
 from ._common import interpreting, kernels_run_on
 
-ROWS = 64  # tokens per program
+def rows_per_program(head_dim: int) -> int:
+    """Tokens per program: 64, or 32 at head dim 256 (the backward holds two ``[rows, D]`` fp32 tiles,
+    the values and their gradient, in registers)."""
+    return 64 if head_dim <= 128 else 32
 
 
 @triton.jit
@@ -165,9 +168,10 @@ class _FusedGatedScore(torch.autograd.Function):
         copy_v = v.untyped_storage().nbytes() > v.numel() * v.element_size()
         saved_v = torch.empty(v.shape, dtype=v.dtype, device=v.device) if copy_v else v
         if B * T:
-            _gated_score_fwd_kernel[(triton.cdiv(T, ROWS), B)](
+            rows = rows_per_program(D)
+            _gated_score_fwd_kernel[(triton.cdiv(T, rows), B)](
                 v, w, a if bias is None else bias.contiguous(), a, s, z, saved_v, T, *v.stride()[:3],
-                *s.stride()[:2], HKV=Hkv, HP=hp, D=D, HAS_BIAS=bias is not None, COPY_V=copy_v, ROWS=ROWS,
+                *s.stride()[:2], HKV=Hkv, HP=hp, D=D, HAS_BIAS=bias is not None, COPY_V=copy_v, ROWS=rows,
                 LIBDEVICE=not interpreting(), num_warps=_warps())
         ctx.save_for_backward(saved_v, w, a, z)
         ctx.has_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
@@ -182,14 +186,15 @@ class _FusedGatedScore(torch.autograd.Function):
         dv = torch.empty_like(v) if need_dv else None
         dw, da = torch.empty_like(w), torch.empty_like(a)
         db = torch.empty(Hkv, dtype=ctx.bias_dtype, device=v.device) if ctx.has_bias else None
-        n_tiles = triton.cdiv(T, ROWS)
+        rows = rows_per_program(D)
+        n_tiles = triton.cdiv(T, rows)
         width = Hkv * (Hkv * D + 2)
         parts = torch.empty(max(B * n_tiles, 1), width, dtype=torch.float32, device=v.device)
         if B * T:
             out = v if dv is None else dv
             _gated_score_bwd_kernel[(n_tiles, B)](
                 v, w, a, z, g, out, parts, T, n_tiles, *v.stride()[:3], *out.stride()[:3], *z.stride()[:2],
-                *g.stride(), HKV=Hkv, HP=hp, D=D, NEED_DV=need_dv, ROWS=ROWS, LIBDEVICE=not interpreting(),
+                *g.stride(), HKV=Hkv, HP=hp, D=D, NEED_DV=need_dv, ROWS=rows, LIBDEVICE=not interpreting(),
                 num_warps=_warps())
         else:
             parts.zero_()

@@ -44,7 +44,8 @@ def _run(fn, v, w, b, a, gs):
 
 @pytest.mark.parametrize("B,T,H,D,bias,seed", [(1, 100, 2, 64, False, 0), (2, 37, 3, 32, True, 1),
                                                 (1, 129, 1, 16, True, 2), (1, 70, 8, 16, False, 3),
-                                                (1, 65, 4, 128, True, 4), (1, 33, 16, 32, True, 13)])
+                                                (1, 65, 4, 128, True, 4), (1, 33, 16, 32, True, 13),
+                                                (2, 45, 2, 256, False, 14)])
 def test_fp32_matches_the_reference_in_fp64(dev, B, T, H, D, bias, seed):
     v, w, b, a, gs = _inputs(B, T, H, D, torch.float32, seed, dev, bias)
     s, grads = _run(_fused, v, w, b, a, gs)
