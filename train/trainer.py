@@ -416,7 +416,7 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step += 1
                 profiler.after(self.step, partial(log0, env))
-                interval.add(out["loss"], dt, out.get("attention_work"))
+                interval.add(out["loss"], dt, out["attention_work"])
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
                        "grad_norm": out["grad_norm"], "skipped": out["skipped"]}
                 row.update({k: v for k, v in out.items() if k.startswith("nosa_")})

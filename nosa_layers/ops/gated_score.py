@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ._common import interpreting, kernels_run_on
 
+
 def rows_per_program(head_dim: int) -> int:
     """Tokens per program: 64, or 32 at head dim 256 (the backward holds two ``[rows, D]`` fp32 tiles,
     the values and their gradient, in registers)."""
