@@ -47,6 +47,7 @@ from nosa_layers.ops.attention_op import CONFIG, arch, hopper_device, launch_con
 from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
 from nosa_layers.ops.layout import block_layout  # noqa: E402
 from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
+from train.profiling import device_ms_per_call  # noqa: E402
 from nosa_layers.ops import topk as topk_mod  # noqa: E402
 from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
 
@@ -517,31 +518,13 @@ STAGES = {"selection": ("_compress", "_sel_lse", "_sel_block", "_select_kernel")
 
 
 def _gpu_ms_by_stage(fn) -> dict:
-    """GPU time of one ``fn()`` by stage (``_device_ms``): the NOSA selection, index, attention
+    """GPU time of one ``fn()`` by stage (``device_ms_per_call``): the NOSA selection, index, attention
     forward, backward (ours or FlashAttention's), everything else."""
     out = dict.fromkeys([*STAGES, "other"], 0.0)
-    for key, (ms, _) in _device_ms(fn).items():
+    for key, (ms, _) in device_ms_per_call(fn).items():
         stage = next((st for st, names in STAGES.items() if any(x in key for x in names)), "other")
         out[stage] += ms
     return {k: round(v, 4) for k, v in out.items()}
-
-
-def _device_ms(fn, n=5) -> dict:
-    """GPU time per call of each kernel (and copy / fill) that ``fn()`` launches: torch.profiler over
-    ``n`` calls, ``{name: (ms per call, launches per call)}``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            out[ev.key] = (t / 1e3 / n, ev.count // n)
-    return out
 
 
 def profile_kernels(T, HQ):
@@ -558,7 +541,7 @@ def profile_kernels(T, HQ):
     fwd_flops = 4.0 * HQ * keys * D
     mult = {"_fwd_kernel": 1.0, "_bwd_dq_kernel": 1.5, "_bwd_dkdv_kernel": 2.0}
     kernels = {}
-    for key, (ms, calls) in _device_ms(step).items():
+    for key, (ms, calls) in device_ms_per_call(step).items():
         row = dict(ms=round(ms, 3), calls=calls)
         for name, m in mult.items():
             if name in key:
@@ -613,7 +596,7 @@ def call_overhead(T, HQ, n=20):
             fn()
         end.record()
         torch.cuda.synchronize()
-        kernels = _device_ms(fn)
+        kernels = device_ms_per_call(fn)
         emit(kind="call_overhead", T=T, HQ=HQ, call=name, host_us=round(sorted(host)[n // 2] * 1e6, 1),
              back_to_back_ms=round(start.elapsed_time(end) / n, 3),
              kernels_ms=round(sum(ms for ms, _ in kernels.values()), 3), do_bench_ms=round(bench(fn)[0], 3),

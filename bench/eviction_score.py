@@ -5,7 +5,7 @@ One GPU, identical inputs: ``v [1, T, Hkv, D]`` bf16 (a strided view of a fused 
 attention layer hands it over), the head's parameters in bf16 (as ``Float16Module`` keeps them).
 Per shape and implementation: forward ms, forward + backward ms (median of
 ``triton.testing.do_bench``; at these sizes mostly the host's launch path), CUDA kernels launched
-per forward + backward and their summed GPU time (torch.profiler), and
+per forward + backward and their summed GPU time (torch.profiler, mean of 5 calls), and
 the largest difference of the score and the gradients from the fp32 reference.
 
 Usage: python bench/eviction_score.py --out DIR [--shapes 16384x8x64,32768x8x64]
@@ -27,6 +27,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from nosa_layers.eviction import value_gated_score  # noqa: E402
 from nosa_layers.ops.gated_score import fused_gated_score, supports_gated_score  # noqa: E402
+from train.profiling import device_ms_per_call  # noqa: E402
 
 DT = torch.bfloat16
 
@@ -52,17 +53,6 @@ def fwd_bwd(op, args, gs):
     return s, [t.grad for t in args]
 
 
-def kernels_per_call(fn) -> tuple[int, float]:
-    """CUDA kernels one call launches and their summed GPU time in microseconds (torch.profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels), sum(e.device_time for e in kernels)
-
-
 def measure(T: int, hkv: int, d: int) -> list[dict]:
     args, gs = inputs(T, hkv, d)
     assert supports_gated_score(args[0]), "the fused kernels do not cover this shape"
@@ -77,7 +67,8 @@ def measure(T: int, hkv: int, d: int) -> list[dict]:
         with torch.no_grad():
             fwd_ms = do_bench(lambda: op(*args))
         both_ms = do_bench(lambda: fwd_bwd(op, args, gs))
-        n_kernels, gpu_us = kernels_per_call(lambda: fwd_bwd(op, args, gs))
+        kernels = device_ms_per_call(lambda: fwd_bwd(op, args, gs))
+        n_kernels, gpu_us = sum(c for _, c in kernels.values()), 1e3 * sum(ms for ms, _ in kernels.values())
         rows.append({"T": T, "Hkv": hkv, "D": d, "impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms,
                      "kernels_fwd_bwd": n_kernels, "kernel_us_fwd_bwd": gpu_us, "max_rel_err_vs_fp32": err})
         print(json.dumps(rows[-1]), flush=True)

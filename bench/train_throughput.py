@@ -122,13 +122,9 @@ def _fit(work: list, times: list) -> dict | None:
     work does not vary, e.g. EOD packing)."""
     if len(work) < 3 or any(w is None for w in work) or max(work) - min(work) < 1e-9:
         return None
-    mw, mt = statistics.fmean(work), statistics.fmean(times)
-    sww = sum((w - mw) ** 2 for w in work)
-    stt = sum((t - mt) ** 2 for t in times)
-    swt = sum((w - mw) * (t - mt) for w, t in zip(work, times))
-    slope = swt / sww
-    return {"base_s": round(mt - slope * mw, 4), "slope_s": round(slope, 4),
-            "r": round(swt / (sww * stt) ** 0.5, 3) if stt > 0 else None}
+    slope, base = statistics.linear_regression(work, times)
+    r = statistics.correlation(work, times) if max(times) > min(times) else None
+    return {"base_s": round(base, 4), "slope_s": round(slope, 4), "r": None if r is None else round(r, 3)}
 
 
 def _profile_fields(summary: Path) -> dict:

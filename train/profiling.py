@@ -68,6 +68,24 @@ def top_other_kernels(events, steps: int, n: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
 
 
+def device_ms_per_call(fn, n: int = 5) -> dict:
+    """GPU time per call of each kernel (and copy / fill) that ``fn()`` launches: torch.profiler over
+    ``n`` calls, ``{name: (ms per call, launches per call)}`` (benchmarks; needs CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            out[ev.key] = (t / 1e3 / n, ev.count // n)
+    return out
+
+
 def _allocator_counts() -> dict:
     """CUDA caching-allocator counters: device mallocs / frees and retries (a retry frees the cache
     and synchronises: GPU idle), plus the reserved-memory peak in GiB."""

@@ -147,11 +147,6 @@ def _partials_reduce_kernel(P, DW, DB, DA, n_parts, HKV: tl.constexpr, D: tl.con
     tl.store(DA + k, acc.to(DA.dtype.element_ty), mask=cm & (k >= 0) & (k < HKV))
 
 
-def _padded_heads(hkv: int) -> int:
-    """Heads per tile: the next power of two."""
-    return triton.next_power_of_2(hkv)
-
-
 def _warps() -> int:
     return 1 if interpreting() else 4
 
@@ -160,7 +155,7 @@ class _FusedGatedScore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor) -> Tensor:
         B, T, Hkv, D = v.shape
-        hp = _padded_heads(Hkv)
+        hp = triton.next_power_of_2(Hkv)
         s = torch.empty(B, T, Hkv, dtype=torch.float32, device=v.device)
         z = torch.empty_like(s)
         w, a = weight.contiguous(), A.contiguous()
@@ -182,7 +177,7 @@ class _FusedGatedScore(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         v, w, a, z = ctx.saved_tensors
         B, T, Hkv, D = v.shape
-        hp = _padded_heads(Hkv)
+        hp = triton.next_power_of_2(Hkv)
         need_dv = ctx.needs_input_grad[0]
         dv = torch.empty_like(v) if need_dv else None
         dw, da = torch.empty_like(w), torch.empty_like(a)

@@ -103,7 +103,7 @@ def cases(arch: str, G: int):
             {"RSTD": "*fp32", "DWP": "*fp32"}, warps, 3
     for hkv in (2, 8):  # the fused eviction score of the 1B (2 KV heads) and 8B-like (8) shapes, head dim 128
         f32 = {"S": "*fp32", "Z": "*fp32", "G": "*fp32", "P": "*fp32", "DB": "*bf16"}
-        common = dict(HKV=hkv, HP=gated_score._padded_heads(hkv), D=D, ROWS=gated_score.rows_per_program(D))
+        common = dict(HKV=hkv, HP=triton.next_power_of_2(hkv), D=D, ROWS=gated_score.rows_per_program(D))
         yield f"gated_score_h{hkv}_fwd", gated_score._gated_score_fwd_kernel, \
             dict(common, HAS_BIAS=False, COPY_V=True, LIBDEVICE=True), f32, 4, 3
         yield f"gated_score_h{hkv}_bwd", gated_score._gated_score_bwd_kernel, \

@@ -157,8 +157,6 @@ def test_heads_with_the_fused_score_match_the_reference_heads(dev, name):
 def test_a_view_of_the_fused_qkv_buffer_is_saved_as_a_compact_copy(dev):
     """v sliced from megatron's ``[b, s, 3 * Hkv, D]`` projection: the backward keeps Hkv heads of
     values, not the whole projection, and its gradients are those of the reference."""
-    from nosa_layers.ops.gated_score import fused_gated_score
-
     _, w, b, a, gs = _inputs(2, 45, 2, 32, torch.float32, 12, dev)
     qkv = torch.randn(2, 45, 6, 32, device=dev, dtype=torch.bfloat16)
     v = qkv[:, :, 4:].detach().requires_grad_()
@@ -169,7 +167,7 @@ def test_a_view_of_the_fused_qkv_buffer_is_saved_as_a_compact_copy(dev):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        s = fused_gated_score(v, w, b, a)
+        s = _fused(v, w, b, a)
     assert max(saved) <= max(v.numel() * v.element_size(), s.numel() * 4)
     dv, = torch.autograd.grad(s, v, gs)
     dvr, = torch.autograd.grad(value_gated_score(v, w, b, a), v, gs)
