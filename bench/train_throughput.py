@@ -17,10 +17,12 @@ Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wal
 pay) and as the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak
 of the GPU), peak memory, losses, per-step times with each step's attention work (the trainer's
 ``attention_work``: sum of squared document lengths / S^2) and the line fitted through them (how
-much of the step-to-step variation the documents explain); with ``--profile-step N`` also the GPU time per step by part
+much of the step-to-step variation the documents explain, and p90 / median once it is taken out);
+with ``--profile-step N`` also the GPU time per step by part
 (attention forward / backward, NOSA selection and index, eviction head, the rest) and the 15
 largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pair take the same
-``train.fusions`` (on by default; ``--extra train.fusions=false`` for the unfused layers). Usage::
+``train.fusions`` (on by default; ``--extra train.fusions=false`` for the unfused layers). The two
+profiled steps are left out of the measured steps (``tokens_per_s_with_profiled_steps`` keeps them). Usage::
 
     python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
         [--seq 16384] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
@@ -92,9 +94,12 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         return out
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("loss") is not None]
-    steady = [r for r in rows if r["step"] > a.warmup]
+    profiled = {a.profile_step, a.profile_step + 1} if a.profile_step else set()
+    after_warmup = [r for r in rows if r["step"] > a.warmup]
+    steady = [r for r in after_warmup if r["step"] not in profiled]  # the profiler's own cost is not measured
     times = sorted(r["step_time_s"] for r in steady)
     tokens = 2 * a.seq * len(steady)
+    fit = _fit([r.get("attention_work") for r in steady], [r["step_time_s"] for r in steady])
     profile = Path(a.out) / name / "profile" / "summary.json"
     out.update({
         "steps": len(rows), "losses": [round(r["loss"], 5) for r in rows],
@@ -104,10 +109,12 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "step_s": statistics.median(times),
         "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
         "slowest_step_s": times[-1],
-        "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in steady},
-        "attention_work": {r["step"]: round(r["attention_work"], 4) for r in steady if "attention_work" in r},
-        "step_time_vs_attention_work": _fit([r.get("attention_work") for r in steady],
-                                            [r["step_time_s"] for r in steady]),
+        "measured_steps": [r["step"] for r in steady],
+        "tokens_per_s_with_profiled_steps": 2 * a.seq * len(after_warmup) / sum(r["step_time_s"] for r in after_warmup),
+        "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in after_warmup},
+        "attention_work": {r["step"]: round(r["attention_work"], 4) for r in after_warmup if "attention_work" in r},
+        "step_time_vs_attention_work": fit,
+        "p90_over_median_at_mean_work": _p90_at_mean_work(steady, fit),
         **(_profile_fields(profile) if a.profile_step else {}),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in rows),
@@ -125,6 +132,16 @@ def _fit(work: list, times: list) -> dict | None:
     slope, base = statistics.linear_regression(work, times)
     r = statistics.correlation(work, times) if max(times) > min(times) else None
     return {"base_s": round(base, 4), "slope_s": round(slope, 4), "r": None if r is None else round(r, 3)}
+
+
+def _p90_at_mean_work(steady: list[dict], fit: dict | None) -> float | None:
+    """p90 / median of the step times with each step's attention work moved to the mean work along
+    the fitted line: the steadiness of the system once the documents' share of the variation is out."""
+    if fit is None:
+        return None
+    mean_work = statistics.fmean(r["attention_work"] for r in steady)
+    times = sorted(r["step_time_s"] - fit["slope_s"] * (r["attention_work"] - mean_work) for r in steady)
+    return times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times)
 
 
 def _profile_fields(summary: Path) -> dict:
@@ -225,7 +242,8 @@ def main() -> None:
         if fit:
             print(f"{r['run']}: step time = {fit['base_s']:.3f} s + {fit['slope_s']:.3f} s x attention work "
                   f"(sum of squared document lengths / S^2; r = {fit['r']}; work "
-                  f"{min(r['attention_work'].values()):.3f}-{max(r['attention_work'].values()):.3f})")
+                  f"{min(r['attention_work'].values()):.3f}-{max(r['attention_work'].values()):.3f}); "
+                  f"p90 / median at the mean work {r['p90_over_median_at_mean_work']:.3f}")
     parts = [r for r in results if r.get("gpu_ms_per_step")]
     if parts:
         keys = list(parts[0]["gpu_ms_per_step"])

@@ -4,6 +4,8 @@ of the demo corpus on different machines differ, and their throughput ratios are
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.bench.loader import load_bench
 
 
@@ -37,3 +39,15 @@ def test_step_times_are_fitted_against_the_attention_work_of_each_step():
     assert abs(noisy["r"]) < 0.5
     assert fit([1.0] * 4, [1.0, 1.2, 0.9, 1.1]) is None  # EOD packing: the work never varies
     assert fit([0.2, None, 0.3, 0.4], [1.0] * 4) is None and fit([0.2, 0.3], [1.0, 1.1]) is None
+
+
+def test_steadiness_at_the_mean_work_takes_out_only_what_the_documents_explain():
+    bench = load_bench("train_throughput")
+    work = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    steps = [{"attention_work": w, "step_time_s": 0.8 + 0.4 * w} for w in work]
+    fit = bench._fit(work, [r["step_time_s"] for r in steps])
+    assert bench._p90_at_mean_work(steps, fit) == pytest.approx(1.0)  # all of the spread is the documents'
+    steps[3]["step_time_s"] += 0.5  # one slow step the documents do not explain stays slow
+    fit = bench._fit(work, [r["step_time_s"] for r in steps])
+    assert bench._p90_at_mean_work(steps, fit) > 1.3
+    assert bench._p90_at_mean_work(steps, None) is None
