@@ -568,9 +568,10 @@ def _bias_args(q: torch.Tensor, bias: torch.Tensor | None) -> tuple:
 
 
 def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, stages: int,
-                   in_regs: bool) -> None:
+                   in_regs: bool, maxnreg: int | None = None) -> None:
     """Launch ``_fwd_kernel_sm90`` over ``grid`` programs (as the Triton forward's grid); ``bias``:
-    ``key_major_bias``'s or ``None``."""
+    ``key_major_bias``'s or ``None``; ``maxnreg``: registers per thread at most (None: the compiler's
+    choice; e.g. 168 lets three programs of two ring slots share an SM)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     Bias, s_bb, s_bh = _bias_args(q, bias)
@@ -579,7 +580,7 @@ def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: flo
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
-        IN_REGS=in_regs, num_warps=4)
+        IN_REGS=in_regs, num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_scale: float, sm_scale: float,
