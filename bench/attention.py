@@ -305,14 +305,12 @@ DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_sta
 # K/V ring slots each, dQ's A operands Q / dO in registers or shared memory; dK/dV is the same in every
 # candidate (``triton={}``: the candidate's stages hold where the Hopper kernels cannot run too)
 # (session 21: two forward slots with registers capped at 168 per thread, three programs per SM instead of
-# two, against the default three slots at 220 registers; the lazy output rescale)
-FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, maxnreg=mr, lazy_rescale=lz),
+# two, against the default three slots at 220 registers)
+FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, maxnreg=mr),
                        dq=dict(impl=i, num_stages=qs, regs=qr))
-                  for i, fs, qs, qr, mr, lz in (
-                      ("triton", 2, 2, True, None, False), ("gluon", 2, 2, True, None, False),
-                      ("gluon", 3, 2, True, None, False), ("gluon", 2, 2, False, None, False),
-                      ("gluon", 2, 3, True, None, False), ("gluon", 2, 2, False, 168, False),
-                      ("gluon", 3, 2, False, None, True), ("gluon", 3, 2, False, None, False))]
+                  for i, fs, qs, qr, mr in (("triton", 2, 2, True, None), ("gluon", 2, 2, True, None),
+                                            ("gluon", 3, 2, True, None), ("gluon", 2, 2, False, None),
+                                            ("gluon", 2, 3, True, None), ("gluon", 2, 2, False, 168))]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

@@ -207,7 +207,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
         sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"], cfg["regs"],
-                             cfg.get("maxnreg"), cfg.get("lazy_rescale", False))
+                             cfg.get("maxnreg"))
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,

@@ -86,26 +86,6 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _lazy_softmax(s, m_i, l_i, TH: gl.constexpr, row: gl.constexpr):
-    """``_online_softmax`` that keeps the old row maxima while no row of the tile rose by more than
-    ``TH`` (log2 units): probabilities stay at most 2^TH, the LSE ``m + log2(l)`` is the same, and the
-    caller skips the output rescale (``grew`` is one decision for the whole tile, so the branch is
-    uniform)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    grew = gl.max(gl.where(m_new > m_i + TH, 1, 0), 0) > 0  # also the first finite maximum of a row
-    if grew:
-        m_use = m_new
-        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-    else:
-        m_use = m_i
-        alpha = gl.full(m_i.shape, 1.0, gl.float32, row)
-    m_safe = gl.where(m_use == float("-inf"), 0.0, m_use)
-    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return m_use, l_i, p, alpha, grew
-
-
-@gluon.jit
 def _issue_kv(k_desc, v_desc, bar, k_slot, v_slot, ks, row0, col, ok):
     """TMA loads of the K and V blocks of the list entry whose keys start at ``ks`` into one ring slot
     (skipped unless ``ok``)."""
@@ -205,9 +185,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
                      s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                      HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
                      D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
-                     LAZY: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (query tile, KV head, pack of HP heads), later tiles first, as the Triton kernel.
-    ``LAZY``: rescale the output only when a row maximum rose by more than 2^8 (``_lazy_softmax``)."""
+                     num_warps: gl.constexpr):
+    """One program per (query tile, KV head, pack of HP heads), later tiles first, as the Triton kernel."""
     M: gl.constexpr = HP * QT
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
@@ -259,19 +238,12 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
             o_t = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_t, ))
             s = _entry_scores(s, ks, word, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, HAS_BIAS)
-            if LAZY:
-                m_i, l_i, p, alpha, grew = _lazy_softmax(s, m_i, l_i, 8.0, row_s)
-            else:
-                m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
+            m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
             o, p_op = warpgroup_mma_wait(0, deps=(o_t, p_op))
             # entry e - 1's slot is free: refill it with entry e - 1 + STAGES
             _refill(k_desc, v_desc, bars, k_smem, v_smem, KStart, base, n, e - 1 + STAGES, ks1, ks2, row0, col,
                     STAGES)
-            if LAZY:
-                if grew:
-                    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            else:
-                o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(k_desc.dtype), p_layout)
         o_t = warpgroup_mma(p_op, v_smem.index((n - 1) % STAGES), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o_t, ))
@@ -596,11 +568,10 @@ def _bias_args(q: torch.Tensor, bias: torch.Tensor | None) -> tuple:
 
 
 def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, stages: int,
-                   in_regs: bool, maxnreg: int | None = None, lazy: bool = False) -> None:
+                   in_regs: bool, maxnreg: int | None = None) -> None:
     """Launch ``_fwd_kernel_sm90`` over ``grid`` programs (as the Triton forward's grid); ``bias``:
     ``key_major_bias``'s or ``None``; ``maxnreg``: registers per thread at most (None: the compiler's
-    choice; e.g. 168 lets three programs of two ring slots share an SM); ``lazy``: the lazy output
-    rescale (``_lazy_softmax``)."""
+    choice; e.g. 168 lets three programs of two ring slots share an SM)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     Bias, s_bb, s_bh = _bias_args(q, bias)
@@ -609,7 +580,7 @@ def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: flo
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
-        IN_REGS=in_regs, LAZY=lazy, num_warps=4, maxnreg=maxnreg)
+        IN_REGS=in_regs, num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_scale: float, sm_scale: float,

@@ -127,8 +127,6 @@ def gluon_cases(G: int):
         c = cfg[name]
         const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
                      STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
-        if name == "fwd":
-            const["LAZY"] = c.get("lazy_rescale", False)
         yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
     c = cfg["dkdv"]
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
