@@ -47,7 +47,7 @@ from nosa_layers.ops.attention_op import CONFIG, arch, hopper_device, launch_con
 from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
 from nosa_layers.ops.layout import block_layout  # noqa: E402
 from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
-from train.profiling import device_ms_per_call  # noqa: E402
+from train.profiling import PARTS, device_ms_per_call, part_of  # noqa: E402
 from nosa_layers.ops import topk as topk_mod  # noqa: E402
 from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
 
@@ -515,19 +515,12 @@ def packed_documents(T, HQ):
              gpu_nosa_over_dense=sum(gpu["nosa"].values()) / max(sum(gpu["dense"].values()), 1e-9))
 
 
-STAGES = {"selection": ("_compress", "_sel_lse", "_sel_block", "_select_kernel"),
-          "index": ("_pack_lists", "_inv_count", "_scan_kernel", "_inv_fill"),
-          "attention_forward": ("_fwd_kernel", "flash_fwd"),
-          "attention_backward": ("_bwd_", "_dkdv_reduce", "flash_bwd")}
-
-
 def _gpu_ms_by_stage(fn) -> dict:
-    """GPU time of one ``fn()`` by stage (``device_ms_per_call``): the NOSA selection, index, attention
-    forward, backward (ours or FlashAttention's), everything else."""
-    out = dict.fromkeys([*STAGES, "other"], 0.0)
+    """GPU time of one ``fn()`` by part of ``train.profiling.PARTS`` (``device_ms_per_call``): the NOSA
+    selection, index, attention forward, backward (ours or FlashAttention's), everything else."""
+    out = dict.fromkeys([*PARTS, "other"], 0.0)
     for key, (ms, _) in device_ms_per_call(fn).items():
-        stage = next((st for st, names in STAGES.items() if any(x in key for x in names)), "other")
-        out[stage] += ms
+        out[part_of(key) or "other"] += ms
     return {k: round(v, 4) for k, v in out.items()}
 
 
