@@ -314,7 +314,8 @@ FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, max
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger
-# matmuls per list entry against larger unions of the tokens' selections (more work on real selections)
+# matmuls per list entry against larger unions of the tokens' selections (more work on real selections);
+# on Hopper 128-row tiles run the Gluon forward / dQ with two warpgroups (``attention_sm90.warps_for``)
 TILE_CANDIDATES = [dict(tile=dict(rows=r), fwd=dict(rows=r, num_warps=w), dq=dict(rows=r, num_warps=w))
                    for r, w in ((64, 4), (128, 8), (128, 4), (32, 4))]
 

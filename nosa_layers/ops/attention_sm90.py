@@ -524,9 +524,15 @@ def covers(q: torch.Tensor, block: int) -> bool:
 
 
 def supported(q: torch.Tensor, block: int, rows: int) -> bool:
-    """Shapes the forward / dQ kernels are written for: ``covers`` and query tiles of ``rows`` = 64
-    (tokens x packed heads: one warpgroup); other shapes take the Triton kernel."""
-    return covers(q, block) and rows == 64
+    """Shapes the forward / dQ kernels are written for: ``covers`` and query tiles of ``rows`` = 64 or
+    128 (tokens x packed heads: one or two warpgroups, ``warps_for``); other shapes take the Triton kernel."""
+    return covers(q, block) and rows in (64, 128)
+
+
+def warps_for(rows: int) -> int:
+    """Warps of a forward / dQ program over a query tile of ``rows`` rows: 16 rows per warp (one
+    warpgroup per 64 rows; two warpgroups share each K / V block that the ring loads)."""
+    return rows // 16
 
 
 def supported_dkdv(q: torch.Tensor, block: int, rows: int, kb: int) -> bool:
@@ -580,7 +586,7 @@ def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: flo
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
-        IN_REGS=in_regs, num_warps=4, maxnreg=maxnreg)
+        IN_REGS=in_regs, num_warps=warps_for(hp * idx.qt), maxnreg=maxnreg)
 
 
 def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_scale: float, sm_scale: float,
@@ -595,7 +601,7 @@ def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_sca
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *do.stride()[:3], lse.stride(0), lse.stride(1), qk_scale, sm_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
-        IN_REGS=in_regs, num_warps=4)
+        IN_REGS=in_regs, num_warps=warps_for(hp * idx.qt))
 
 
 def rows_descriptor(x: torch.Tensor, qt: int, hp: int) -> TensorDescriptor:

@@ -13,6 +13,7 @@ import torch
 
 from nosa_layers import NOSAConfig, document_spans, nosa_attention, select_blocks
 from nosa_layers.ops import attention_op, build_sparse_index, sparse_attention
+from nosa_layers.ops.sparse_index import query_tile
 from tests.nosa.common import random_qkvs
 from tests.ops.helpers import reference_grads
 
@@ -68,6 +69,37 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
     assert _max_err(got_o, want_o) < 2e-2
     ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), CFG, selected=sel, cu_seqlens=cu_t)
     assert _max_err(got_o, ref) < 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES[:4])
+def test_hopper_forward_and_dq_over_128_row_tiles(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype):
+    """Query tiles of 128 rows (two warpgroups sharing each K / V block the ring loads): output, LSE
+    and dQ as the Triton kernels' on the same index, and the reference's."""
+    G = Hq // Hkv
+    qt = query_tile(G, 64, 128)[0]
+    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=11 * T + Hq, qt=qt)
+    hp = attention_op.heads_per_program(G, qt, 128)
+    assert hp * qt == 128
+    for kernel in ("fwd", "dq"):
+        _config(monkeypatch, kernel, impl="triton", rows=128)
+    want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    do = torch.randn_like(want_o)
+    want = attention_op.attention_backward(q, k, v, s, want_o, want_lse, do, idx, D ** -0.5, True)
+    for kernel in ("fwd", "dq"):
+        _config(monkeypatch, kernel, impl="gluon", rows=128)
+        assert attention_op.hopper_kernel(q, idx, hp, attention_op.CONFIG["sm90"][kernel])
+    got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    valid = torch.isfinite(want_lse)
+    assert torch.equal(valid, torch.isfinite(got_lse))
+    assert (got_lse[valid] - want_lse[valid]).abs().max().item() < 2e-3
+    assert _max_err(got_o, want_o) < 2e-2
+    ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), CFG, selected=sel, cu_seqlens=cu_t)
+    assert _max_err(got_o, ref) < 2e-2 * ref.abs().max().item()
+    got = attention_op.attention_backward(q, k, v, s, want_o, want_lse, do, idx, D ** -0.5, True)
+    assert torch.isfinite(got[0]).all()
+    assert _max_err(got[0], want[0]) <= 2e-2 * want[0].abs().max().item()
+    for a, b in zip(got[1:], want[1:]):  # dK, dV, db: the same kernels
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("stages,regs", [(2, False), (2, True), (3, False)], ids=["s2", "s2-regs", "s3"])
