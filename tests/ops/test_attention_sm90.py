@@ -52,6 +52,16 @@ def _max_err(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def _assert_forward_matches(got_o, got_lse, want_o, want_lse, qkvs, sel, cu_t):
+    """A Hopper forward's output and LSE against the Triton forward's and the fp64 reference's."""
+    valid = torch.isfinite(want_lse)
+    assert torch.equal(valid, torch.isfinite(got_lse))
+    assert (got_lse[valid] - want_lse[valid]).abs().max().item() < 2e-3
+    assert _max_err(got_o, want_o) < 2e-2
+    ref = nosa_attention(*(x.double() for x in qkvs), CFG, selected=sel, cu_seqlens=cu_t)
+    assert _max_err(got_o, ref) < 2e-2 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("stages,regs", [(2, False), (3, True), (4, False)], ids=["s2", "s3-regs", "s4"])
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES)
 def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages, regs):
@@ -63,12 +73,7 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
                                       attention_op.CONFIG["sm90"]["fwd"])
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     assert torch.isfinite(got_o).all()
-    valid = torch.isfinite(want_lse)
-    assert torch.equal(valid, torch.isfinite(got_lse))
-    assert (got_lse[valid] - want_lse[valid]).abs().max().item() < 2e-3
-    assert _max_err(got_o, want_o) < 2e-2
-    ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), CFG, selected=sel, cu_seqlens=cu_t)
-    assert _max_err(got_o, ref) < 2e-2 * ref.abs().max().item()
+    _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES[:4])
@@ -89,12 +94,7 @@ def test_hopper_forward_and_dq_over_128_row_tiles(hopper, monkeypatch, B, T, Hq,
         _config(monkeypatch, kernel, impl="gluon", rows=128)
         assert attention_op.hopper_kernel(q, idx, hp, attention_op.CONFIG["sm90"][kernel])
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
-    valid = torch.isfinite(want_lse)
-    assert torch.equal(valid, torch.isfinite(got_lse))
-    assert (got_lse[valid] - want_lse[valid]).abs().max().item() < 2e-3
-    assert _max_err(got_o, want_o) < 2e-2
-    ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), CFG, selected=sel, cu_seqlens=cu_t)
-    assert _max_err(got_o, ref) < 2e-2 * ref.abs().max().item()
+    _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
     got = attention_op.attention_backward(q, k, v, s, want_o, want_lse, do, idx, D ** -0.5, True)
     assert torch.isfinite(got[0]).all()
     assert _max_err(got[0], want[0]) <= 2e-2 * want[0].abs().max().item()
