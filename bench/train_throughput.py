@@ -15,10 +15,11 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 
 Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users
 pay) and as the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak
-of the GPU), peak memory, losses, per-step times with each step's attention work (the trainer's
-``attention_work``: sum of squared document lengths / S^2) and the line fitted through them (how
-much of the step-to-step variation the documents explain, and p90 / median once it is taken out);
-with ``--profile-step N`` also the GPU time per step by part
+of the GPU), peak memory, per-step losses and gradient norms (whether a loss spike followed a growing
+gradient), per-step times with each step's attention work (the trainer's ``attention_work``: sum of
+squared document lengths / S^2) and the line fitted through them (how much of the step-to-step
+variation the documents explain, and p90 / median once it is taken out); with ``--profile-step N``
+also the GPU time per step by part
 (attention forward / backward, NOSA selection and index, eviction head, the rest) and the 15
 largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pair take the same
 ``train.fusions`` (on by default; ``--extra train.fusions=false`` for the unfused layers). The two
@@ -103,6 +104,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     profile = Path(a.out) / name / "profile" / "summary.json"
     out.update({
         "steps": len(rows), "losses": [round(r["loss"], 5) for r in rows],
+        "grad_norms": [None if r.get("grad_norm") is None else round(r["grad_norm"], 4) for r in rows],
         "tokens_per_s": tokens / sum(times),
         "tokens_per_s_per_gpu": tokens / sum(times) / nproc,
         "tokens_per_s_median_step": statistics.median(r["tokens_per_s"] for r in steady),
@@ -211,7 +213,7 @@ def main() -> None:
             continue
         r = launch(name, a)
         results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "grad_norms")}), flush=True)
     by = {r["run"]: r for r in results}
     if "losses" in by.get("nosa_1gpu", {}) and "losses" in by.get("nosa_tp2", {}):
         a1, a2 = by["nosa_1gpu"]["losses"], by["nosa_tp2"]["losses"]
