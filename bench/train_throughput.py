@@ -109,7 +109,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "tokens_per_s_per_gpu": tokens / sum(times) / nproc,
         "tokens_per_s_median_step": statistics.median(r["tokens_per_s"] for r in steady),
         "step_s": statistics.median(times),
-        "p90_over_median": times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times),
+        "p90_over_median": _p90_over_median(times),
         "slowest_step_s": times[-1],
         "measured_steps": [r["step"] for r in steady],
         "tokens_per_s_with_profiled_steps": 2 * a.seq * len(after_warmup) / sum(r["step_time_s"] for r in after_warmup),
@@ -142,7 +142,12 @@ def _p90_at_mean_work(steady: list[dict], fit: dict | None) -> float | None:
     if fit is None:
         return None
     mean_work = statistics.fmean(r["attention_work"] for r in steady)
-    times = sorted(r["step_time_s"] - fit["slope_s"] * (r["attention_work"] - mean_work) for r in steady)
+    return _p90_over_median(r["step_time_s"] - fit["slope_s"] * (r["attention_work"] - mean_work) for r in steady)
+
+
+def _p90_over_median(times) -> float:
+    """p90 / median of step times (the p90 taken as the sorted value at index 0.9 n)."""
+    times = sorted(times)
     return times[min(len(times) - 1, int(0.9 * len(times)))] / statistics.median(times)
 
 
