@@ -311,6 +311,9 @@ FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, max
                   for i, fs, qs, qr, mr in (("triton", 2, 2, True, None), ("gluon", 2, 2, True, None),
                                             ("gluon", 3, 2, True, None), ("gluon", 2, 2, False, None),
                                             ("gluon", 2, 3, True, None), ("gluon", 2, 2, False, 168))]
+# two warpgroups taking turns at the tensor cores (attention_sm90_pingpong), 2 or 3 K / V slots per warpgroup
+FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=fs, regs=True, triton={}, pingpong=True),
+                        dq=dict(impl="gluon", num_stages=2, regs=False)) for fs in (2, 3)]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

@@ -206,8 +206,13 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
-        sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"], cfg["regs"],
-                             cfg.get("maxnreg"))
+        if cfg.get("pingpong") and hp * idx.qt == 64:  # two warpgroups taking turns (attention_sm90_pingpong)
+            from . import attention_sm90_pingpong
+            attention_sm90_pingpong.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E,
+                                                   cfg["num_stages"])
+        else:
+            sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
+                                cfg["regs"], cfg.get("maxnreg"))
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
                           idx.fwd_word, idx.n_tiles, idx.cap,

@@ -18,7 +18,7 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, gated_score, rms_norm, rope, topk
+from nosa_layers.ops import attention_sm90, attention_sm90_pingpong, gated_score, rms_norm, rope, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
@@ -128,6 +128,11 @@ def gluon_cases(G: int):
         const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
                      STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
         yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
+    c = cfg["fwd"]  # the ping-pong forward (opt-in ``pingpong``): two warpgroups of 64 rows, one program per SM
+    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, 64), QT=qt, BS=64, D=128, HAS_BIAS=True,
+                 STAGES=c["num_stages"], REGS=attention_sm90_pingpong.CONSUMER_REGS, num_warps=4)
+    yield "fwd_pingpong_sm90", GluonASTSource, attention_sm90_pingpong._fwd_kernel_sm90_pingpong, const, ptr, 4, 1, \
+        dict(maxnreg=attention_sm90_pingpong.CONSUMER_REGS)
     c = cfg["dkdv"]
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
                  HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)

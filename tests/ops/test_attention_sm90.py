@@ -76,6 +76,30 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
     _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
 
 
+PINGPONG_CASES = CASES + [  # 33 work items: the last program's second warpgroup has none
+    pytest.param(1, 2100, 1, 1, 128, None, torch.bfloat16, id="G1-odd-items")]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", PINGPONG_CASES)
+def test_pingpong_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages):
+    """The ping-pong forward (two warpgroups taking turns, ``attention_sm90_pingpong``): output and LSE
+    as the Triton forward's and the reference's, and bit for bit the default Hopper forward's (the same
+    products and softmax, only the issue order across warpgroups differs)."""
+    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=5 * T + Hq + stages)
+    _config(monkeypatch, "fwd", impl="triton")
+    want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=True, pingpong=False)
+    base_o, base_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    monkeypatch.setattr(attention_op, "POISON_OUTPUTS", True)  # rows the kernel missed stay NaN
+    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=True, pingpong=True)
+    got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got_o).all()
+    _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
+    assert torch.equal(got_o, base_o) and torch.equal(got_lse, base_lse)
+
+
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES[:4])
 def test_hopper_forward_and_dq_over_128_row_tiles(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype):
     """Query tiles of 128 rows (two warpgroups sharing each K / V block the ring loads): output, LSE
