@@ -206,7 +206,10 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
-        if cfg.get("pingpong") and hp * idx.qt == 64:  # two warpgroups taking turns (attention_sm90_pingpong)
+        if cfg.get("pairs") and hp * idx.qt == 64:  # two list entries per softmax step (attention_sm90_pairs)
+            from . import attention_sm90_pairs
+            attention_sm90_pairs.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
+        elif cfg.get("pingpong") and hp * idx.qt == 64:  # two warpgroups taking turns (attention_sm90_pingpong)
             from . import attention_sm90_pingpong
             attention_sm90_pingpong.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E,
                                                    cfg["num_stages"])

@@ -18,7 +18,7 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, attention_sm90_pingpong, gated_score, rms_norm, rope, topk
+from nosa_layers.ops import attention_sm90, attention_sm90_pairs, attention_sm90_pingpong, gated_score, rms_norm, rope, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
@@ -133,6 +133,8 @@ def gluon_cases(G: int):
                  STAGES=c["num_stages"], REGS=attention_sm90_pingpong.CONSUMER_REGS, num_warps=4)
     yield "fwd_pingpong_sm90", GluonASTSource, attention_sm90_pingpong._fwd_kernel_sm90_pingpong, const, ptr, 4, 1, \
         dict(maxnreg=attention_sm90_pingpong.CONSUMER_REGS)
+    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, 64), QT=qt, BS=64, D=128, HAS_BIAS=True, num_warps=4)
+    yield "fwd_pairs_sm90", GluonASTSource, attention_sm90_pairs._fwd_kernel_sm90_pairs, const, ptr, 4, 1
     c = cfg["dkdv"]
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
                  HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)

@@ -100,6 +100,23 @@ def test_pingpong_forward_matches_reference_and_triton(hopper, monkeypatch, B, T
     assert torch.equal(got_o, base_o) and torch.equal(got_lse, base_lse)
 
 
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", PINGPONG_CASES)
+def test_pair_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype):
+    """The forward over two list entries per softmax step (``attention_sm90_pairs``; odd and even list
+    lengths, an odd list's last pair half empty): output and LSE as the Triton forward's and the
+    reference's."""
+    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=7 * T + Hq)
+    assert (idx.fwd_count % 2 == 1).any() and (idx.fwd_count % 2 == 0).any()
+    _config(monkeypatch, "fwd", impl="triton")
+    want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    monkeypatch.setattr(attention_op, "POISON_OUTPUTS", True)  # rows the kernel missed stay NaN
+    _config(monkeypatch, "fwd", impl="gluon", regs=True, pairs=True)
+    got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got_o).all()
+    _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
+
+
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", CASES[:4])
 def test_hopper_forward_and_dq_over_128_row_tiles(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype):
     """Query tiles of 128 rows (two warpgroups sharing each K / V block the ring loads): output, LSE
