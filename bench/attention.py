@@ -314,9 +314,9 @@ FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, max
 # two warpgroups taking turns at the tensor cores (attention_sm90_pingpong), 2 or 3 K / V slots per warpgroup
 FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=fs, regs=True, triton={}, pingpong=True),
                         dq=dict(impl="gluon", num_stages=2, regs=False)) for fs in (2, 3)]
-# two list entries per softmax step (attention_sm90_pairs: 2 K + 4 V slots)
-FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=3, regs=True, triton={}, pairs=True),
-                        dq=dict(impl="gluon", num_stages=2, regs=False))]
+# two list entries per softmax step (attention_sm90_pairs: 2 K + 4 V slots; two 64-key products or one of 128)
+FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=3, regs=True, triton={}, pairs=mode),
+                        dq=dict(impl="gluon", num_stages=2, regs=False)) for mode in (True, "wide")]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

@@ -208,7 +208,8 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
         kbias = sm90.key_major_bias(bias, idx.block)
         if cfg.get("pairs") and hp * idx.qt == 64:  # two list entries per softmax step (attention_sm90_pairs)
             from . import attention_sm90_pairs
-            attention_sm90_pairs.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
+            attention_sm90_pairs.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E,
+                                                cfg["pairs"] == "wide")
         elif cfg.get("pingpong") and hp * idx.qt == 64:  # two warpgroups taking turns (attention_sm90_pingpong)
             from . import attention_sm90_pingpong
             attention_sm90_pingpong.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E,

@@ -18,8 +18,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ._common import UNSPECIALIZED
-from .attention_sm90 import (_bias_args, _entry_bias, _entry_scores, _query_program, _store_tile, _tile_operand,
-                             kv_descriptor, warps_for)
+from .attention_sm90 import (_bias_args, _entry_bias, _entry_scores, _online_softmax, _query_program, _store_tile,
+                             _tile_operand, kv_descriptor, warps_for)
 
 K_SLOTS = gl.constexpr(2)  # one pair's K blocks
 V_SLOTS = gl.constexpr(4)  # two pairs' V blocks (the previous pair's are read while this pair's arrive)
@@ -169,13 +169,157 @@ def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStar
     gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
 
 
-def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float) -> None:
-    """Launch ``_fwd_kernel_sm90_pairs`` over ``grid`` programs (the default Hopper forward's grid, 64-row
-    query tiles); ``bias``: ``attention_sm90.key_major_bias``'s or ``None``."""
+@gluon.jit
+def _issue_pair(desc, bar, smem, ksa, ksb, row0, col, BS: gl.constexpr, ok):
+    """TMA loads of two K or V blocks (keys from ``ksa`` and ``ksb``) into the halves of ``smem``
+    ``[2 * BS, D]``, one barrier for both (skipped unless ``ok``)."""
+    mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(desc, [row0 + ksa, col], bar, smem.slice(0, BS), pred=ok)
+    tma.async_copy_global_to_shared(desc, [row0 + ksb, col], bar, smem.slice(BS, BS), pred=ok)
+
+
+@gluon.jit
+def _wide_keys(ksa, ksb, offs_n, BS: gl.constexpr):
+    """Key positions ``[2 * BS]`` of a pair: entry a's block, then entry b's."""
+    return gl.where(offs_n < BS, ksa + offs_n, ksb + offs_n - BS)
+
+
+@gluon.jit
+def _wide_bias(bbase, ksa, ksb, offs_n, BS: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The bias ``[2 * BS]`` of a pair's keys (zero without a bias), as ``attention_sm90._entry_bias``."""
+    if HAS_BIAS:
+        return gl.load(bbase + _wide_keys(ksa, ksb, offs_n, BS))
+    else:
+        return offs_n.to(gl.float32) * 0.0
+
+
+@gluon.jit
+def _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: gl.constexpr,
+                 BS: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Scores ``[M, 2 * BS]`` of a pair in the log2 domain: ``attention_sm90._entry_scores`` with each
+    half's mask word and key positions."""
+    if HAS_BIAS:
+        s = s * qk_scale + gl.expand_dims(bias, 0)
+    else:
+        s = s * qk_scale
+    if (wa != FULL) | (wb != FULL) | (ksa == kdiag) | (ksb == kdiag):
+        ktok = _wide_keys(ksa, ksb, offs_n, BS)
+        word = gl.where(offs_n < BS, wa, wb)
+        bit = ((gl.expand_dims(word, 0) >> gl.expand_dims(r.to(word.dtype), 1)) & 1) != 0
+        allowed = bit & (gl.expand_dims(ktok, 0) <= gl.expand_dims(tok, 1)) & gl.expand_dims(ktok < de, 0)
+        s = gl.where(allowed, s, float("-inf"))
+    return s
+
+
+@gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
+def _fwd_kernel_sm90_wide(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
+                          s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
+                          HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
+                          D: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """As ``_fwd_kernel_sm90_pairs``, with each pair's two K blocks side by side in shared memory, so
+    that its scores are one ``[M, 2 * BS]`` product and its ``P V`` one product over 128 keys (the
+    shape of a dense kernel's step) instead of two of 64."""
+    M: gl.constexpr = HP * QT
+    S: gl.constexpr = BS // QT
+    NP: gl.constexpr = G // HP
+    W: gl.constexpr = 2 * BS
+    FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, W, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
+    npairs = (n + 1) // 2
+    n2 = 2 * npairs
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [W, D], k_desc.layout)  # one pair's K
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, W, D], v_desc.layout)  # two pairs' V
+    kbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kbar, count=1)
+    mbarrier.init(vbar.index(0), count=1)
+    mbarrier.init(vbar.index(1), count=1)
+    ks0 = gl.load(KStart + base)
+    ks1 = gl.load(KStart + base + 1, mask=1 < n, other=0)
+    ksa1 = gl.load(KStart + base + 2, mask=2 < n, other=0)
+    ksb1 = gl.load(KStart + base + 3, mask=3 < n, other=0)
+    _issue_pair(k_desc, kbar, k_smem, ks0, ks1, row0, col, BS, n > 0)
+    _issue_pair(v_desc, vbar.index(0), v_smem.index(0), ks0, ks1, row0, col, BS, n > 0)
+    _issue_pair(v_desc, vbar.index(1), v_smem.index(1), ksa1, ksb1, row0, col, BS, 2 < n2)
+
+    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, True, num_warps)
+    offs_m = gl.arange(0, M, layout=row_s)
+    r = offs_m // HP
+    tok = qs + r
+    offs_n = gl.arange(0, W, layout=gl.SliceLayout(0, s_layout))
+    bbase = Bias + b * s_bb + h * s_bh
+    s_zero = gl.zeros([M, W], gl.float32, s_layout)
+    m_i = gl.full([M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([M], gl.float32, row_s)
+    o = gl.zeros([M, D], gl.float32, o_layout)
+    if n > 0:
+        ksa = ks0
+        ksb = ks1
+        wa = gl.load(Word + base)
+        wb = gl.load(Word + base + 1, mask=1 < n, other=0)
+        bias = _wide_bias(bbase, ksa, ksb, offs_n, BS, HAS_BIAS)
+        mbarrier.wait(kbar, 0)
+        s_t = warpgroup_mma(q_op, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_t, ))
+        _issue_pair(k_desc, kbar, k_smem, ksa1, ksb1, row0, col, BS, 2 < n2)  # pair 1's K
+        s = _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, BS, HAS_BIAS)
+        m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
+        p_op = gl.convert_layout(p.to(k_desc.dtype), p_layout)
+        for j in range(1, npairs):
+            a = 2 * j
+            ksa, ksb = ksa1, ksb1  # pair j's, loaded during pair j - 1
+            wa = gl.load(Word + base + a)
+            wb = gl.load(Word + base + a + 1, mask=a + 1 < n, other=0)
+            bias = _wide_bias(bbase, ksa, ksb, offs_n, BS, HAS_BIAS)
+            ksa1 = gl.load(KStart + base + a + 2, mask=a + 2 < n, other=0)
+            ksb1 = gl.load(KStart + base + a + 3, mask=a + 3 < n, other=0)
+            vp = (j - 1) % 2  # pair j - 1's V buffer
+            mbarrier.wait(kbar, j & 1)
+            mbarrier.wait(vbar.index(vp), ((j - 1) // 2) & 1)
+            s_t = warpgroup_mma(q_op, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_t = warpgroup_mma(p_op, v_smem.index(vp), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_t, ))
+            _issue_pair(k_desc, kbar, k_smem, ksa1, ksb1, row0, col, BS, a + 2 < n2)  # pair j + 1's K
+            s = _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, BS, HAS_BIAS)
+            m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
+            o, p_op = warpgroup_mma_wait(0, deps=(o_t, p_op))
+            _issue_pair(v_desc, vbar.index(vp), v_smem.index(vp), ksa1, ksb1, row0, col, BS, a + 2 < n2)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(k_desc.dtype), p_layout)
+        last = npairs - 1
+        mbarrier.wait(vbar.index(last % 2), (last // 2) & 1)
+        o_t = warpgroup_mma(p_op, v_smem.index(last % 2), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o_t, ))
+    mbarrier.invalidate(kbar)
+    mbarrier.invalidate(vbar.index(0))
+    mbarrier.invalidate(vbar.index(1))
+
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1), b, s_ob, s_ot, s_oh, qs, de, h, pack,
+                G, HP, M, D, o_layout)
+    head = h * G + pack * HP + offs_m % HP
+    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
+    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
+
+
+def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, wide: bool) -> None:
+    """Launch ``_fwd_kernel_sm90_pairs`` (or with ``wide`` ``_fwd_kernel_sm90_wide``) over ``grid``
+    programs (the default Hopper forward's grid, 64-row query tiles); ``bias``:
+    ``attention_sm90.key_major_bias``'s or ``None``."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     Bias, s_bb, s_bh = _bias_args(q, bias)
-    _fwd_kernel_sm90_pairs[(grid,)](
+    kernel = _fwd_kernel_sm90_wide if wide else _fwd_kernel_sm90_pairs
+    kernel[(grid,)](
         q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,

@@ -135,6 +135,7 @@ def gluon_cases(G: int):
         dict(maxnreg=attention_sm90_pingpong.CONSUMER_REGS)
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, 64), QT=qt, BS=64, D=128, HAS_BIAS=True, num_warps=4)
     yield "fwd_pairs_sm90", GluonASTSource, attention_sm90_pairs._fwd_kernel_sm90_pairs, const, ptr, 4, 1
+    yield "fwd_wide_sm90", GluonASTSource, attention_sm90_pairs._fwd_kernel_sm90_wide, const, ptr, 4, 1
     c = cfg["dkdv"]
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
                  HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)

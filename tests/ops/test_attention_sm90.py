@@ -100,17 +100,18 @@ def test_pingpong_forward_matches_reference_and_triton(hopper, monkeypatch, B, T
     assert torch.equal(got_o, base_o) and torch.equal(got_lse, base_lse)
 
 
+@pytest.mark.parametrize("mode", [True, "wide"], ids=["split", "wide"])
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", PINGPONG_CASES)
-def test_pair_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype):
-    """The forward over two list entries per softmax step (``attention_sm90_pairs``; odd and even list
-    lengths, an odd list's last pair half empty): output and LSE as the Triton forward's and the
-    reference's."""
+def test_pair_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, mode):
+    """The forward over two list entries per softmax step (``attention_sm90_pairs``: two 64-key products
+    or one 128-key product per pair; odd and even list lengths, an odd list's last pair half empty):
+    output and LSE as the Triton forward's and the reference's."""
     q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=7 * T + Hq)
     assert (idx.fwd_count % 2 == 1).any() and (idx.fwd_count % 2 == 0).any()
     _config(monkeypatch, "fwd", impl="triton")
     want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     monkeypatch.setattr(attention_op, "POISON_OUTPUTS", True)  # rows the kernel missed stay NaN
-    _config(monkeypatch, "fwd", impl="gluon", regs=True, pairs=True)
+    _config(monkeypatch, "fwd", impl="gluon", regs=True, pairs=mode)
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     torch.cuda.synchronize()
     assert torch.isfinite(got_o).all()
