@@ -305,18 +305,17 @@ DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_sta
 # K/V ring slots each, dQ's A operands Q / dO in registers or shared memory; dK/dV is the same in every
 # candidate (``triton={}``: the candidate's stages hold where the Hopper kernels cannot run too)
 # (session 21: two forward slots with registers capped at 168 per thread, three programs per SM instead of
-# two, against the default three slots at 220 registers)
-FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, maxnreg=mr),
+# two, against the default three slots at 220 registers); the one-entry-per-step forward (``keys_per_step``
+# 64) against the default two entries per step (128). Session 22 also measured, at commit c565288 of this
+# sweep: two warpgroups taking turns (ping-pong) and two 64-key products per pair, both slower.
+FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, maxnreg=mr, keys_per_step=64),
                        dq=dict(impl=i, num_stages=qs, regs=qr))
                   for i, fs, qs, qr, mr in (("triton", 2, 2, True, None), ("gluon", 2, 2, True, None),
                                             ("gluon", 3, 2, True, None), ("gluon", 2, 2, False, None),
                                             ("gluon", 2, 3, True, None), ("gluon", 2, 2, False, 168))]
-# two warpgroups taking turns at the tensor cores (attention_sm90_pingpong), 2 or 3 K / V slots per warpgroup
-FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=fs, regs=True, triton={}, pingpong=True),
-                        dq=dict(impl="gluon", num_stages=2, regs=False)) for fs in (2, 3)]
-# two list entries per softmax step (attention_sm90_pairs: 2 K + 4 V slots; two 64-key products or one of 128)
-FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=3, regs=True, triton={}, pairs=mode),
-                        dq=dict(impl="gluon", num_stages=2, regs=False)) for mode in (True, "wide")]
+# two list entries per step, one 128-key product each (attention_sm90_pairs, the default on Hopper)
+FWD_CANDIDATES += [dict(fwd=dict(impl="gluon", num_stages=3, regs=True, triton={}, keys_per_step=128),
+                        dq=dict(impl="gluon", num_stages=2, regs=False))]
 
 
 # query tiles of more or fewer tokens (the G heads of a KV group x 16 / 8 / 4 tokens at G = 8): larger

@@ -23,13 +23,7 @@ def _query_tile(Blocks, n_tiles, HKV: tl.constexpr, NP: tl.constexpr, S: tl.cons
     tiles first (longer lists): head pack, KV head ``h``, its (tile, KV head) list ``w`` (int64), batch
     row ``b`` (int64), the first token of the tile's own KV block ``kdiag``, the document end ``de``
     and the tile's first token ``qs``."""
-    return _query_tile_at(tl.program_id(0), Blocks, n_tiles, HKV, NP, S, QT)
-
-
-@triton.jit
-def _query_tile_at(pid, Blocks, n_tiles, HKV: tl.constexpr, NP: tl.constexpr, S: tl.constexpr, QT: tl.constexpr):
-    """``_query_tile`` of work item ``pid`` (0 <= pid < n_tiles * HKV * NP), for programs that run more than
-    one item (the Hopper ping-pong forward)."""
+    pid = tl.program_id(0)
     pack = pid % NP
     rest = pid // NP
     h = rest % HKV

@@ -47,11 +47,18 @@ from .sparse_index import SparseIndex, largest_divisor
 # groups) and within 3% of two-block groups on P1 lists. Where the Hopper kernels cannot run
 # (``hopper_device``) or do not cover the shape (head dim 256, fp32, 16- / 32-key blocks; the index
 # builder is told the queries), the Triton dK/dV keeps its two-block groups (``dkdv["triton"]``).
+# The Hopper forward takes two list entries per step (``keys_per_step = 128``, ``attention_sm90_pairs``:
+# one 128-key score product and one P V product per pair, 64-row tiles) where it covers the tile; 64 is
+# the one-entry kernel above (``num_stages``, ``regs`` are its settings). bench/attention.py --fwd-sweep
+# on the H200 (session 22): 128 keys per step 6% faster at 32K/32 on P1 lists (1.31x ideal), 3-5% on real
+# selections, within 3% either way at 16K/16; two 64-key products per pair and two warpgroups taking
+# turns at the tensor cores (FlashAttention-3's ping-pong) were slower and are not kept.
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).
 CONFIG = {
     "sm90": {
         "tile": dict(rows=64),
-        "fwd": dict(rows=64, num_warps=4, num_stages=3, impl="gluon", regs=True, triton=dict(num_stages=2)),
+        "fwd": dict(rows=64, num_warps=4, num_stages=3, impl="gluon", regs=True, keys_per_step=128,
+                    triton=dict(num_stages=2)),
         "dq": dict(rows=64, num_warps=4, num_stages=2, impl="gluon", regs=False),
         "dkdv": dict(rows=32, num_warps=8, num_stages=3, CHUNK="auto", SLOTS=16384, blocks=1, impl="gluon",
                      triton=dict(blocks=2, num_stages=4)),
@@ -121,6 +128,12 @@ def sm90_kernels():
                       f"{why}; using the Triton kernels", stacklevel=2)
         return None
     return attention_sm90
+
+
+def pairs_kernel():
+    """The ``attention_sm90_pairs`` module (imported where ``sm90_kernels`` is available)."""
+    from . import attention_sm90_pairs
+    return attention_sm90_pairs
 
 
 def hopper_device(device: torch.device) -> bool:
@@ -206,14 +219,8 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
-        if cfg.get("pairs") and hp * idx.qt == 64:  # two list entries per softmax step (attention_sm90_pairs)
-            from . import attention_sm90_pairs
-            attention_sm90_pairs.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E,
-                                                cfg["pairs"] == "wide")
-        elif cfg.get("pingpong") and hp * idx.qt == 64:  # two warpgroups taking turns (attention_sm90_pingpong)
-            from . import attention_sm90_pingpong
-            attention_sm90_pingpong.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E,
-                                                   cfg["num_stages"])
+        if cfg.get("keys_per_step", 64) == 128 and pairs_kernel().supported(hp * idx.qt):
+            pairs_kernel().launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
         else:
             sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
                                 cfg["regs"], cfg.get("maxnreg"))

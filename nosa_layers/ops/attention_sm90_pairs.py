@@ -1,14 +1,21 @@
-"""Hopper (sm90) forward that takes two list entries (128 keys) per online-softmax step.
+"""Hopper (sm90) forward that takes two list entries (128 keys) per online-softmax step: the default
+forward on Hopper for 64-row query tiles.
 
-Same programs, lists, masks and outputs as ``attention_sm90._fwd_kernel_sm90``; what changes is the
-step: per pair of entries ``(2j, 2j + 1)`` the two score products ``Q K^T`` are issued together (with
-the previous pair's two ``P V`` products), and the softmax takes one row max, one rescale of the output
-accumulator and one row sum per pair instead of per entry, as a dense kernel with 128-key blocks does
-(FlashAttention-3 takes 128-176 keys per step at head dim 128). The K and V blocks come by TMA into
-separate rings: a pair's K slots are refilled with the next pair's as soon as its scores are done, its V
-slots once its ``P V`` products are: 2 K slots + 4 V slots, the shared memory of the default forward's
-three K / V slots. An odd list's last pair has a second entry with no keys (its key start 0, a valid
-block, and mask word 0: every score -inf, probability 0). Opt-in (``CONFIG["sm90"]["fwd"]["pairs"]``).
+Same programs, lists, masks and outputs as ``attention_sm90._fwd_kernel_sm90`` (one list entry, 64
+keys, per step, which stays for 128-row tiles and as ``keys_per_step = 64``); what changes is the step.
+The two K blocks of a pair of entries ``(2j, 2j + 1)`` arrive by TMA side by side in shared memory, so
+the pair's scores are one ``[M, 128]`` product ``Q K^T`` and its ``P V`` one product over 128 keys, the
+shape of a dense kernel's step (FlashAttention-3 takes 128-176 keys per step at head dim 128), with one
+row max, one rescale of the output accumulator and one row sum per pair. Measured on the H200
+(``bench/attention.py --fwd-sweep``): 6% faster than one entry per step at 32K/32 on the P1 lists, 3-5%
+on real selections; two 64-key products per pair instead of one 128-key product gained nothing, so the
+width of the product, not the softmax's per-step work, is what pays.
+
+The K and V pairs come into separate buffers: one pair's K, refilled with the next pair's as soon as
+its scores are done, and two pairs' V (the previous pair's read by its ``P V`` while this pair's
+arrive), refilled once that product is done: 96 KB at head dim 128, two programs per SM as the default
+forward. An odd list's last pair has a second entry with no keys (key start 0, a valid block, and mask
+word 0: every score -inf, probability 0).
 """
 
 from __future__ import annotations
@@ -18,155 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ._common import UNSPECIALIZED
-from .attention_sm90 import (_bias_args, _entry_bias, _entry_scores, _online_softmax, _query_program, _store_tile,
-                             _tile_operand, kv_descriptor, warps_for)
-
-K_SLOTS = gl.constexpr(2)  # one pair's K blocks
-V_SLOTS = gl.constexpr(4)  # two pairs' V blocks (the previous pair's are read while this pair's arrive)
-
-
-@gluon.jit
-def _issue_block(desc, bar, smem, ks, row0, col, ok):
-    """TMA load of the K or V block whose keys start at ``ks`` into ``smem`` (skipped unless ``ok``)."""
-    mbarrier.expect(bar, desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(desc, [row0 + ks, col], bar, smem, pred=ok)
-
-
-@gluon.jit
-def _online_softmax_pair(sa, sb, m_i, l_i):
-    """One online-softmax step over two entries' scores ``[M, BS]`` each: one row max, one rescale
-    factor, one row sum."""
-    m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    pa = gl.exp2(sa - gl.expand_dims(m_safe, 1))
-    pb = gl.exp2(sb - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(pa + pb, 1)
-    return m_new, l_i, pa, pb, alpha
-
-
-@gluon.jit
-def _pair_loads(KStart, Word, bbase, base, n, a, ksa, ksb, offs_n, HAS_BIAS: gl.constexpr):
-    """Pair ``(a, a + 1)``'s mask words and biases (from its key starts, loaded a pair earlier) and the
-    next pair's key starts (0 past the list's end, as the missing second entry of an odd list)."""
-    wa = gl.load(Word + base + a)
-    wb = gl.load(Word + base + a + 1, mask=a + 1 < n, other=0)
-    bias_a = _entry_bias(bbase, ksa, offs_n, HAS_BIAS)
-    bias_b = _entry_bias(bbase, ksb, offs_n, HAS_BIAS)
-    ksa1 = gl.load(KStart + base + a + 2, mask=a + 2 < n, other=0)
-    ksb1 = gl.load(KStart + base + a + 3, mask=a + 3 < n, other=0)
-    return wa, wb, bias_a, bias_b, ksa1, ksb1
-
-
-@gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
-def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
-                           s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
-                           HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                           D: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (query tile, KV head, pack of HP heads), as the default Hopper forward."""
-    M: gl.constexpr = HP * QT
-    S: gl.constexpr = BS // QT
-    NP: gl.constexpr = G // HP
-    FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
-    npairs = (n + 1) // 2
-    n2 = 2 * npairs  # entries loaded: an odd list's missing last entry reads key block 0
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_SLOTS, BS, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_SLOTS, BS, D], v_desc.layout)
-    kbar = gl.allocate_shared_memory(gl.int64, [K_SLOTS, 1], mbarrier.MBarrierLayout())
-    vbar = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
-    for u in gl.static_range(K_SLOTS):
-        mbarrier.init(kbar.index(u), count=1)
-    for u in gl.static_range(V_SLOTS):
-        mbarrier.init(vbar.index(u), count=1)
-    for u in gl.static_range(V_SLOTS):  # entries 0-3: pairs 0 and 1's V, pair 0's K
-        ks = gl.load(KStart + base + u, mask=u < n, other=0)
-        if u < K_SLOTS:
-            _issue_block(k_desc, kbar.index(u), k_smem.index(u), ks, row0, col, u < n2)
-        _issue_block(v_desc, vbar.index(u), v_smem.index(u), ks, row0, col, u < n2)
-
-    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, True, num_warps)
-    offs_m = gl.arange(0, M, layout=row_s)
-    r = offs_m // HP
-    tok = qs + r
-    offs_n = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
-    bbase = Bias + b * s_bb + h * s_bh
-    s_zero = gl.zeros([M, BS], gl.float32, s_layout)
-    m_i = gl.full([M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([M], gl.float32, row_s)
-    o = gl.zeros([M, D], gl.float32, o_layout)
-    if n > 0:
-        # pair 0 (no P V products before it)
-        ksa = gl.load(KStart + base)
-        ksb = gl.load(KStart + base + 1, mask=n > 1, other=0)
-        wa, wb, bias_a, bias_b, ksa1, ksb1 = _pair_loads(KStart, Word, bbase, base, n, 0, ksa, ksb, offs_n, HAS_BIAS)
-        mbarrier.wait(kbar.index(0), 0)
-        mbarrier.wait(kbar.index(1), 0)
-        sa_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sb_t = warpgroup_mma(q_op, k_smem.index(1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sa, sb = warpgroup_mma_wait(0, deps=(sa_t, sb_t))
-        _issue_block(k_desc, kbar.index(0), k_smem.index(0), ksa1, row0, col, 2 < n2)  # pair 1's K
-        _issue_block(k_desc, kbar.index(1), k_smem.index(1), ksb1, row0, col, 3 < n2)
-        sa = _entry_scores(sa, ksa, wa, bias_a, kdiag, de, tok, r, offs_n, qk_scale, FULL, HAS_BIAS)
-        sb = _entry_scores(sb, ksb, wb, bias_b, kdiag, de, tok, r, offs_n, qk_scale, FULL, HAS_BIAS)
-        m_i, l_i, pa, pb, alpha = _online_softmax_pair(sa, sb, m_i, l_i)
-        pa_op = gl.convert_layout(pa.to(k_desc.dtype), p_layout)
-        pb_op = gl.convert_layout(pb.to(k_desc.dtype), p_layout)
-        for j in range(1, npairs):
-            a = 2 * j
-            ksa, ksb = ksa1, ksb1  # pair j's, loaded during pair j - 1
-            wa, wb, bias_a, bias_b, ksa1, ksb1 = _pair_loads(KStart, Word, bbase, base, n, a, ksa, ksb, offs_n,
-                                                             HAS_BIAS)
-            vp = ((j - 1) % 2) * 2  # pair j - 1's V slots
-            mbarrier.wait(kbar.index(0), j & 1)
-            mbarrier.wait(kbar.index(1), j & 1)
-            mbarrier.wait(vbar.index(vp), ((j - 1) // 2) & 1)
-            mbarrier.wait(vbar.index(vp + 1), ((j - 1) // 2) & 1)
-            sa_t = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sb_t = warpgroup_mma(q_op, k_smem.index(1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_t = warpgroup_mma(pa_op, v_smem.index(vp), o, is_async=True)
-            o_t = warpgroup_mma(pb_op, v_smem.index(vp + 1), o_t, is_async=True)
-            sa, sb = warpgroup_mma_wait(2, deps=(sa_t, sb_t))
-            # pair j's K slots are free: pair j + 1's K
-            _issue_block(k_desc, kbar.index(0), k_smem.index(0), ksa1, row0, col, a + 2 < n2)
-            _issue_block(k_desc, kbar.index(1), k_smem.index(1), ksb1, row0, col, a + 3 < n2)
-            sa = _entry_scores(sa, ksa, wa, bias_a, kdiag, de, tok, r, offs_n, qk_scale, FULL, HAS_BIAS)
-            sb = _entry_scores(sb, ksb, wb, bias_b, kdiag, de, tok, r, offs_n, qk_scale, FULL, HAS_BIAS)
-            m_i, l_i, pa, pb, alpha = _online_softmax_pair(sa, sb, m_i, l_i)
-            o, pa_op, pb_op = warpgroup_mma_wait(0, deps=(o_t, pa_op, pb_op))
-            # pair j - 1's V slots are free: pair j + 1's V
-            _issue_block(v_desc, vbar.index(vp), v_smem.index(vp), ksa1, row0, col, a + 2 < n2)
-            _issue_block(v_desc, vbar.index(vp + 1), v_smem.index(vp + 1), ksb1, row0, col, a + 3 < n2)
-            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            pa_op = gl.convert_layout(pa.to(k_desc.dtype), p_layout)
-            pb_op = gl.convert_layout(pb.to(k_desc.dtype), p_layout)
-        last = npairs - 1
-        vp = (last % 2) * 2
-        mbarrier.wait(vbar.index(vp), (last // 2) & 1)
-        mbarrier.wait(vbar.index(vp + 1), (last // 2) & 1)
-        o_t = warpgroup_mma(pa_op, v_smem.index(vp), o, is_async=True)
-        o_t = warpgroup_mma(pb_op, v_smem.index(vp + 1), o_t, is_async=True)
-        o = warpgroup_mma_wait(0, deps=(o_t, ))
-    for u in gl.static_range(K_SLOTS):
-        mbarrier.invalidate(kbar.index(u))
-    for u in gl.static_range(V_SLOTS):
-        mbarrier.invalidate(vbar.index(u))
-
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1), b, s_ob, s_ot, s_oh, qs, de, h, pack,
-                G, HP, M, D, o_layout)
-    head = h * G + pack * HP + offs_m % HP
-    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
-    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
+from .attention_sm90 import (_bias_args, _online_softmax, _query_program, _store_tile, _tile_operand, kv_descriptor,
+                             warps_for)
 
 
 @gluon.jit
@@ -179,22 +39,22 @@ def _issue_pair(desc, bar, smem, ksa, ksb, row0, col, BS: gl.constexpr, ok):
 
 
 @gluon.jit
-def _wide_keys(ksa, ksb, offs_n, BS: gl.constexpr):
+def _pair_keys(ksa, ksb, offs_n, BS: gl.constexpr):
     """Key positions ``[2 * BS]`` of a pair: entry a's block, then entry b's."""
     return gl.where(offs_n < BS, ksa + offs_n, ksb + offs_n - BS)
 
 
 @gluon.jit
-def _wide_bias(bbase, ksa, ksb, offs_n, BS: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _pair_bias(bbase, ksa, ksb, offs_n, BS: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The bias ``[2 * BS]`` of a pair's keys (zero without a bias), as ``attention_sm90._entry_bias``."""
     if HAS_BIAS:
-        return gl.load(bbase + _wide_keys(ksa, ksb, offs_n, BS))
+        return gl.load(bbase + _pair_keys(ksa, ksb, offs_n, BS))
     else:
         return offs_n.to(gl.float32) * 0.0
 
 
 @gluon.jit
-def _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: gl.constexpr,
+def _pair_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: gl.constexpr,
                  BS: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Scores ``[M, 2 * BS]`` of a pair in the log2 domain: ``attention_sm90._entry_scores`` with each
     half's mask word and key positions."""
@@ -203,7 +63,7 @@ def _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale,
     else:
         s = s * qk_scale
     if (wa != FULL) | (wb != FULL) | (ksa == kdiag) | (ksb == kdiag):
-        ktok = _wide_keys(ksa, ksb, offs_n, BS)
+        ktok = _pair_keys(ksa, ksb, offs_n, BS)
         word = gl.where(offs_n < BS, wa, wb)
         bit = ((gl.expand_dims(word, 0) >> gl.expand_dims(r.to(word.dtype), 1)) & 1) != 0
         allowed = bit & (gl.expand_dims(ktok, 0) <= gl.expand_dims(tok, 1)) & gl.expand_dims(ktok < de, 0)
@@ -212,13 +72,12 @@ def _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale,
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
-def _fwd_kernel_sm90_wide(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
+def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                           s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                           HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
                           D: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
-    """As ``_fwd_kernel_sm90_pairs``, with each pair's two K blocks side by side in shared memory, so
-    that its scores are one ``[M, 2 * BS]`` product and its ``P V`` one product over 128 keys (the
-    shape of a dense kernel's step) instead of two of 64."""
+    """One program per (query tile, KV head, pack of HP heads), as the default Hopper forward; per step
+    a pair of list entries: one ``[M, 2 * BS]`` score product and one ``P V`` product over its keys."""
     M: gl.constexpr = HP * QT
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
@@ -266,12 +125,12 @@ def _fwd_kernel_sm90_wide(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart
         ksb = ks1
         wa = gl.load(Word + base)
         wb = gl.load(Word + base + 1, mask=1 < n, other=0)
-        bias = _wide_bias(bbase, ksa, ksb, offs_n, BS, HAS_BIAS)
+        bias = _pair_bias(bbase, ksa, ksb, offs_n, BS, HAS_BIAS)
         mbarrier.wait(kbar, 0)
         s_t = warpgroup_mma(q_op, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_t, ))
         _issue_pair(k_desc, kbar, k_smem, ksa1, ksb1, row0, col, BS, 2 < n2)  # pair 1's K
-        s = _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, BS, HAS_BIAS)
+        s = _pair_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, BS, HAS_BIAS)
         m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
         p_op = gl.convert_layout(p.to(k_desc.dtype), p_layout)
         for j in range(1, npairs):
@@ -279,7 +138,7 @@ def _fwd_kernel_sm90_wide(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart
             ksa, ksb = ksa1, ksb1  # pair j's, loaded during pair j - 1
             wa = gl.load(Word + base + a)
             wb = gl.load(Word + base + a + 1, mask=a + 1 < n, other=0)
-            bias = _wide_bias(bbase, ksa, ksb, offs_n, BS, HAS_BIAS)
+            bias = _pair_bias(bbase, ksa, ksb, offs_n, BS, HAS_BIAS)
             ksa1 = gl.load(KStart + base + a + 2, mask=a + 2 < n, other=0)
             ksb1 = gl.load(KStart + base + a + 3, mask=a + 3 < n, other=0)
             vp = (j - 1) % 2  # pair j - 1's V buffer
@@ -289,7 +148,7 @@ def _fwd_kernel_sm90_wide(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart
             o_t = warpgroup_mma(p_op, v_smem.index(vp), o, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_t, ))
             _issue_pair(k_desc, kbar, k_smem, ksa1, ksb1, row0, col, BS, a + 2 < n2)  # pair j + 1's K
-            s = _wide_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, BS, HAS_BIAS)
+            s = _pair_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL, BS, HAS_BIAS)
             m_i, l_i, p, alpha = _online_softmax(s, m_i, l_i)
             o, p_op = warpgroup_mma_wait(0, deps=(o_t, p_op))
             _issue_pair(v_desc, vbar.index(vp), v_smem.index(vp), ksa1, ksb1, row0, col, BS, a + 2 < n2)
@@ -311,17 +170,20 @@ def _fwd_kernel_sm90_wide(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart
     gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
 
 
-def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, wide: bool) -> None:
-    """Launch ``_fwd_kernel_sm90_pairs`` (or with ``wide`` ``_fwd_kernel_sm90_wide``) over ``grid``
-    programs (the default Hopper forward's grid, 64-row query tiles); ``bias``:
-    ``attention_sm90.key_major_bias``'s or ``None``."""
+def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float) -> None:
+    """Launch ``_fwd_kernel_sm90_pairs`` over ``grid`` programs (the default Hopper forward's grid,
+    64-row query tiles: ``supported``); ``bias``: ``attention_sm90.key_major_bias``'s or ``None``."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     Bias, s_bb, s_bh = _bias_args(q, bias)
-    kernel = _fwd_kernel_sm90_wide if wide else _fwd_kernel_sm90_pairs
-    kernel[(grid,)](
+    _fwd_kernel_sm90_pairs[(grid,)](
         q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
         HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
         num_warps=warps_for(hp * idx.qt))
+
+
+def supported(rows: int) -> bool:
+    """Query tiles the pair forward is written for: 64 rows (one warpgroup)."""
+    return rows == 64

@@ -1,6 +1,7 @@
 """Compile every NOSA Triton kernel for the sm80 (A100 / A800) and sm90 (H100 / H200) targets with
 the launch configuration each would get, without a GPU, and the hand-scheduled Gluon kernels
-(``attention_sm90``) for sm90; prints one JSON line per kernel and target (shared memory in bytes).
+(``attention_sm90``, ``attention_sm90_pairs``) for sm90; prints one JSON line per kernel and target
+(shared memory in bytes).
 Arguments get the specialisation a real launch gives them (pointers and strides that are multiples of
 16 marked so, unit strides constant), so loads vectorise and pipeline as on the GPU and the shared
 memory is what the GPU would allocate. Run by ``test_arch.py`` in a process without
@@ -18,7 +19,7 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, attention_sm90_pairs, attention_sm90_pingpong, gated_score, rms_norm, rope, topk
+from nosa_layers.ops import attention_sm90, attention_sm90_pairs, gated_score, rms_norm, rope, topk
 from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
@@ -128,14 +129,9 @@ def gluon_cases(G: int):
         const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
                      STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
         yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
-    c = cfg["fwd"]  # the ping-pong forward (opt-in ``pingpong``): two warpgroups of 64 rows, one program per SM
-    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, 64), QT=qt, BS=64, D=128, HAS_BIAS=True,
-                 STAGES=c["num_stages"], REGS=attention_sm90_pingpong.CONSUMER_REGS, num_warps=4)
-    yield "fwd_pingpong_sm90", GluonASTSource, attention_sm90_pingpong._fwd_kernel_sm90_pingpong, const, ptr, 4, 1, \
-        dict(maxnreg=attention_sm90_pingpong.CONSUMER_REGS)
-    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, 64), QT=qt, BS=64, D=128, HAS_BIAS=True, num_warps=4)
+    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, cfg["fwd"]["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
+                 num_warps=4)  # the forward over pairs of list entries (``keys_per_step = 128``)
     yield "fwd_pairs_sm90", GluonASTSource, attention_sm90_pairs._fwd_kernel_sm90_pairs, const, ptr, 4, 1
-    yield "fwd_wide_sm90", GluonASTSource, attention_sm90_pairs._fwd_kernel_sm90_wide, const, ptr, 4, 1
     c = cfg["dkdv"]
     const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
                  HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)

@@ -18,8 +18,7 @@ KERNELS = {"fwd", "dq", "dkdv", "dkdv_reduce", "delta", "pack_lists", "inv_count
            "rms_norm_fwd_h2048", "rms_norm_bwd_h2048", "rms_norm_fwd_h4096", "rms_norm_bwd_h4096",
            *(f"rope_h{h}_{d}" for h in (2, 16, 32) for d in ("fwd", "bwd")),
            *(f"gated_score_h{h}_{d}" for h in (2, 8) for d in ("fwd", "bwd", "reduce"))}
-# attention_sm90*: Hopper only
-GLUON_KERNELS = {"fwd_sm90", "fwd_pingpong_sm90", "fwd_pairs_sm90", "fwd_wide_sm90", "dq_sm90", "dkdv_sm90"}
+GLUON_KERNELS = {"fwd_sm90", "fwd_pairs_sm90", "dq_sm90", "dkdv_sm90"}  # attention_sm90*: Hopper only
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

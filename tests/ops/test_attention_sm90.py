@@ -1,10 +1,10 @@
-"""The hand-scheduled Hopper forward, dQ and dK/dV (``attention_sm90``, Gluon: async loads into rings
-of slots + overlapped wgmma)
-against the PyTorch reference and the Triton kernels, on an sm90 GPU only (wgmma is Hopper-only and
+"""The hand-scheduled Hopper forward (one list entry per step, ``attention_sm90``, and two,
+``attention_sm90_pairs``, the default), dQ and dK/dV (Gluon: async loads into rings of slots +
+overlapped wgmma) against the PyTorch reference and the Triton kernels, on an sm90 GPU only (wgmma is Hopper-only and
 Gluon has no interpreter): bf16 / fp16, head dims 64 and 128, GQA ratios 1-16, odd lengths, packed
 documents, two batch rows (a block past the last row's end is zero-filled by TMA, one past the
 first row's end reads the next row's first keys, masked), ring depths 2-4, A operands from shared
-memory or registers. The sm90 compile check of ``test_arch`` covers both kernels on CPU."""
+memory or registers. The sm90 compile check of ``test_arch`` covers these kernels on CPU."""
 
 import sys
 
@@ -68,7 +68,7 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
     q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=T + Hq + stages)
     _config(monkeypatch, "fwd", impl="triton")
     want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
-    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=regs)
+    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=regs, keys_per_step=64)
     assert attention_op.hopper_kernel(q, idx, attention_op.heads_per_program(Hq // Hkv, idx.qt, 64),
                                       attention_op.CONFIG["sm90"]["fwd"])
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
@@ -76,42 +76,21 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
     _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
 
 
-PINGPONG_CASES = CASES + [  # 33 work items: the last program's second warpgroup has none
-    pytest.param(1, 2100, 1, 1, 128, None, torch.bfloat16, id="G1-odd-items")]
+PAIR_CASES = CASES + [  # 33 single-tile lists: odd and even list lengths
+    pytest.param(1, 2100, 1, 1, 128, None, torch.bfloat16, id="G1-T2100")]
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", PINGPONG_CASES)
-def test_pingpong_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, stages):
-    """The ping-pong forward (two warpgroups taking turns, ``attention_sm90_pingpong``): output and LSE
-    as the Triton forward's and the reference's, and bit for bit the default Hopper forward's (the same
-    products and softmax, only the issue order across warpgroups differs)."""
-    q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=5 * T + Hq + stages)
-    _config(monkeypatch, "fwd", impl="triton")
-    want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
-    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=True, pingpong=False)
-    base_o, base_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
-    monkeypatch.setattr(attention_op, "POISON_OUTPUTS", True)  # rows the kernel missed stay NaN
-    _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=True, pingpong=True)
-    got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
-    torch.cuda.synchronize()
-    assert torch.isfinite(got_o).all()
-    _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
-    assert torch.equal(got_o, base_o) and torch.equal(got_lse, base_lse)
-
-
-@pytest.mark.parametrize("mode", [True, "wide"], ids=["split", "wide"])
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", PINGPONG_CASES)
-def test_pair_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype, mode):
-    """The forward over two list entries per softmax step (``attention_sm90_pairs``: two 64-key products
-    or one 128-key product per pair; odd and even list lengths, an odd list's last pair half empty):
-    output and LSE as the Triton forward's and the reference's."""
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,cu,dtype", PAIR_CASES)
+def test_pair_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, Hq, Hkv, D, cu, dtype):
+    """The default Hopper forward, two list entries (128 keys) per step (``attention_sm90_pairs``; odd
+    and even list lengths, an odd list's last pair half empty): output and LSE as the Triton forward's
+    and the reference's, every row written."""
     q, k, v, s, sel, idx, cu_t = _inputs(hopper, B, T, Hq, Hkv, D, cu, dtype, seed=7 * T + Hq)
     assert (idx.fwd_count % 2 == 1).any() and (idx.fwd_count % 2 == 0).any()
     _config(monkeypatch, "fwd", impl="triton")
     want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     monkeypatch.setattr(attention_op, "POISON_OUTPUTS", True)  # rows the kernel missed stay NaN
-    _config(monkeypatch, "fwd", impl="gluon", regs=True, pairs=mode)
+    _config(monkeypatch, "fwd", impl="gluon", keys_per_step=128)
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     torch.cuda.synchronize()
     assert torch.isfinite(got_o).all()
