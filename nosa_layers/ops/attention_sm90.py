@@ -180,6 +180,19 @@ def _store_tile(X, x, b, s_xb, s_xt, s_xh, qs, de, h, pack, G: gl.constexpr, HP:
              x.to(X.dtype.element_ty), mask=gl.expand_dims(tok < de, 1))
 
 
+@gluon.jit
+def _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G: gl.constexpr,
+                   HP: gl.constexpr, M: gl.constexpr, D: gl.constexpr, o_layout: gl.constexpr):
+    """A forward program's outputs: o = acc / l ``[M, D]`` (``_store_tile``) and the base-2 LSE of its rows
+    (``offs_m`` / ``tok``: the rows and their tokens; ``inf`` on rows that attended to no key)."""
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1), b, s_ob, s_ot, s_oh,
+                qs, de, h, pack, G, HP, M, D, o_layout)
+    head = h * G + pack * HP + offs_m % HP
+    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
+    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
+
+
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
 def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                      s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
@@ -250,12 +263,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1), b, s_ob, s_ot, s_oh, qs, de, h, pack,
-                G, HP, M, D, o_layout)
-    head = h * G + pack * HP + offs_m % HP
-    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
-    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
+    _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, M, D,
+                   o_layout)
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_kernel"])

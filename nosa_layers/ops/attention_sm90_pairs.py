@@ -25,8 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ._common import UNSPECIALIZED
-from .attention_sm90 import (_bias_args, _online_softmax, _query_program, _store_tile, _tile_operand, kv_descriptor,
-                             warps_for)
+from .attention_sm90 import (_bias_args, _online_softmax, _query_program, _store_forward, _tile_operand,
+                             kv_descriptor, warps_for)
 
 
 @gluon.jit
@@ -162,12 +162,8 @@ def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStar
     mbarrier.invalidate(vbar.index(0))
     mbarrier.invalidate(vbar.index(1))
 
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1), b, s_ob, s_ot, s_oh, qs, de, h, pack,
-                G, HP, M, D, o_layout)
-    head = h * G + pack * HP + offs_m % HP
-    lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
-    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
+    _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, M, D,
+                   o_layout)
 
 
 def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float) -> None:
