@@ -36,7 +36,8 @@ from .sparse_index import SparseIndex, largest_divisor
 # ``impl = "gluon"``: on sm90 GPUs the kernel is the hand-scheduled Hopper one (``attention_sm90``;
 # forward, dQ: TMA ring of ``num_stages`` K/V slots, overlapped wgmma, the A operands Q / dO in
 # registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
-# other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs).
+# other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs, except the
+# two-entry forward below: one softmax step per 128 keys rounds differently, within the reference tolerances).
 # bench/attention.py --fwd-sweep on the H200 (session 15, after the per-entry loads moved one entry
 # ahead): 3 forward slots were 3-5% faster at 16K/16 in all three cases (P1, iid, smooth) and within the
 # sweep's 4% noise at 32K/32; dQ with Q / dO in shared memory (245 registers, no spill, against 255
