@@ -131,8 +131,9 @@ def sm90_kernels():
     return attention_sm90
 
 
-def pairs_kernel():
-    """The ``attention_sm90_pairs`` module (imported where ``sm90_kernels`` is available)."""
+@functools.cache
+def sm90_pair_kernels():
+    """The ``attention_sm90_pairs`` module (call where ``sm90_kernels()`` is not ``None``: same Gluon API)."""
     from . import attention_sm90_pairs
     return attention_sm90_pairs
 
@@ -220,8 +221,9 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
-        if cfg.get("keys_per_step", 64) == 128 and pairs_kernel().supported(hp * idx.qt):
-            pairs_kernel().launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
+        pairs = sm90_pair_kernels()
+        if cfg.get("keys_per_step", 64) == 128 and pairs.supported(hp * idx.qt):
+            pairs.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
         else:
             sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
                                 cfg["regs"], cfg.get("maxnreg"))

@@ -2,7 +2,8 @@
 
 Same programs, lists, masks and outputs as ``attention_kernels._fwd_kernel``, ``_bwd_dq_kernel`` and
 ``_bwd_dkdv_kernel`` (the portable Triton kernels, which stay the reference fast path and the default
-elsewhere), with what Triton's own scheduling does not give on Hopper:
+elsewhere; over 64-row tiles the forward by default is ``attention_sm90_pairs``'s, two list entries per
+step on the helpers below), with what Triton's own scheduling does not give on Hopper:
 
 - K/V blocks arrive by TMA into a ring of ``STAGES`` shared-memory slots, each guarded by an
   mbarrier, refilled as soon as the product that read it has completed;
