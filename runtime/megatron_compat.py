@@ -9,6 +9,13 @@
 * Same setting: the loader gives every parameter state the SAME ``step`` tensor object, which
   torch's foreach Adam then increments once per parameter per step (wrong bias correction
   after a resume). :func:`untie_adam_step_tensors` gives each state its own copy.
+* megatron-core 0.19.2 without Transformer Engine or Apex: the gradient clipping falls back to
+  ``megatron.core.utils.local_multi_tensor_l2_norm``, which reads every gradient's norm back to the
+  host one by one (``torch.tensor([norm, ...])`` of device scalars: one host sync per parameter
+  tensor, 227 per step for a 28-layer NOSA model, each draining the GPU's queue), and to
+  ``local_multi_tensor_scale``, two kernel launches per tensor. :func:`use_sync_free_multi_tensor_ops`
+  puts in the same operations as a few ``torch._foreach_*`` calls with no host read; the one read of
+  the total norm that megatron makes after its all-reduce stays.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import torch
 
 _PATCHED = False
+_SYNC_FREE = False
 
 
 def patch_distributed_optimizer_step_state() -> None:
@@ -48,3 +56,49 @@ def untie_adam_step_tensors(optimizer) -> None:
         for st in getattr(inner, "state", {}).values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].detach().clone()
+
+
+def multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for megatron-core's ``local_multi_tensor_l2_norm`` (``amp_C.multi_tensor_l2norm``'s
+    signature): the L2 norm over every tensor of ``tensor_lists[0]`` as ``[1]`` fp32 on their device
+    and ``None`` (no per-tensor norms), without reading anything back to the host."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu"), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for megatron-core's ``local_multi_tensor_scale``: ``dst.copy_(src * scale)`` for every
+    pair of ``tensor_lists = [src, dst]``, as one in-place multiply where ``dst`` is ``src`` (gradient
+    clipping) or a copy where ``scale`` is 1."""
+    src, dst = tensor_lists
+    if not dst:
+        return
+    if len(src) == len(dst) and all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_sync_free_multi_tensor_ops() -> bool:
+    """Replace megatron-core's local (no TE / Apex) multi-tensor L2 norm and scale with
+    :func:`multi_tensor_l2_norm` / :func:`multi_tensor_scale` wherever it uses them. Idempotent;
+    returns whether megatron-core was on its local fallback (TE's or Apex's kernels are left alone)."""
+    global _SYNC_FREE
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    patched = False
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = multi_tensor_l2_norm
+        patched = True
+    for module in (clip_grads, optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = multi_tensor_scale
+            patched = True
+    _SYNC_FREE = _SYNC_FREE or patched
+    return _SYNC_FREE

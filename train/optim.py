@@ -14,7 +14,14 @@ def mixed_precision(cfg: RunConfig, device: torch.device) -> str:
 
 
 def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
+    """megatron-core's optimizer for ``model_chunks``; without Transformer Engine or Apex its gradient
+    norm and clipping run sync-free replacements of megatron's per-tensor fallback
+    (``runtime.megatron_compat.use_sync_free_multi_tensor_ops``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from runtime.megatron_compat import use_sync_free_multi_tensor_ops
+
+    use_sync_free_multi_tensor_ops()
 
     o = cfg.optim
     ocfg = OptimizerConfig(
