@@ -53,7 +53,8 @@ def to_microbatch(batch: dict, device: torch.device) -> dict:
 
         out = {k: v.reshape(1, -1) for k, v in out.items()}
         cu = flat_cu_seqlens(batch)
-        out["cu_seqlens"] = cu.to(device)
+        # from pinned memory without blocking: a copy from pageable memory waits for the GPU's queue
+        out["cu_seqlens"] = (cu.pin_memory() if device.type == "cuda" else cu).to(device, non_blocking=True)
         _hand_over_cu_seqlens(out["cu_seqlens"], cu.tolist())
         out["max_seqlen"] = int(batch["max_seqlen"])
     return out
