@@ -150,13 +150,14 @@ class Trainer:
         mc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
 
         n_params = sum(p.numel() for m in self.model for p in m.parameters())
+        init = ("from (seed, layer) on the CPU: the same for every layout" if "init_seed" in overrides
+                else "drawn per TP rank on the GPU")
         log0(env, f"model: {cfg.model.family}_{cfg.model.size}, attention={cfg.attention.variant}"
                   f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
                   f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
                   f"PP={ps.get_pipeline_model_parallel_world_size()} DP={env.dp_size}), precision={self.precision}, "
                   f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
-                  f"{'on' if fusions else 'off'}, initial weights "
-                  f"{'from (seed, layer) on the CPU: the same for every layout' if 'init_seed' in overrides else 'drawn per TP rank on the GPU'}")
+                  f"{'on' if fusions else 'off'}, initial weights {init}")
         self._build_data()
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.attention, cfg.train.seq_length)
         self.peak = peak_flops(env.device)
