@@ -35,7 +35,8 @@ class RunSection:
     dir: Optional[str] = None
     seed: int = 1234
     device: str = "auto"  # auto: cuda when available, else cpu (gloo + megatron CPU shim)
-    cpu_init: bool = False  # initialise on the CPU from (seed, layer, parameter): the same weights for every TP/PP/DP layout
+    # initialise on the CPU from (seed, layer, parameter): the same weights for every TP/PP/DP layout
+    cpu_init: bool = False
 
 
 @dataclass
