@@ -5,8 +5,6 @@ checkpoint and running the Megatron forward (for ``verify``). Single process, gl
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -29,8 +27,8 @@ def init_single_process() -> None:
         apply_cpu_shim()
     if dist.is_initialized():
         return
-    store_dir = tempfile.mkdtemp(prefix="nosa_convert_pg_")
-    store = dist.FileStore(os.path.join(store_dir, "store"), 1)
+    # a TCP store on a free port: nothing left on disk (a FileStore's directory outlived every run)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
