@@ -30,22 +30,42 @@ def _deterministic_torch():
 TESTS = Path(__file__).resolve().parent
 
 
+# The longest work groups first (as measured on 2 cores, both workers busy): pytest-xdist hands the groups
+# out in collection order, so the long ones start early and the short ones fill the end of the run
+# (its default order, by number of tests, started the longest file of tests/train last). Groups not
+# listed follow, in their own order.
+SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "eval", "train/test_layout_init.py",
+               "train/test_reliability.py", "train/test_preemption.py", "train/test_sft_run.py",
+               "train/test_config_recipes.py", "nosa", "train/test_hydra_cli.py", "train/test_sizing.py"]
+
+
+def _group(item) -> str:
+    parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
+    return "/".join(parts[:2]) if parts[0] == "train" else parts[0]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     """Work groups for pytest-xdist's ``--dist loadgroup`` (``scripts/test.sh`` runs two workers):
     one folder per worker, so each folder's session fixtures (tiny checkpoints, reference runs) are
-    built once; ``tests/train`` (the longest folder) is split by file to balance the workers."""
+    built once; ``tests/train`` (the longest folder) is split by file to balance the workers. The
+    groups are ordered longest first (``SLOW_GROUPS``; a stable sort: each group's, hence each
+    module's, tests stay together and in their order)."""
+    rank = {g: i for i, g in enumerate(SLOW_GROUPS)}
+    groups = {item: _group(item) for item in items}
+    items.sort(key=lambda item: rank.get(groups[item], len(SLOW_GROUPS)))
     for item in items:
-        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
-        group = "/".join(parts[:2]) if parts[0] == "train" else parts[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
 
 
 def pytest_configure(config):
     """``--dist loadgroup`` needs a pytest that pytest-xdist can group under: xdist <= 3.8 marks a
     group as an ``@group`` suffix written to ``item._nodeid``, which pytest 9 no longer reads, so the
     groups would silently spread over all workers (each folder's session fixtures built on each)."""
-    if config.getoption("dist", "no") != "loadgroup" or int(pytest.__version__.split(".")[0]) < 9:
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    config.option.loadscopereorder = False  # keep the longest-first order of pytest_collection_modifyitems
+    if int(pytest.__version__.split(".")[0]) < 9:
         return
     import xdist
 

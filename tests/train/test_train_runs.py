@@ -18,18 +18,40 @@ def _close(a: dict, b: dict, rel: float = 0.0) -> bool:
     return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=rel, abs_tol=0.0) for k in a)
 
 
-def test_stop_and_resume_equals_uninterrupted_run(tmp_path, data_args):
-    full, split = tmp_path / "full", tmp_path / "split"
-    run_main([*PRETRAIN, *data_args, f"run.dir={full}", "train.max_steps=5", "checkpoint.interval=0"])
-    p = run_main([*PRETRAIN, *data_args, f"run.dir={split}", "train.max_steps=5", "checkpoint.interval=0",
-                  "train.exit_after_steps=3"])
-    assert "exit_after_steps=3 reached at step 3" in p.stdout
-    assert (split / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
-    p = run_main([*PRETRAIN, *data_args, f"run.dir={split}", "train.max_steps=5", "checkpoint.interval=0"])
-    assert "resumed from" in p.stdout and "at step 3" in p.stdout
-    assert losses(full) == losses(split) and len(losses(full)) == 5  # bitwise: same floats
+# Runs shared by several tests of this module (each test only reads them): a 4-step PRETRAIN run
+# without checkpoints (the uninterrupted reference of the resume, crash and fused-optimizer tests;
+# optim.fused is on by default, which test_fused_adam_... asserts from its output), and the same
+# run stopped after step 2 (train.exit_after_steps) and resumed to step 4.
+FOUR_STEPS = [*PRETRAIN, "train.max_steps=4", "checkpoint.interval=0"]
+# Runs whose checkpoint no test reads skip writing it (a save costs a tiny run about a third of its time).
+NO_SAVE = "checkpoint.save=false"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_args):
+    run = tmp_path_factory.mktemp("uninterrupted") / "full"
+    return run, run_main([*FOUR_STEPS, *data_args, f"run.dir={run}", NO_SAVE])
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tmp_path_factory, data_args):
+    """``(run dir, output of the stopped run, its latest pointer then, output of the resumed run)``."""
+    run = tmp_path_factory.mktemp("stopped") / "split"
+    stopped = run_main([*FOUR_STEPS, *data_args, f"run.dir={run}", "train.exit_after_steps=2", "optim.fused=true"])
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    resumed = run_main([*FOUR_STEPS, *data_args, f"run.dir={run}", "optim.fused=true"])
+    return run, stopped, latest, resumed
+
+
+def test_stop_and_resume_equals_uninterrupted_run(uninterrupted, stopped_and_resumed):
+    full, _ = uninterrupted
+    split, stopped, latest, resumed = stopped_and_resumed
+    assert "exit_after_steps=2 reached at step 2" in stopped.stdout
+    assert latest == "iter_0000002"
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert losses(full) == losses(split) and len(losses(full)) == 4  # bitwise: same floats
     val = lambda d: {r["step"]: r["val_loss"] for r in metrics(d) if r.get("val_loss") is not None}
-    assert val(full) == val(split)
+    assert val(full) == val(split) and sorted(val(full)) == [2, 4]  # one evaluation after the restart
     assert [r["lr"] for r in metrics(full) if "lr" in r] == [r["lr"] for r in metrics(split) if "lr" in r]
     for row in metrics(full):
         if "loss" in row:
@@ -37,7 +59,7 @@ def test_stop_and_resume_equals_uninterrupted_run(tmp_path, data_args):
     assert (full / "loss.png").stat().st_size > 1000 and (full / "config.yaml").is_file()
 
 
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data_args):
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data_args, uninterrupted):
     run = tmp_path / "run"
     args = [*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=4", "checkpoint.interval=2"]
     p = run_main(args, env={"NOSA_FAULT_KILL_DURING_SAVE": "4"}, check=False)
@@ -49,21 +71,21 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data_args):
     assert "resumed from" in p.stdout and "iter_0000002 at step 2" in p.stdout
     assert (ckpts / "latest").read_text().strip() == "iter_0000004"
     assert not (ckpts / "iter_0000004.tmp").exists()
-    reference = tmp_path / "reference"
-    run_main([*PRETRAIN, *data_args, f"run.dir={reference}", "train.max_steps=4", "checkpoint.interval=0"])
+    reference, _ = uninterrupted  # the same 4 steps without checkpoints
     assert losses(reference) == losses(run)
 
 
-def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args):
+def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args, wrapper_run):
     """pretrain (1 proc) -> NOSA CPT at TP=1 and TP=2 and PP=2 (init_from, resharded) -> SFT at PP=2."""
-    pre, cpt1, cpt_tp, cpt_pp, sft = (tmp_path / n for n in ("pre", "cpt1", "cpt_tp", "cpt_pp", "sft"))
-    run_main([*PRETRAIN, *data_args, f"run.dir={pre}", "train.max_steps=2", "checkpoint.interval=0"])
-    run_main([*CPT, *data_args, f"run.dir={cpt1}", f"init_from={pre}", "train.max_steps=2"])
+    cpt1, cpt_tp, cpt_pp, sft = (tmp_path / n for n in ("cpt1", "cpt_tp", "cpt_pp", "sft"))
+    pre, p = wrapper_run  # the 2-step pretraining (1 process), launched through launch/run_train.sh
+    assert p.returncode == 0, p.stderr[-3000:]
+    run_main([*CPT, *data_args, f"run.dir={cpt1}", f"init_from={pre}", "train.max_steps=2", NO_SAVE])
     p = run_main([*CPT, *data_args, f"run.dir={cpt_tp}", f"init_from={pre}", "train.max_steps=2",
                   "parallel.tensor_model_parallel_size=2"], nproc=2)
     assert "new parameters keep their initial values" in p.stdout  # dense -> NOSA: eviction heads are new
     run_main([*CPT, *data_args, f"run.dir={cpt_pp}", f"init_from={pre}", "train.max_steps=2",
-              "parallel.pipeline_model_parallel_size=2"], nproc=2)
+              "parallel.pipeline_model_parallel_size=2", NO_SAVE], nproc=2)
     assert _close(losses(cpt1), losses(cpt_tp), rel=1e-5), (losses(cpt1), losses(cpt_tp))
     assert _close(losses(cpt1), losses(cpt_pp), rel=1e-5), (losses(cpt1), losses(cpt_pp))
     work = lambda d: [r["attention_work"] for r in metrics(d) if "loss" in r]  # the step's documents
@@ -74,7 +96,7 @@ def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args):
     assert cfg["attention"]["variant"] == "nosa" and cfg["model"]["rope_type"] == "longrope"
     run_main(["recipe=tiny_sft", *data_args, f"run.dir={sft}", f"init_from={cpt_tp}", "train.seq_length=256",
               "train.global_batch_size=2", "train.max_steps=2", "optim.warmup_steps=1", "checkpoint.interval=0",
-              "parallel.pipeline_model_parallel_size=2"], nproc=2)
+              "parallel.pipeline_model_parallel_size=2", NO_SAVE], nproc=2)
     assert len(losses(sft)) == 2 and all(math.isfinite(v) for v in losses(sft).values())
     assert len(work(sft)) == 2 and all(0 < w < 0.5 for w in work(sft))  # rows packed with short conversations
 
@@ -109,18 +131,27 @@ def test_non_finite_steps_are_never_applied_nor_saved(tmp_path, data_args, polic
         assert all(torch.isfinite(t).all() for t in load_megatron_tensors(ckpt).values()), ckpt
 
 
-def test_launch_wrapper_names_the_run_dir_from_run_id(tmp_path, data_args):
+@pytest.fixture(scope="module")
+def wrapper_run(tmp_path_factory, data_args):
+    """A 2-step PRETRAIN run through launch/run_train.sh (RUN_ROOT + RUN_ID, no run.dir): the run
+    the launcher test checks, and the pretrained checkpoint the stage chain starts from.
+    ``(the run dir the launcher should have named, the finished process)``."""
     import os
     import subprocess
 
     from tests.train.conftest import ROOT
 
-    env = {**os.environ, "RUN_ROOT": str(tmp_path), "RUN_ID": "job42", "NPROC_PER_NODE": "1",
+    root = tmp_path_factory.mktemp("launcher")
+    env = {**os.environ, "RUN_ROOT": str(root), "RUN_ID": "job42", "NPROC_PER_NODE": "1",
            "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "MASTER_PORT": "0"}
     p = subprocess.run(["bash", str(ROOT / "launch" / "run_train.sh"), *PRETRAIN, *data_args, "train.max_steps=2",
                         "checkpoint.interval=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return root / "tiny_pretrain-job42", p
+
+
+def test_launch_wrapper_names_the_run_dir_from_run_id(wrapper_run):
+    run, p = wrapper_run
     assert p.returncode == 0, p.stderr[-3000:]
-    run = tmp_path / "tiny_pretrain-job42"
     assert len(losses(run)) == 2 and (run / "checkpoints" / "latest").is_file()
 
 
@@ -129,7 +160,7 @@ def test_interleaved_pipeline_full_recompute_and_wandb_offline(tmp_path, data_ar
     run = tmp_path / "ipp"
     p = run_main([*CPT, *data_args, f"run.dir={run}", "train.max_steps=2", "parallel.pipeline_model_parallel_size=2",
                   "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full", "logging.wandb=offline",
-                  "profile.start_step=2", "profile.num_steps=1"],
+                  "profile.start_step=2", "profile.num_steps=1", NO_SAVE],
                  nproc=2, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert len(losses(run)) == 2 and all(math.isfinite(v) for v in losses(run).values()), p.stdout[-2000:]
     assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run written"
@@ -162,22 +193,22 @@ def test_overlap_param_gather_syncs_before_eval_and_save(tmp_path, data_args):
         assert not stale, f"{it}: weights differ from the eager-gather run: {stale[:3]}"
 
 
-def test_fused_adam_resumes_bit_for_bit_and_takes_over_a_multi_tensor_checkpoint(tmp_path, data_args):
+def test_fused_adam_resumes_bit_for_bit_and_takes_over_a_multi_tensor_checkpoint(tmp_path, data_args, uninterrupted,
+                                                                                  stopped_and_resumed):
     """``optim.fused`` (torch's fused AdamW; here its CPU kernel): a fused run resumes bit for bit, and
     a checkpoint written by the multi-tensor path resumes fused with its step counters, its losses
     within rounding of the fused run's (a lost count would change the bias correction of the first
     steps by far more than the tolerance)."""
-    base = [*PRETRAIN, *data_args, "train.max_steps=4", "checkpoint.interval=0"]
-    full = run_main([*base, f"run.dir={tmp_path / 'full'}", "optim.fused=true"])
+    base = [*FOUR_STEPS, *data_args]
+    full_dir, full = uninterrupted  # optim.fused at its default
     assert "optimizer: torch's fused AdamW kernel" in full.stdout
-    split = tmp_path / "split"
-    run_main([*base, f"run.dir={split}", "train.exit_after_steps=2", "optim.fused=true"])
-    run_main([*base, f"run.dir={split}", "optim.fused=true"])
-    assert losses(split) == losses(tmp_path / "full") and len(losses(split)) == 4  # bitwise
+    split, stopped, _, resumed = stopped_and_resumed  # optim.fused=true, stopped at step 2
+    assert all("optimizer: torch's fused AdamW kernel" in p.stdout for p in (stopped, resumed))
+    assert losses(split) == losses(full_dir) and len(losses(split)) == 4  # bitwise
     mixed = tmp_path / "mixed"
     p = run_main([*base, f"run.dir={mixed}", "train.exit_after_steps=2", "optim.fused=false"])
     assert "fused AdamW" not in p.stdout
     p = run_main([*base, f"run.dir={mixed}", "optim.fused=true"])
     assert "resumed from" in p.stdout and "at step 2" in p.stdout
     assert "optimizer: torch's fused AdamW kernel" in p.stdout  # the groups after loading the unfused ones
-    assert _close(losses(mixed), losses(tmp_path / "full"), rel=1e-4), (losses(mixed), losses(tmp_path / "full"))
+    assert _close(losses(mixed), losses(full_dir), rel=1e-4), (losses(mixed), losses(full_dir))
