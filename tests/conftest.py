@@ -17,6 +17,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker shares the machine's cores with the others (and with the training
+# runs they launch, which take one thread each): one intra-op thread per worker, not one per core.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_torch():
