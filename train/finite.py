@@ -1,5 +1,5 @@
-"""Finite checks of gradients and weights, agreed on by every rank (one collective and one host read
-per check).
+"""Finite checks of gradients and weights, agreed on by every rank (one collective and at most one host
+read per check).
 
 Each check reads megatron-core's flat DDP buffers (``grad_data``; ``param_data`` where the
 distributed optimizer keeps one, else the buffer's parameters) with one ``aminmax`` reduction per
@@ -32,16 +32,28 @@ def _local_nonfinite(tensors, device: torch.device) -> torch.Tensor:
     return (~torch.isfinite(torch.cat(extremes)).all()).float().reshape(1)
 
 
-def _any_rank(flag: torch.Tensor) -> bool:
-    """The verdict of every rank's ``flag`` (``all_reduce(MAX)``), read by the host once."""
+def _on_all_ranks(flag: torch.Tensor) -> torch.Tensor:
+    """``flag`` combined over every rank (``all_reduce(MAX)``), still on the device."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return flag
+
+
+def _any_rank(flag: torch.Tensor) -> bool:
+    """The verdict of every rank's ``flag``, read by the host once."""
+    return bool(_on_all_ranks(flag).item() > 0)
+
+
+def grads_nonfinite_flag(model_chunks, device: torch.device) -> torch.Tensor:
+    """``[1]`` float32 on ``device``, the same on every rank: 1 if any rank holds a NaN/inf gradient
+    (after the backward and the DP reduction), else 0. Not read by the host, so the caller can read it
+    together with other values (the trainer reads it with the loss: one wait per step)."""
+    return _on_all_ranks(_local_nonfinite([b.grad_data for b in _buffers(model_chunks)], device))
 
 
 def grads_nonfinite(model_chunks, device: torch.device) -> bool:
     """Whether any rank holds a NaN/inf gradient (after the backward and the DP reduction)."""
-    return _any_rank(_local_nonfinite([b.grad_data for b in _buffers(model_chunks)], device))
+    return bool(grads_nonfinite_flag(model_chunks, device).item() > 0)
 
 
 def weights_nonfinite(model_chunks, device: torch.device) -> bool:

@@ -32,7 +32,7 @@ def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         # megatron skips the update when the gradient norm exceeds this; an overflowed (inf) norm
-        # does, NaN gradients are caught before the step by train.finite.grads_nonfinite
+        # does, NaN gradients are caught before the step by train.finite.grads_nonfinite_flag
         grad_norm_skip_threshold=float(torch.finfo(torch.float32).max),
     )
     return get_megatron_optimizer(ocfg, model_chunks)

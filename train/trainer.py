@@ -23,7 +23,7 @@ from runtime.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
 from train.distributed import DistEnv
-from train.finite import grads_nonfinite, weights_nonfinite
+from train.finite import grads_nonfinite_flag, weights_nonfinite
 from train.gc_control import GarbageCollection
 from train.metrics import IntervalStats, MetricsLogger, format_eta, local_peak_memory_gib, max_over_ranks
 from train.metrics import causal_attention_work, peak_flops, train_flops_per_token
@@ -237,17 +237,31 @@ class Trainer:
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         return total
 
-    def _loss_on_all_ranks(self, total: torch.Tensor | None) -> float:
-        """The mean loss, broadcast from the last pipeline stage to every rank (NaN handling)."""
+    def _loss_tensor_on_all_ranks(self, total: torch.Tensor | None) -> torch.Tensor:
+        """``[1]`` float64 on the device: the mean loss, broadcast from the last pipeline stage to every
+        rank (NaN handling); not read by the host."""
         from megatron.core import parallel_state as ps
 
         t = torch.zeros(1, dtype=torch.float64, device=self.env.device)
         if total is not None:
-            t[0] = float(total[0] / total[1].clamp(min=1))
+            t.copy_((total[0] / total[1].clamp(min=1)).reshape(1))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             src = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
-        return float(t[0])
+        return t
+
+    def _loss_on_all_ranks(self, total: torch.Tensor | None) -> float:
+        return float(self._loss_tensor_on_all_ranks(total)[0])
+
+    def _loss_and_grads_nonfinite(self, total: torch.Tensor | None) -> tuple[float, bool]:
+        """The mean loss on every rank and whether any rank's gradients hold NaN/inf, read together
+        (one host wait per step). fp16 skips the gradient check: megatron's loss scaler does it."""
+        loss = self._loss_tensor_on_all_ranks(total)
+        if self.precision == "fp16":
+            return float(loss[0]), False
+        flag = grads_nonfinite_flag(self.model, self.env.device)
+        got_loss, got_flag = torch.cat([loss, flag.to(loss.dtype)]).tolist()
+        return got_loss, got_flag > 0
 
     def _nosa_modules(self) -> list:
         from nosa_layers.megatron import NOSACoreAttention
@@ -282,7 +296,7 @@ class Trainer:
         total = self._forward_backward(mbs, forward_only=False)
         if self.step + 1 < self.cfg.train.max_steps:
             self.train_batches.read_ahead()  # the GPU runs this step's work; the loss read below waits for it
-        loss = self._loss_on_all_ranks(total)
+        loss, grads_bad = self._loss_and_grads_nonfinite(total)
         stats = {}
         if record:
             stats = self._locality(mbs[-1])
@@ -292,7 +306,7 @@ class Trainer:
         bad = None
         if not math.isfinite(loss):
             bad = f"loss is {loss}"
-        elif self.precision != "fp16" and grads_nonfinite(self.model, self.env.device):
+        elif grads_bad:
             bad = f"loss is {loss:.4f} but the gradients hold NaN/inf"  # fp16: megatron's loss scaler skips
         grad_norm = None
         ok = False

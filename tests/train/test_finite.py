@@ -34,3 +34,40 @@ def test_the_local_verdict_is_a_device_tensor():
     flag = finite._local_nonfinite([torch.tensor([1.0, float("nan")])], torch.device("cpu"))
     assert isinstance(flag, torch.Tensor) and flag.shape == (1,) and flag.item() == 1.0
     assert finite._local_nonfinite([torch.ones(3)], torch.device("cpu")).item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+def test_grads_flag_agrees_with_the_verdict_and_stays_on_the_device(bad):
+    bufs = [torch.randn(n) for n in (5, 300)]
+    if bad is not None:
+        bufs[int(torch.randint(0, 2, (1,)))][0] = bad
+    flag = finite.grads_nonfinite_flag([_chunk(*bufs)], torch.device("cpu"))
+    assert isinstance(flag, torch.Tensor) and flag.shape == (1,)
+    assert (flag.item() > 0) is (bad is not None) is finite.grads_nonfinite([_chunk(*bufs)], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_the_trainer_reads_loss_and_gradient_verdict_in_one_host_read(monkeypatch, precision, bad):
+    """A training step waits for the GPU once for the loss and the gradient check together: the
+    loss is mean = sum / count of the last stage's total; NaN gradients are flagged (not under fp16,
+    where megatron's loss scaler checks them)."""
+    from megatron.core import parallel_state as ps
+
+    from train.trainer import Trainer
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
+    grads = torch.randn(50)
+    if bad is not None:
+        grads[7] = bad
+    trainer = Trainer.__new__(Trainer)
+    trainer.precision, trainer.model = precision, [_chunk(grads)]
+    trainer.env = SimpleNamespace(device=torch.device("cpu"))
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: reads.append(_n) or _r(t, *a))
+    loss, grads_bad = trainer._loss_and_grads_nonfinite(torch.tensor([30.0, 8.0]))
+    assert loss == pytest.approx(3.75)
+    assert grads_bad is (bad is not None and precision != "fp16")
+    assert len(reads) == 1, reads
