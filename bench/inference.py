@@ -9,10 +9,11 @@ score equal). Rows:
   NOSA through the Triton kernels when ``nosa_layers`` is importable on a GPU, else the reference;
 * decode: batch 1 / 4 at 4K / 16K context (one prompt prefilled, its cache repeated to the batch),
   tokens/s over ``--steps`` greedy steps after 2 warm-up steps;
-* offload (16K context, ``--long-context N`` for another): the largest batch whose peak device memory stays under ``--mem-limit-gib``
-  with the whole KV cache on the device vs with the offloaded cache (blocks in pinned host memory,
-  the selection's blocks in ``topk`` device slots, or ``--gpu-blocks N`` slots: fewer than ``topk``
-  read the blocks without a slot from the host every step; host memory bounded by ``--host-mem-limit-gib``),
+* offload (16K context, ``--long-context N`` for another): the largest batch whose peak device
+  memory stays under ``--mem-limit-gib`` with the whole KV cache on the device vs with the
+  offloaded cache (blocks in pinned host memory, the selection's blocks in ``topk`` device slots,
+  or ``--gpu-blocks N`` slots: fewer than ``topk`` read the blocks without a slot from the host
+  every step; host memory bounded by ``--host-mem-limit-gib``),
   found from the measured per-sequence slope (batch 1 and 2), checked at the predicted batch and
   re-predicted from the slope up to the batch that fits (larger while it still fits; bisecting below a
   prediction that did not fit);
@@ -447,7 +448,7 @@ class Bench:
         log(f"  at the steps' start: {live_before / 2**20:.1f} MiB recorded live, cache {cache_mib:.1f} MiB, "
             f"other {other:.1f} MiB ({other / batch:.2f} MiB per sequence); allocated before the record, "
             f"not weights: {unrecorded:.1f} MiB")
-        del built
+        built.clear()  # the cache's device memory is released before the caller's next build
         return {"model": "nosa", "mode": mode, "batch": batch, "context": self.long,
                 "step_peak_mib": round(step_peak / 2**20, 1),
                 "step_peak_mib_per_seq": round(step_peak / 2**20 / batch, 2),
@@ -476,8 +477,9 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib", "per_seq_device_mib",
-           "per_seq_cache_mib", "first_step_h2d_mib", "h2d_bytes_per_token", "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
+COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib",
+           "per_seq_device_mib", "per_seq_cache_mib", "first_step_h2d_mib", "h2d_bytes_per_token",
+           "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
            "attention", "max_abs_logit_diff", "offload_max_abs_logit_diff", "error")
 
 

@@ -269,9 +269,11 @@ def main() -> None:
             print(f"  gap {g['ms']:.2f} ms at {' < '.join(g['host_stack'])} runtime {g['runtime_ms']}")
         host = r.get("host") or {}
         if host:
-            print(f"  host: ops span {host['span_ms_per_step']} ms/step, {host['outside_ops_ms_per_step']} outside any op")
+            print(f"  host: ops span {host['span_ms_per_step']} ms/step, "
+                  f"{host['outside_ops_ms_per_step']} outside any op")
         for h in host.get("threads", []):
-            print(f"  host thread {h['thread']}: {h['launches_per_step']} launches/step, {h['in_ops_ms_per_step']} ms/step "
+            print(f"  host thread {h['thread']}: {h['launches_per_step']} launches/step, "
+                  f"{h['in_ops_ms_per_step']} ms/step "
                   "in ops; top self: "
                   + ", ".join(f"{o['op']} {o['self_ms_per_step']} ({o['calls_per_step']})" for o in h["top_ops"][:6]))
     print(json.dumps(env, indent=1))

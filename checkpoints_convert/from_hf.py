@@ -108,7 +108,8 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
         make_vocab_size_divisible_by=int(make_vocab_size_divisible_by or export.get("make_vocab_size_divisible_by", 8)),
         max_position_embeddings=max_pos, rope_theta=theta, rope_type="longrope" if longrope else "default",
         longrope=longrope, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)) or (use_mup and export.get("tied_in_megatron", False)),
+        tie_embeddings=(bool(cfg.get("tie_word_embeddings", False))
+                        or (use_mup and export.get("tied_in_megatron", False))),
         init_std=float(cfg.get("initializer_range", 0.02)), use_mup=use_mup,
         scale_emb=float(folded["scale_emb"]) if use_mup else 1.0,
         scale_depth=float(folded["scale_depth"]) if use_mup else 1.0,
@@ -191,7 +192,8 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
                                                               "longrope": longrope})
     n_params = sum(t.numel() for t in tensors.values())
     log(f"imported {src} ({fmt} format; {model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. "
-        f"vocab padding, {dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} in {time.time() - t0:.1f}s")
+        f"vocab padding, {dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} "
+        f"in {time.time() - t0:.1f}s")
     return Path(out).resolve()
 
 

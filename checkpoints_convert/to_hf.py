@@ -209,7 +209,8 @@ def parse_size(s: str) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
-    ap.add_argument("--out", required=True, help="output directory: new, empty or an earlier export (replaced atomically)")
+    ap.add_argument("--out", required=True,
+                    help="output directory: new, empty or an earlier export (replaced atomically)")
     ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
     ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])

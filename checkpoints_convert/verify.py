@@ -47,7 +47,8 @@ def tensor_roundtrip(hf_dir: Path, ckpt: Optional[Path]) -> list[str]:
     geo = geometry(model, attn)
     hf = load_safetensors_dir(hf_dir)
     back = megatron_to_hf(hf_to_megatron(hf, geo), geo)
-    fails = [f"HF->Megatron->HF: {k} differs" for k in hf if k in back and not torch.equal(hf[k], back[k].to(hf[k].dtype))]
+    fails = [f"HF->Megatron->HF: {k} differs" for k in hf
+             if k in back and not torch.equal(hf[k], back[k].to(hf[k].dtype))]
     fails += [f"HF->Megatron->HF: {k} lost" for k in hf if k not in back and k != "lm_head.weight"]
     if ckpt is not None:
         m_model, m_attn, _ = read_model_config(ckpt)
@@ -107,8 +108,8 @@ def load_hf_model(hf_dir: Path, allow_remote_code: bool = False):
 
     if is_reference_export(hf_dir):
         return shipped_model_class().from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=trust_remote_code(hf_dir, allow_remote_code),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), trust_remote_code=trust_remote_code(hf_dir, allow_remote_code), dtype=torch.float32)
     return model.eval()
 
 

@@ -92,7 +92,8 @@ class SFTConfig:
 
 def _check_tokenizer_dir(path: str, what: str, model_vocab_size: Optional[int] = None) -> None:
     if not path:
-        raise ValueError(f"{what}.tokenizer is empty: set it to an HF tokenizer dir (e.g. from `python -m data.demo_corpus`)")
+        raise ValueError(f"{what}.tokenizer is empty: set it to an HF tokenizer dir "
+                         "(e.g. from `python -m data.demo_corpus`)")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"{what}.tokenizer={path!r} has no tokenizer.json: point it to a saved HF fast-tokenizer dir")
     if model_vocab_size is not None:
@@ -100,8 +101,8 @@ def _check_tokenizer_dir(path: str, what: str, model_vocab_size: Optional[int] =
 
         n = RustTokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size(with_added_tokens=True)
         if n > model_vocab_size:
-            raise ValueError(f"{what}.tokenizer={path!r} has {n} tokens but the model's vocabulary is {model_vocab_size}: "
-                             f"use a model with vocab_size >= {n} or a smaller tokenizer")
+            raise ValueError(f"{what}.tokenizer={path!r} has {n} tokens but the model's vocabulary is "
+                             f"{model_vocab_size}: use a model with vocab_size >= {n} or a smaller tokenizer")
 
 
 def _check_indexed(prefix: str) -> None:
@@ -139,23 +140,27 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
         what = "data"
         _check_common(cfg, what, dp_size)
         if not cfg.paths:
-            raise ValueError("data.paths is empty: give one or more indexed-dataset prefixes (<prefix>.bin/.idx from `python -m data.preprocess`)")
+            raise ValueError("data.paths is empty: give one or more indexed-dataset prefixes "
+                             "(<prefix>.bin/.idx from `python -m data.preprocess`)")
         if cfg.weights is not None:
             if len(cfg.weights) != len(cfg.paths):
-                raise ValueError(f"data.weights has {len(cfg.weights)} entries but data.paths has {len(cfg.paths)}: give one weight per path or null")
+                raise ValueError(f"data.weights has {len(cfg.weights)} entries but data.paths has {len(cfg.paths)}: "
+                                 "give one weight per path or null")
             if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
                 raise ValueError(f"data.weights={cfg.weights} must be non-negative with a positive sum")
         if cfg.packing not in PACKING_MODES:
             raise ValueError(f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
         if cfg.packing == "document" and not cfg.eod_mask_loss:
-            raise ValueError("data.eod_mask_loss=false with packing=document would train labels across documents: set it true")
+            raise ValueError("data.eod_mask_loss=false with packing=document would train labels across documents: "
+                             "set it true")
         parts = [p for p in cfg.split.replace(" ", "").split(",") if p]
         try:
             nums = [float(p) for p in parts]
         except ValueError:
             raise ValueError(f"data.split={cfg.split!r} must be comma-separated numbers like '98,2,0'") from None
         if not 1 <= len(nums) <= 3 or any(n < 0 for n in nums) or sum(nums) <= 0:
-            raise ValueError(f"data.split={cfg.split!r} needs 1-3 non-negative weights with a positive sum, like '98,2,0'")
+            raise ValueError(f"data.split={cfg.split!r} needs 1-3 non-negative weights with a positive sum, "
+                             "like '98,2,0'")
         for n in ("train_samples", "valid_samples"):
             v = getattr(cfg, n)
             if v is not None and v <= 0:
@@ -188,7 +193,8 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
             raise ValueError(f"sft.val_fraction={cfg.val_fraction} must be in [0, 1) (e.g. 0.01)")
         if check_files:
             if not cfg.inputs():
-                raise ValueError("sft.path is empty: give a JSONL/parquet file or an HF dataset dir (or several as sft.paths)")
+                raise ValueError("sft.path is empty: give a JSONL/parquet file or an HF dataset dir "
+                                 "(or several as sft.paths)")
             for p in cfg.inputs():
                 if not os.path.exists(p):
                     key = "sft.path" if cfg.path else "sft.paths entry"

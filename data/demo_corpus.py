@@ -266,7 +266,8 @@ def build_demo(out_dir: str = DEFAULT_OUT, spec: DemoSpec | None = None, force: 
     by_source: dict = {}
     for r in rows:
         by_source[r["source"]] = by_source.get(r["source"], 0) + 1
-    log(f"[demo] corpus: {n_corpus} documents, {corpus_bytes / 1e6:.1f} MB {by_source} ({time.perf_counter() - t0:.1f}s)")
+    log(f"[demo] corpus: {n_corpus} documents, {corpus_bytes / 1e6:.1f} MB {by_source} "
+        f"({time.perf_counter() - t0:.1f}s)")
 
     def train_texts():
         left = spec.tokenizer_train_bytes

@@ -84,7 +84,8 @@ class PretrainLoader:
         if sd.get("kind") != "pretrain":
             raise ValueError(f"loader state is of kind {sd.get('kind')!r}, expected 'pretrain'")
         if sd.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"loader state was saved for data {sd.get('fingerprint')} but this loader has {self.fingerprint}: same paths/weights/seq_length/seed/samples needed to resume")
+            raise ValueError(f"loader state was saved for data {sd.get('fingerprint')} but this loader has "
+                             f"{self.fingerprint}: same paths/weights/seq_length/seed/samples needed to resume")
         self.consumed_samples = int(sd["consumed_samples"])
 
 
@@ -173,7 +174,8 @@ class SFTLoader:
         base = self.consumed_rows + self.dp_rank * self.B
         out = []
         for r in rows[base: base + self.B]:
-            out.append(assemble_row([self.data.ids[i] for i in r], [self.data.masks[i] for i in r], self.S, self.pad_id))
+            out.append(assemble_row([self.data.ids[i] for i in r], [self.data.masks[i] for i in r],
+                                    self.S, self.pad_id))
         self.consumed_rows += step
         return collate(out)
 
@@ -194,7 +196,8 @@ class SFTLoader:
         if sd.get("kind") != "sft":
             raise ValueError(f"loader state is of kind {sd.get('kind')!r}, expected 'sft'")
         if sd.get("fingerprint") != self._fingerprint():
-            raise ValueError(f"SFT loader state was saved for data {sd.get('fingerprint')} but this loader has {self._fingerprint()}")
+            raise ValueError(f"SFT loader state was saved for data {sd.get('fingerprint')} "
+                             f"but this loader has {self._fingerprint()}")
         self.epoch, self.consumed_rows = int(sd["epoch"]), int(sd["consumed_rows"])
 
 

@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="train", help="split of an HF dataset dir")
     ap.add_argument("--batch-docs", type=int, default=256)
     ap.add_argument("--max-docs", type=int, default=None)
-    ap.add_argument("--model-vocab-size", type=int, default=None, help="refuse tokenizers larger than the model's vocabulary")
+    ap.add_argument("--model-vocab-size", type=int, default=None,
+                    help="refuse tokenizers larger than the model's vocabulary")
     ap.add_argument("--strict", action="store_true", help="stop at the first bad row instead of skipping and counting")
     args = ap.parse_args(argv)
     try:

@@ -51,7 +51,8 @@ def render_with_template(tok: Tokenizer, messages: list[dict]) -> tuple[str, lis
             continue
         before, upto = r(messages[:i], gen=True), r(messages[: i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
-            raise ValueError("the tokenizer's chat template is not prefix-stable (history changes with later turns); use chat_template=chatml")
+            raise ValueError("the tokenizer's chat template is not prefix-stable (history changes with later turns); "
+                             "use chat_template=chatml")
         spans.append((len(before), len(upto.rstrip())))
     return full, spans
 
@@ -70,7 +71,8 @@ def check_conversation(messages, field_name: str = "messages") -> str | None:
     return None
 
 
-def tokenize_conversation(tok: Tokenizer, messages: list[dict], template: str = "chatml") -> tuple[np.ndarray, np.ndarray]:
+def tokenize_conversation(tok: Tokenizer, messages: list[dict],
+                          template: str = "chatml") -> tuple[np.ndarray, np.ndarray]:
     """Return ``ids`` int32 [n] and ``mask`` uint8 [n] (1 = assistant token incl. end-of-turn)."""
     text, spans = render_chatml(messages) if template == "chatml" else render_with_template(tok, messages)
     ids, offsets = tok.encode_with_offsets(text)

@@ -115,7 +115,8 @@ def read_entry(entry: Path) -> SFTData | None:
     read.rejected.update(meta["read"]["rejected"])
     read.first_at.update(meta["read"]["first_at"])
     n = len(off) - 1
-    return SFTData(ids=[tokens[off[i]:off[i + 1]] for i in range(n)], masks=[masks[off[i]:off[i + 1]] for i in range(n)],
+    return SFTData(ids=[tokens[off[i]:off[i + 1]] for i in range(n)],
+                   masks=[masks[off[i]:off[i + 1]] for i in range(n)],
                    sources=sources, stats=Counter(meta["stats"]), read=read, origin=f"from cache {entry}")
 
 

@@ -1,9 +1,9 @@
 """Reading rows from JSONL, parquet and HF dataset dirs, with every rejected row counted.
 
 JSONL is read line by line (a malformed line, or one that is not valid UTF-8, is counted with its
-line number instead of aborting the whole file or being silently repaired, which is what ``datasets``' json builder does); parquet and HF dataset dirs
-(``save_to_disk`` output or a folder of data files) are read with the ``datasets`` library,
-streaming, so nothing is cached or downloaded.
+line number instead of aborting the whole file or being silently repaired, which is what
+``datasets``' json builder does); parquet and HF dataset dirs (``save_to_disk`` output or a folder
+of data files) are read with the ``datasets`` library, streaming, so nothing is cached or downloaded.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class ReadStats:
 
     def reject(self, reason: str, where: str, strict: bool = False, detail: str = "") -> None:
         if strict:
-            raise BadInputError(f"{where}: {reason}{': ' + detail if detail else ''} (rerun without --strict to skip and count such rows)")
+            raise BadInputError(f"{where}: {reason}{': ' + detail if detail else ''} "
+                                "(rerun without --strict to skip and count such rows)")
         self.rejected[reason] += 1
         self.first_at.setdefault(reason, where)
 
@@ -93,7 +94,8 @@ def _open_with_datasets(path: str, split: str):
         if path.endswith(".parquet"):
             return datasets.load_dataset("parquet", data_files=path, split="train", streaming=True)
         raise ValueError(f"input {path!r}: unsupported file type; use .jsonl[.gz], .parquet or an HF dataset dir")
-    if os.path.isfile(os.path.join(path, "dataset_info.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")):
+    if (os.path.isfile(os.path.join(path, "dataset_info.json"))
+            or os.path.isfile(os.path.join(path, "dataset_dict.json"))):
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:

@@ -35,7 +35,8 @@ class Tokenizer:
 
     def __init__(self, path: str):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise ValueError(f"tokenizer dir {path!r} has no tokenizer.json: only HF fast tokenizers saved locally are supported")
+            raise ValueError(f"tokenizer dir {path!r} has no tokenizer.json: "
+                             "only HF fast tokenizers saved locally are supported")
         from transformers import AutoTokenizer
 
         self.path = os.path.abspath(path)
@@ -125,5 +126,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str, min_frequency
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": EOD_TOKEN, "pad_token": PAD_TOKEN, "additional_special_tokens": [IM_START, IM_END]}, f, indent=2)
+        json.dump({"eos_token": EOD_TOKEN, "pad_token": PAD_TOKEN, "additional_special_tokens": [IM_START, IM_END]},
+                  f, indent=2)
     return out_dir

@@ -98,7 +98,8 @@ class Ablation:
         with open(log, "a") as fh:
             fh.write(f"\n$ {' '.join(cmd)}\n")
             fh.flush()
-            p = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
             self.procs[key] = p
             try:
                 return p.wait()
@@ -138,7 +139,8 @@ class Ablation:
                 lengths = p.pretrain_doc_lengths if name == "pretrain" else p.cpt_doc_lengths
                 docs = training_documents(hay, tok, lengths, _task_names(), p.train_docs, 0)
                 data_dir.mkdir(parents=True, exist_ok=True)
-                jsonl, retrieval = data_dir / f"retrieval_{name}.jsonl", str(data_dir / f"retrieval_{name}_text_document")
+                jsonl, retrieval = (data_dir / f"retrieval_{name}.jsonl",
+                                    str(data_dir / f"retrieval_{name}_text_document"))
                 write_jsonl(str(jsonl), docs)
                 preprocess(str(jsonl), man["tokenizer"], retrieval, progress=False)
                 n_docs, n_tok = merge_indexed(merged[name], [retrieval, man["indexed_prefix"]], tok.vocab_size)
@@ -211,7 +213,8 @@ class Ablation:
             from eval.suite import evaluate
 
             job.log = None
-            evaluate(str(cpt_dir), data.tasks, data.corpus_prefix, str(eval_dir), cfg, log=lambda m: self.say(f"{v}: {m}"))
+            evaluate(str(cpt_dir), data.tasks, data.corpus_prefix, str(eval_dir), cfg,
+                     log=lambda m: self.say(f"{v}: {m}"))
         else:
             log = eval_dir.parent / f"{v}.log"
             job.log = str(log)
@@ -337,7 +340,8 @@ def merge_indexed(out_prefix: str, prefixes: list[str], vocab_size: int) -> tupl
             w.add(ds[i])
         del ds
     w.close()
-    summary = json.loads(Path(prefixes[-1] + ".summary.json").read_text()) if Path(prefixes[-1] + ".summary.json").is_file() else {}
+    summary = (json.loads(Path(prefixes[-1] + ".summary.json").read_text())
+               if Path(prefixes[-1] + ".summary.json").is_file() else {})
     write_json(Path(out_prefix + ".summary.json"), {"tokenizer": summary.get("tokenizer"), "sources": prefixes,
                                                      "documents": w.documents, "tokens": w.tokens})
     os.replace(tmp + ".bin", out_prefix + ".bin")
@@ -410,10 +414,12 @@ def ablation_markdown(table: dict) -> str:
              f"({p['task_samples']} samples per task and length). Locality and offload numbers over the sparse "
              f"decode steps; bytes and throughput for bf16 KV blocks over PCIe at 55 GB/s.", "",
              markdown_table(head, rows)]
-    tasks = sorted({t for row in variants.values() for t in ((row["result"] or {}).get("ruler") or {}).get("by_task", {})})
+    tasks = sorted({t for row in variants.values()
+                    for t in ((row["result"] or {}).get("ruler") or {}).get("by_task", {})})
     if tasks:
         lines += ["", "RULER-style task scores (mean over lengths):", "", markdown_table(
-            ["variant", *tasks], [[_variant_label(v), *[((row["result"] or {}).get("ruler") or {}).get("by_task", {}).get(t)
+            ["variant", *tasks],
+            [[_variant_label(v), *[((row["result"] or {}).get("ruler") or {}).get("by_task", {}).get(t)
                                    for t in tasks]] for v, row in variants.items()])]
     return "\n".join(lines) + "\n"
 

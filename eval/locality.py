@@ -182,7 +182,8 @@ def _summary(acc: dict, policy: str, offload: dict) -> dict:
     mean = lambda key: float(np.mean([h[key] for h in heads]))  # noqa: E731
     return {**_gamma_stats(g), "hit_rate": mean("hit_rate"), "fetched_per_step": mean("fetched_per_step"),
             "selected_per_step": mean("selected_per_step"),
-            "sim_hit_rate": mean(f"sim_{policy}_hit_rate"), "sim_fetched_per_step": mean(f"sim_{policy}_fetched_per_step"),
+            "sim_hit_rate": mean(f"sim_{policy}_hit_rate"),
+            "sim_fetched_per_step": mean(f"sim_{policy}_fetched_per_step"),
             **{k: mean(k) for k in heads[0] if k.startswith("sim_") and k.endswith("hit_rate")},
             "policy": policy, **offload}
 

@@ -81,7 +81,8 @@ def score_lm_eval(hf_dir: str, ts, lengths: list[int], tasks: list[str], limit: 
     if limit is not None:  # the items of the first `limit` samples of each task
         picked = {}
         for name, (t, n) in names.items():
-            items = [json_line for json_line in (ts.root / f"{t}_{n}.items.jsonl").read_text().splitlines() if json_line]
+            items = [json_line for json_line in (ts.root / f"{t}_{n}.items.jsonl").read_text().splitlines()
+                     if json_line]
             picked[name] = [i for i, line in enumerate(items) if _sample_of(line) < limit]
     res = simple_evaluate(
         model="hf", model_args={"pretrained": str(hf_dir), "trust_remote_code": True, "dtype": dtype,

@@ -20,7 +20,8 @@ from nosa_layers.locality import LocalityStats, format_locality_table, measure_l
 from nosa_layers.selection import document_spans
 
 __all__ = [
-    "NOSAConfig", "select_blocks", "nosa_attention", "prepare_selection", "PreparedSelection", "resolve_backend", "nosa_decode_step",
-    "select_decode", "DecodeOutput", "measure_locality", "LocalityStats", "format_locality_table",
-    "document_spans", "EVICTION_HEADS", "EvictionHead", "EvictionOutput", "build_eviction_head", "register_eviction_head",
+    "NOSAConfig", "select_blocks", "nosa_attention", "prepare_selection", "PreparedSelection", "resolve_backend",
+    "nosa_decode_step", "select_decode", "DecodeOutput", "measure_locality", "LocalityStats", "format_locality_table",
+    "document_spans", "EVICTION_HEADS", "EvictionHead", "EvictionOutput", "build_eviction_head",
+    "register_eviction_head",
 ]

@@ -399,8 +399,10 @@ class NOSABlockCache(Cache):
                 st.v[:, :, :oNB] = old.v
             if old.cpu_k is not None:
                 Hkv = st.spec.num_kv_heads
-                st.cpu_k.view(B, Hkv, NB, *old.cpu_k.shape[1:])[:, :, :oNB] = old.cpu_k.view(B, Hkv, oNB, *old.cpu_k.shape[1:])
-                st.cpu_v.view(B, Hkv, NB, *old.cpu_v.shape[1:])[:, :, :oNB] = old.cpu_v.view(B, Hkv, oNB, *old.cpu_v.shape[1:])
+                st.cpu_k.view(B, Hkv, NB, *old.cpu_k.shape[1:])[:, :, :oNB] = old.cpu_k.view(
+                    B, Hkv, oNB, *old.cpu_k.shape[1:])
+                st.cpu_v.view(B, Hkv, NB, *old.cpu_v.shape[1:])[:, :, :oNB] = old.cpu_v.view(
+                    B, Hkv, oNB, *old.cpu_v.shape[1:])
                 st.gpu_k, st.gpu_v, st.gpu_b = old.gpu_k, old.gpu_v, old.gpu_b
                 st.slot_of[..., :oNB] = old.slot_of[..., :oNB]
                 st.slot_block = torch.where(old.slot_block == oNB, NB, old.slot_block)

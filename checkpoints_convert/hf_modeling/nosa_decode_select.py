@@ -24,7 +24,8 @@ def decode_masks(pos: Tensor, cfg: NOSAConfig, NB: int, NW: int) -> dict:
     ``hidden [B, 1, NW]`` (windows not complete yet), ``forced`` / ``future [B, 1, NB]``, ``qb [B, 1]``."""
     dev = pos.device
     n = pos + 1
-    nw = torch.where(n >= cfg.kernel_size, torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor") + 1, 0)
+    nw = torch.where(n >= cfg.kernel_size,
+                     torch.div(n - cfg.kernel_size, cfg.kernel_stride, rounding_mode="floor") + 1, 0)
     hidden = (torch.arange(NW, device=dev)[None, :] >= nw[:, None])[:, None]
     blk = torch.arange(NB, device=dev)[None, :]
     qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]

@@ -18,7 +18,7 @@ from typing import Optional
 
 from data.sources import write_jsonl
 from eval.errors import EvalError
-from eval.tasks.ruler import TASKS, TaskSample, generate, item_token_spans
+from eval.tasks.ruler import TASKS, TaskSample, generate, item_token_spans  # noqa: F401 (TaskSample: public name)
 
 MANIFEST = "tasks.json"
 DEFAULT_LENGTHS = [4096, 8192, 16384]

@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--samples", type=int, default=20, help="samples per (task, length)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-docs", type=int, default=0, help="also write train.jsonl with N documents per (task, length)")
+    ap.add_argument("--train-docs", type=int, default=0,
+                    help="also write train.jsonl with N documents per (task, length)")
     ap.add_argument("--train-lengths", default=None, help="lengths of the training documents (default --lengths)")
     return run_cli("eval.tasks", run, ap.parse_args(argv))
 

@@ -57,7 +57,8 @@ def build_haystack(texts: list[str], tok, min_paragraphs: int = 50, max_paragrap
                 paras.append(p)
     paras = paras[::max(1, len(paras) // max_paragraphs)][:max_paragraphs]
     if len(paras) < min_paragraphs:
-        raise EvalError(f"the corpus has only {len(paras)} usable paragraphs (need {min_paragraphs}); give a larger --corpus")
+        raise EvalError(f"the corpus has only {len(paras)} usable paragraphs (need {min_paragraphs}); "
+                        "give a larger --corpus")
     lens = [len(ids) + 1 for ids in tok.encode_plain(paras)]
     counts = Counter(w for p in paras for w in _WORD.findall(p))
     words = [w for w, c in counts.most_common() if c >= 3]

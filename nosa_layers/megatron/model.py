@@ -175,7 +175,8 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
             raise ValueError("init_seed needs use_cpu_initialization=True (GPU initialisation draws per TP rank)")
         layer = seeded_layer(init_seed)
         block_spec = dataclasses.replace(block_spec, layer_specs=[
-            dataclasses.replace(s, module=layer) if s.module is TransformerLayer else s for s in block_spec.layer_specs])
+            dataclasses.replace(s, module=layer) if s.module is TransformerLayer else s
+            for s in block_spec.layer_specs])
     return NOSAGPTModel(
         config=config, transformer_layer_spec=block_spec, vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings, pre_process=pre_process, post_process=post_process,

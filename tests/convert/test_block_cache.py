@@ -368,7 +368,8 @@ def test_triton_decode_attention_in_the_cache(export_dirs):
     runs, fetched = {}, {}
     for name, opts in (("full", {}), ("offload", {"offload": True}),
                        ("offload_3slots", {"offload": True, "gpu_blocks": 3, "fetch": "uva"}),
-                       ("offload_3slots_torch", {"offload": True, "gpu_blocks": 3, "fetch": "uva", "attention": "torch"})):
+                       ("offload_3slots_torch",
+                        {"offload": True, "gpu_blocks": 3, "fetch": "uva", "attention": "torch"})):
         cache = model.new_cache(**{"attention": "triton", **opts})
         logits, sels, cache = _run(model, cache, ids, mask, new)
         assert cache.attention == opts.get("attention", "triton")

@@ -84,7 +84,8 @@ def test_errors_list_every_name():
     with pytest.raises(ConversionError) as e:
         hf_to_megatron(hf, g)
     msg = str(e.value)
-    for n in ("model.layers.1.self_attn.delta.weight", "model.layers.0.self_attn.extra", "model.layers.0.mlp.up_proj.weight"):
+    for n in ("model.layers.1.self_attn.delta.weight", "model.layers.0.self_attn.extra",
+              "model.layers.0.mlp.up_proj.weight"):
         assert n in msg
 
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from checkpoints_convert.common import geometry, load_megatron_tensors, load_safetensors_dir, max_abs, read_model_config, rel_err
+from checkpoints_convert.common import (geometry, load_megatron_tensors, load_safetensors_dir, max_abs,
+                                        read_model_config, rel_err)
 from checkpoints_convert.mapping import hf_to_megatron, megatron_to_hf
 from tests.convert._cases import CASES
 from tests.convert.conftest import RESULTS, load_hf

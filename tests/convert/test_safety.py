@@ -109,7 +109,8 @@ def test_verify_runs_only_the_shipped_modeling_code(exports, tmp_path, capsys):
     edited = shutil.copytree(exports[CASE], tmp_path / "edited")
     with open(edited / "modeling_nosa.py", "a") as f:
         f.write("\nimport os; os.system('echo pwned')\n")
-    with pytest.raises(ConversionError, match=r"differs from this project's \(modeling_nosa\.py\).*--trust-remote-code"):
+    with pytest.raises(ConversionError,
+                       match=r"differs from this project's \(modeling_nosa\.py\).*--trust-remote-code"):
         trust_remote_code(edited)
     assert trust_remote_code(edited, allowed=True) is True
     assert verify_main(["--hf", str(edited), "--decode-steps", "0"]) == 2

@@ -81,8 +81,9 @@ def test_demo_contents(demo, tok):
 
 
 def test_sft_pairs_come_from_the_source_signatures():
-    src = 'def area(w, h=1, *, unit="m"):\n    """Return the area of a rectangle of width w and height h."""\n    return w * h\n' \
-          'def _private(x):\n    """Hidden helper function that should be skipped."""\n'
+    src = ('def area(w, h=1, *, unit="m"):\n    """Return the area of a rectangle of width w and height h."""\n'
+           '    return w * h\n'
+           'def _private(x):\n    """Hidden helper function that should be skipped."""\n')
     pairs = list(sft_examples_from_source("geo", src))
     assert len(pairs) == 2
     q, a, _ = pairs[0]

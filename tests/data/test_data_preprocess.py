@@ -50,7 +50,8 @@ def test_bad_rows_are_counted_with_reason_and_line(tmp_path, tok):
 def test_cli_summary_and_one_line_errors(tmp_path, tok, capsys):
     src = tmp_path / "in.jsonl"
     _write_jsonl(src, [{"content": t} for t in DOCS] + ["oops"])
-    assert main(["--input", str(src), "--tokenizer", tok.path, "--out", str(tmp_path / "c"), "--text-key", "content"]) == 0
+    assert main(["--input", str(src), "--tokenizer", tok.path, "--out", str(tmp_path / "c"),
+                 "--text-key", "content"]) == 0
     out = capsys.readouterr().out
     assert f"{len(DOCS)} documents" in out and "skipped 1 row(s): malformed JSON" in out
     # tokenizer vocabulary larger than the model's: refused, one line

@@ -45,7 +45,8 @@ def test_mask_covers_exactly_assistant_content_and_end_of_turn(tok, template):
     # everything outside the runs decodes to the non-assistant part of the rendering
     text, spans = render_chatml(CONV)
     outside = "".join(tok.decode(ids[a:b].tolist()) for a, b in _runs(1 - mask))
-    assert outside == "".join(text[s:e] for s, e in zip([0] + [e for _, e in spans], [s for s, _ in spans] + [len(text)]))
+    assert outside == "".join(text[s:e] for s, e in zip([0] + [e for _, e in spans],
+                                                        [s for s, _ in spans] + [len(text)]))
 
 
 def _write(path, rows):
@@ -58,13 +59,15 @@ def _conv(q, a):
 
 
 def test_bad_examples_are_counted_or_refused(tmp_path, tok):
-    rows = [_conv("hi", "hello"), {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
+    rows = [_conv("hi", "hello"),
+            {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
             {"messages": []}, {"text": "no messages"}, {"messages": [{"role": "user", "content": "only a question"}]},
             {"messages": [{"role": "user"}]}, "{broken", _conv("q2", "a2")]
     path = _write(tmp_path / "bad.jsonl", rows)
     cfg = SFTConfig(path=path, tokenizer=tok.path, seq_length=64, micro_batch_size=1)
     # 6 of 8 rows unusable: above max_dropped_fraction=0.5 by default, one line naming the limit
-    with pytest.raises(BadInputError, match=r"6 of 8 conversations .* \(75%\) are unusable .*max_dropped_fraction") as e:
+    with pytest.raises(BadInputError,
+                       match=r"6 of 8 conversations .* \(75%\) are unusable .*max_dropped_fraction") as e:
         build_sft_loader(cfg, log=lambda m: None)
     assert "\n" not in str(e.value)
     cfg.max_dropped_fraction = 0.8  # allowed, but above warn_dropped_fraction: one warning line
@@ -83,7 +86,8 @@ def test_bad_examples_are_counted_or_refused(tmp_path, tok):
 def test_overlong_truncate_or_drop(tmp_path, tok):
     long = _conv("short question", "word " * 300)
     path = _write(tmp_path / "long.jsonl", [_conv("a", "b"), long, _conv("c", "d")])
-    t = build_sft_loader(SFTConfig(path=path, tokenizer=tok.path, seq_length=64, overlong="truncate"), log=lambda m: None)
+    t = build_sft_loader(SFTConfig(path=path, tokenizer=tok.path, seq_length=64, overlong="truncate"),
+                         log=lambda m: None)
     assert t.stats == {"truncated": 1} and max(len(x) for x in t.data.ids) == 64
     d = build_sft_loader(SFTConfig(path=path, tokenizer=tok.path, seq_length=64, overlong="drop"), log=lambda m: None)
     assert d.stats == {"dropped_overlong": 1} and len(d.data.ids) == 2

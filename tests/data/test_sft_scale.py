@@ -47,7 +47,8 @@ def test_cache_is_built_once_keyed_by_content_and_settings(tmp_path, tok, monkey
     assert cache_key(SFTConfig(**{**cfg.__dict__, "chat_template": "tokenizer"}), tok.path) != key
     assert cache_key(SFTConfig(**{**cfg.__dict__, "val_fraction": 0.1, "seed": 7}), tok.path) == key  # split after
     with open(a, "a") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                         {"role": "assistant", "content": "r"}]}) + "\n")
     assert cache_key(cfg, tok.path) != key  # content changed
     # default location: next to the (first) input
     assert cache_root(SFTConfig(path=a)) == tmp_path / ".sft_cache"

@@ -192,8 +192,9 @@ def run_one(case_name: str, layout_name: str, out_dir: str, init_state) -> dict:
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
     cfg.finalize_model_grads_func = finalize_model_grads
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=ADAM_EPS, weight_decay=0.01, clip_grad=1.0,
-                                                 use_distributed_optimizer=True, bf16=False, fp16=False), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=ADAM_EPS, weight_decay=0.01,
+                                                 clip_grad=1.0, use_distributed_optimizer=True, bf16=False,
+                                                 fp16=False), [ddp])
 
     tok, lab, mask = make_batches(case, case.seed)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

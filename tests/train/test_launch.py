@@ -10,7 +10,8 @@ from tests.train.conftest import ROOT
 
 
 def _bash(script, *args, env=None, tmp_path=None):
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "RUN_", "NNODES", "NODE_", "OMP_"))}
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "NCCL_", "RUN_", "NNODES", "NODE_", "OMP_"))}
     if tmp_path is not None:  # a stand-in `scontrol show hostnames` for the job's node list
         fake = tmp_path / "bin"
         fake.mkdir(exist_ok=True)

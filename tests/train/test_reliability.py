@@ -129,8 +129,10 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
     cases = [
         (resume, ["train.max_steps=3"], "is at step 4, beyond train.max_steps=3"),
         (resume, ["train.global_batch_size=4"], "change the training trajectory: train.global_batch_size 2 -> 4; "
-                                                "restore them, choose a new run.dir, or set checkpoint.allow_config_change=true"),
-        (resume, ["recipe=tiny_cpt"], "holds checkpoints of another model (attention: checkpoint dense vs recipe nosa)"),
+                                                "restore them, choose a new run.dir, "
+                                                "or set checkpoint.allow_config_change=true"),
+        (resume, ["recipe=tiny_cpt"],
+         "holds checkpoints of another model (attention: checkpoint dense vs recipe nosa)"),
         (fresh, ["run.device=cuda"], "run.device=cuda but CUDA is not available"),
         (fresh, ["model.vocab_size=512"], "has 1024 tokens but the model's vocabulary is 512"),
         (fresh, [f"data.paths=[{empty}]"], "is empty (0 documents)"),
@@ -149,7 +151,8 @@ def test_sft_file_without_a_usable_row_is_one_line(tmp_path, data_args):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n{"text": "no messages"}\n')
     p = run_main(["recipe=tiny_sft", *data_args, f"sft.path={bad}", f"run.dir={tmp_path / 'sft'}",
-                  "train.max_steps=2", "optim.warmup_steps=1", "train.seq_length=256", "train.global_batch_size=2"], check=False)
+                  "train.max_steps=2", "optim.warmup_steps=1", "train.seq_length=256", "train.global_batch_size=2"],
+                 check=False)
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-2000:]
     assert "no usable conversations" in errors[0] and "no assistant turn" in errors[0]

@@ -14,7 +14,8 @@ def test_sft_two_inputs_validation_split_and_cached_resume(tmp_path, demo_data):
     a.write_text("".join(lines[::2]))
     b.write_text("".join(lines[1::2]))
     run = tmp_path / "sft"
-    args = ["recipe=tiny_sft", "attention=dense", "sft.path=", f"sft.paths=[{a},{b}]", "sft.weights=[1,0.5]", "sft.val_fraction=0.1",
+    args = ["recipe=tiny_sft", "attention=dense", "sft.path=", f"sft.paths=[{a},{b}]", "sft.weights=[1,0.5]",
+            "sft.val_fraction=0.1",
             f"sft.cache_dir={tmp_path / 'cache'}", f"sft.tokenizer={demo_data['tokenizer']}", f"run.dir={run}",
             "train.seq_length=256", "train.global_batch_size=2", "train.eval_iters=1", "optim.warmup_steps=1",
             "checkpoint.interval=0", "logging.plot=false"]
