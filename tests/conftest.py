@@ -12,6 +12,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.cpu_time import cpu_seconds, summary_lines  # noqa: E402
+
 # Without CUDA the Triton kernel tests (tests/ops) run under the Triton interpreter, which must be
 # chosen before any kernel module is imported; nothing else runs Triton on a CPU machine.
 if not torch.cuda.is_available():
@@ -21,6 +23,48 @@ if not torch.cuda.is_available():
 # runs they launch, which take one thread each): one intra-op thread per worker, not one per core.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
     torch.set_num_threads(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item._cpu_start = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    item._cpu_start = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    item._cpu_start = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries its CPU seconds (``user_properties`` travel from xdist workers)."""
+    report = (yield).get_result()
+    if hasattr(item, "_cpu_start"):
+        report.user_properties.append(("cpu_s", cpu_seconds() - item._cpu_start))
+
+
+_CPU_ROWS: list = []
+
+
+def pytest_runtest_logreport(report):
+    cpu = dict(report.user_properties).get("cpu_s")
+    if cpu is not None:
+        _CPU_ROWS.append((cpu, report.when, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _CPU_ROWS:
+        terminalreporter.write_sep("=", "CPU seconds per test phase (with child processes)")
+        for line in summary_lines(_CPU_ROWS, 15):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)
