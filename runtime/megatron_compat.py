@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 _PATCHED = False
-_SYNC_FREE = False
 
 
 def patch_distributed_optimizer_step_state() -> None:
@@ -88,17 +87,12 @@ def use_sync_free_multi_tensor_ops() -> bool:
     """Replace megatron-core's local (no TE / Apex) multi-tensor L2 norm and scale with
     :func:`multi_tensor_l2_norm` / :func:`multi_tensor_scale` wherever it uses them. Idempotent;
     returns whether megatron-core was on its local fallback (TE's or Apex's kernels are left alone)."""
-    global _SYNC_FREE
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
 
-    patched = False
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = multi_tensor_l2_norm
-        patched = True
     for module in (clip_grads, optimizer):
         if getattr(module, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = multi_tensor_scale
-            patched = True
-    _SYNC_FREE = _SYNC_FREE or patched
-    return _SYNC_FREE
+    return clip_grads.l2_norm_impl is multi_tensor_l2_norm

@@ -51,11 +51,6 @@ def grads_nonfinite_flag(model_chunks, device: torch.device) -> torch.Tensor:
     return _on_all_ranks(_local_nonfinite([b.grad_data for b in _buffers(model_chunks)], device))
 
 
-def grads_nonfinite(model_chunks, device: torch.device) -> bool:
-    """Whether any rank holds a NaN/inf gradient (after the backward and the DP reduction)."""
-    return bool(grads_nonfinite_flag(model_chunks, device).item() > 0)
-
-
 def weights_nonfinite(model_chunks, device: torch.device) -> bool:
     """Whether any rank holds a NaN/inf weight (checked before every checkpoint save)."""
     tensors = []

@@ -35,15 +35,14 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         self.long_inv_freq = longrope_inv_freq(
             longrope, kv_channels, self.theta, longrope.original_max_position_embeddings + 1, device=device)
         self.inv_freq = self.short_inv_freq
-        self._on_device: dict = {}  # (long, device) -> the factors there, copied once (a copy from pageable
-        # host memory waits for the GPU's queue: one host sync per forward otherwise)
 
     def _inv_freq(self, long: bool) -> Tensor:
         device = self.inv_freq.device
-        key = (long, str(device))
-        if key not in self._on_device:
-            self._on_device[key] = (self.long_inv_freq if long else self.short_inv_freq).to(device)
-        return self._on_device[key]
+        if self.short_inv_freq.device != device:
+            # megatron moves a CPU-initialised ``inv_freq`` to the GPU at the first forward; the factors
+            # follow once (a copy from pageable host memory per forward would wait for the GPU's queue)
+            self.short_inv_freq, self.long_inv_freq = self.short_inv_freq.to(device), self.long_inv_freq.to(device)
+        return self.long_inv_freq if long else self.short_inv_freq
 
     def get_freqs_non_repeated(self, max_seq_len: int, offset: int = 0) -> Tensor:
         long = max_seq_len + offset > self.longrope.original_max_position_embeddings

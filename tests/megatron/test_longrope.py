@@ -62,3 +62,21 @@ def test_factor_count_is_validated():
 def test_megatron_longrope_equals_pure_tables(megatron_ref):
     r = megatron_ref.status("ref", "longrope_megatron")
     assert r["abs"] <= 1e-6
+
+
+def test_megatron_longrope_factors_follow_inv_freq_once():
+    """megatron moves a CPU-built ``inv_freq`` to the GPU at the first forward: both factor tables follow
+    it once (here to ``meta``, the device a CPU machine has besides ``cpu``), not once per forward."""
+    pytest.importorskip("megatron.core")
+    from nosa_layers.megatron.rope import LongRoPERotaryEmbedding
+
+    half = 8
+    lr = LongRoPEConfig(short_factor=[1.0] * half, long_factor=[1.0 + i for i in range(half)],
+                        original_max_position_embeddings=64)
+    emb = LongRoPERotaryEmbedding(2 * half, lr, rotary_base=10000.0, use_cpu_initialization=True)
+    short, long = emb.short_inv_freq.clone(), emb.long_inv_freq.clone()
+    assert torch.equal(emb._inv_freq(False), short) and torch.equal(emb._inv_freq(True), long)
+    emb.inv_freq = emb.inv_freq.to("meta")
+    moved = emb._inv_freq(True)
+    assert moved.device.type == "meta" and emb.short_inv_freq.device.type == "meta"
+    assert emb._inv_freq(True) is moved and emb._inv_freq(False) is emb.short_inv_freq  # no further copy
