@@ -27,7 +27,11 @@ profiled steps are left out of the measured steps (``tokens_per_s_with_profiled_
 
     python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
         [--seq 16384] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
-        [--extra key=value ...]
+        [--extra key=value ...] [--source CHECKOUT]
+
+``--source`` runs another checkout's ``train/main.py`` under this harness (``bench/ab_throughput.py``
+uses it to time two versions of the code alike). Relative paths are taken from the current directory;
+the default data is this repository's ``.cache/demo_data``.
 
 The demo corpus is mostly short files (46% of its tokens are in documents shorter than 16K), so
 document masking already removes most attention work there. For the document lengths of a
@@ -75,18 +79,19 @@ def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
 
 def launch(name: str, a: argparse.Namespace) -> dict:
     args, nproc = run_config(name, a)
+    source = Path(a.source)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "WANDB_MODE": "disabled"}
     if nproc == 1:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
+        cmd = [sys.executable, str(source / "train" / "main.py"), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / "train" / "main.py"), *args]
+               str(source / "train" / "main.py"), *args]
     t0 = time.time()
     log = Path(a.out) / f"{name}.log"
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
+        rc = subprocess.run(cmd, cwd=source, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
                             check=False).returncode
     out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
     metrics = Path(a.out) / name / "metrics.jsonl"
@@ -188,12 +193,18 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seq", type=int, default=16384, help="tokens per sequence (global batch: 2 sequences)")
     p.add_argument("--profile-step", type=int, default=0, help="profile this step and the next (0: off)")
-    p.add_argument("--data", default=".cache/demo_data/corpus_text_document")
-    p.add_argument("--tokenizer", default=".cache/demo_data/tokenizer")
+    p.add_argument("--data", default=str(ROOT / ".cache/demo_data/corpus_text_document"))
+    p.add_argument("--tokenizer", default=str(ROOT / ".cache/demo_data/tokenizer"))
+    p.add_argument("--source", default=str(ROOT), help="checkout whose train/main.py runs (default: this one)")
     p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
     p.add_argument("--timeout", type=int, default=420)
     p.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. train.recompute=none")
     a = p.parse_args()
+    # the runs start in --source: every path they are given is absolute
+    a.out, a.data, a.tokenizer, a.source = (os.path.abspath(x) for x in (a.out, a.data, a.tokenizer, a.source))
+    if not (Path(a.source) / "train" / "main.py").is_file():
+        print(f"error: --source {a.source} has no train/main.py", file=sys.stderr)
+        sys.exit(2)
     taken = [n for n in a.runs.split(",") if (Path(a.out) / n).exists() or (Path(a.out) / f"{n}.log").exists()]
     if taken:  # a run's metrics, profile and checkpoints would mix with the earlier run's
         print(f"error: --out {a.out} already holds run(s) {', '.join(taken)}; choose a new --out", file=sys.stderr)
@@ -203,7 +214,7 @@ def main() -> None:
 
     gpus = torch.cuda.device_count()
     env = {"gpu": torch.cuda.get_device_name(0) if gpus else "none", "gpus": gpus, "torch": torch.__version__,
-           "data": corpus_identity(a.data)}
+           "data": corpus_identity(a.data), "source": a.source}
     print(f"data: {env['data']}", flush=True)
     try:
         import triton

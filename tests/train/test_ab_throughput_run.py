@@ -1,0 +1,36 @@
+"""``bench/ab_throughput.py`` end to end on the CPU: each side trains from its own checkout under the same
+harness, and the summary tells the sides apart (a baseline whose recipe differs logs other losses)."""
+
+import json
+import subprocess
+import sys
+
+from tests.bench.loader import REPO, load_bench
+from tests.subproc import child_env
+
+
+def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
+    baseline = tmp_path / "baseline"
+    load_bench("ab_throughput").export_revision(REPO, "HEAD", baseline)
+    recipe = baseline / "recipes" / "recipe" / "tiny_cpt.yaml"
+    text = recipe.read_text()
+    assert "attention_factor: 1.060660" in text
+    recipe.write_text(text.replace("attention_factor: 1.060660", "attention_factor: 1.5"))  # other logits
+    out = tmp_path / "ab"
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--baseline-src", str(baseline), "--out", str(out),
+         "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt", "--layers", "2", "--seq", "256",
+         "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"], "--tokenizer", demo_data["tokenizer"]],
+        capture_output=True, text=True, timeout=600, env=child_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "ab_throughput.json").read_text())
+    assert doc["order"] == ["baseline 1", "candidate 1"]
+    assert [e["source"] for e in doc["env"]["baseline"]] == [str(baseline)]
+    assert [e["source"] for e in doc["env"]["candidate"]] == [str(REPO)]
+    assert doc["sides"]["baseline"]["commit"] is None and doc["sides"]["candidate"]["path"] == str(REPO)
+    (row,) = doc["summary"]
+    assert row["run"] == "nosa_1gpu" and row["beyond_spread"] is None  # one repeat: no spread to compare with
+    assert all(len(v) == 1 and v[0] > 0 for v in row["tokens_per_s"].values())
+    base, cand = doc["results"]["baseline"][0][0]["losses"], doc["results"]["candidate"][0][0]["losses"]
+    assert len(base) == len(cand) == 3 and base != cand and row["losses_identical"] is False
+    assert "| nosa_1gpu |" in p.stdout and "one repeat: unknown" in p.stdout
