@@ -11,7 +11,8 @@ baseline is ``--baseline REV`` (exported with ``git archive`` into ``OUT/baselin
     python bench/ab_throughput.py --baseline main --out DIR [--repeats 2] [--runs nosa_1gpu_nr] \\
         [-- any bench/train_throughput.py options: --steps 17 --warmup 5 --layers 28 --seq 16384 ...]
 
-Writes ``DIR/ab_throughput.json`` (every run's ``train_throughput`` result and the summary) and prints,
+Writes ``DIR/ab_throughput.json`` (every run's ``train_throughput`` result and the summary; rewritten after
+every run, ``complete`` false until the last, so that a stopped comparison keeps what it measured) and prints,
 per run name: tokens/s of each repeat on both sides, the change of the means, the spread within
 each side, whether the change is larger than that spread, and whether the per-step losses are
 identical on both sides (a performance change should not move them).
@@ -166,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         sides = {"baseline": describe(baseline)}
     sides["candidate"] = describe(candidate)
     srcs = {"baseline": baseline, "candidate": candidate}
-    results: dict[str, list[list[dict]]] = {side: [[] for _ in range(a.repeats)] for side in SIDES}
-    envs: dict[str, list[dict]] = {side: [{} for _ in range(a.repeats)] for side in SIDES}
+    results: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
+    envs: dict[str, list[dict]] = {side: [] for side in SIDES}
     order = run_order(a.repeats)
+    doc = {"sides": sides, "order": [f"{s} {i + 1}" for s, i in order], "train_throughput_args": passthrough,
+           "runs": a.runs, "complete": False, "summary": [], "results": results, "env": envs}
     t0 = time.time()
     for n, (side, i) in enumerate(order, 1):
         run_out = out / f"{side}_{i + 1}"
@@ -178,21 +181,27 @@ def main(argv: list[str] | None = None) -> int:
         with open(out / f"{side}_{i + 1}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         got = run_out / "train_throughput.json"
-        if rc != 0 or not got.exists():
-            print(f"error: {side} repeat {i + 1} failed (rc {rc}); see {out / f'{side}_{i + 1}.log'}", file=sys.stderr)
+        run = json.loads(got.read_text()) if rc == 0 and got.exists() else {"results": []}
+        failed = [r["run"] for r in run["results"] if "tokens_per_s" not in r and "skipped" not in r]
+        if rc != 0 or not got.exists() or failed:
+            print(f"error: {side} repeat {i + 1} failed (rc {rc}{', runs ' + ', '.join(failed) if failed else ''}); "
+                  f"see {out / f'{side}_{i + 1}.log'} and {run_out}", file=sys.stderr)
             return 1
-        doc = json.loads(got.read_text())
-        results[side][i], envs[side][i] = doc["results"], doc["env"]
-    rows = summarize(results)
-    doc = {"sides": sides, "order": [f"{s} {i + 1}" for s, i in order], "train_throughput_args": passthrough,
-           "runs": a.runs, "summary": rows, "results": results, "env": envs}
-    tmp = out / ".ab_throughput.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out / "ab_throughput.json")
+        results[side].append(run["results"])
+        envs[side].append(run["env"])
+        pairs = min(len(results[x]) for x in SIDES)  # the summary so far: repeats both sides have finished
+        doc["complete"] = n == len(order)
+        doc["summary"] = summarize({x: results[x][:pairs] for x in SIDES}) if pairs else []
+        _write_json(out / "ab_throughput.json", doc)  # after every run: a stopped comparison keeps what it measured
     print(f"\nbaseline: {sides['baseline']}\ncandidate: {sides['candidate']}\norder: {' '.join(doc['order'])}\n")
-    print(table(rows))
+    print(table(doc["summary"]))
     return 0
 
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
 
 if __name__ == "__main__":
     sys.exit(main())

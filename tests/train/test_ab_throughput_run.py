@@ -24,7 +24,7 @@ def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
         capture_output=True, text=True, timeout=600, env=child_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((out / "ab_throughput.json").read_text())
-    assert doc["order"] == ["baseline 1", "candidate 1"]
+    assert doc["complete"] is True and doc["order"] == ["baseline 1", "candidate 1"]
     assert [e["source"] for e in doc["env"]["baseline"]] == [str(baseline)]
     assert [e["source"] for e in doc["env"]["candidate"]] == [str(REPO)]
     assert doc["sides"]["baseline"]["commit"] is None and doc["sides"]["candidate"]["path"] == str(REPO)
@@ -34,3 +34,20 @@ def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
     base, cand = doc["results"]["baseline"][0][0]["losses"], doc["results"]["candidate"][0][0]["losses"]
     assert len(base) == len(cand) == 3 and base != cand and row["losses_identical"] is False
     assert "| nosa_1gpu |" in p.stdout and "one repeat: unknown" in p.stdout
+
+
+def test_a_failed_run_stops_the_comparison_and_keeps_the_runs_before_it(tmp_path, demo_data):
+    broken = tmp_path / "broken"
+    (broken / "train").mkdir(parents=True)
+    (broken / "train" / "main.py").write_text("import sys\nsys.exit(3)\n")
+    out = tmp_path / "ab"
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--baseline-src", str(REPO), "--candidate-src",
+         str(broken), "--out", str(out), "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt",
+         "--layers", "2", "--seq", "256", "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"],
+         "--tokenizer", demo_data["tokenizer"]], capture_output=True, text=True, timeout=600, env=child_env())
+    assert p.returncode == 1 and "candidate repeat 1 failed" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads((out / "ab_throughput.json").read_text())
+    assert doc["complete"] is False and doc["summary"] == [] and doc["results"]["candidate"] == []
+    (run,) = doc["results"]["baseline"][0]
+    assert run["run"] == "nosa_1gpu" and run["tokens_per_s"] > 0 and len(run["losses"]) == 3
