@@ -85,6 +85,7 @@ TESTS = Path(__file__).resolve().parent
 # listed follow, in their own order.
 SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "eval", "train/test_layout_init.py",
                "train/test_reliability.py", "train/test_preemption.py", "train/test_sft_run.py",
+               "train/test_ab_throughput_run.py",
                "train/test_config_recipes.py", "nosa", "train/test_hydra_cli.py", "train/test_sizing.py"]
 
 
