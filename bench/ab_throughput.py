@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,12 +59,16 @@ def export_revision(repo: Path, rev: str, dest: Path) -> str:
     name, renamed when complete); returns the full commit hash (``ValueError`` for an unknown ``rev``)."""
     commit = resolve_commit(repo, rev)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    with tempfile.TemporaryFile(dir=dest.parent) as tar:
-        subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit], stdout=tar, check=True)
-        tar.seek(0)
-        with tarfile.open(fileobj=tar) as t:
-            t.extractall(tmp, filter="data")
-    tmp.rename(dest)
+    try:
+        with tempfile.TemporaryFile(dir=dest.parent) as tar:
+            subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit], stdout=tar, check=True)
+            tar.seek(0)
+            with tarfile.open(fileobj=tar) as t:
+                t.extractall(tmp, filter="data")
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own partial export
+        raise
     return commit
 
 
