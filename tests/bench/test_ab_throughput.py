@@ -1,6 +1,7 @@
 """``bench/ab_throughput.py``: the run order, the summary of two sides, the export of a git revision and
 the refusals of its command line (no training here; ``tests/train/test_ab_throughput_run.py`` runs it)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,8 @@ def test_summary_compares_the_means_with_the_spread_and_the_losses():
 
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                               "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}).stdout.strip()
+                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
 
 
 def test_a_revision_is_exported_whole_and_an_unknown_one_is_refused(tmp_path):
