@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,6 +32,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eval.report import write_json  # noqa: E402
+
 SIDES = ("baseline", "candidate")
 
 
@@ -54,10 +57,9 @@ def resolve_commit(repo: Path, rev: str) -> str:
     return got.stdout.strip()
 
 
-def export_revision(repo: Path, rev: str, dest: Path) -> str:
-    """``rev``'s tree of the git repository ``repo`` extracted into ``dest`` (written under a temporary
-    name, renamed when complete); returns the full commit hash (``ValueError`` for an unknown ``rev``)."""
-    commit = resolve_commit(repo, rev)
+def export_revision(repo: Path, commit: str, dest: Path) -> None:
+    """``commit``'s tree of the git repository ``repo`` extracted into ``dest`` (written under a temporary
+    name, renamed when complete; a failed export removes its partial folder)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         with tempfile.TemporaryFile(dir=dest.parent) as tar:
@@ -67,9 +69,8 @@ def export_revision(repo: Path, rev: str, dest: Path) -> str:
                 t.extractall(tmp, filter="data")
         tmp.rename(dest)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # our own partial export
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return commit
 
 
 def describe(src: Path) -> dict:
@@ -94,9 +95,9 @@ def summarize(results: dict[str, list[list[dict]]]) -> list[dict]:
     rows = []
     for name in names:
         runs = {side: [next(r for r in rep if r["run"] == name) for rep in results[side]] for side in SIDES}
-        failed = [f"{side} {i}" for side in SIDES for i, r in enumerate(runs[side]) if "tokens_per_s" not in r]
-        if failed:
-            rows.append({"run": name, "failed": failed})
+        missing = [f"{side} {i}" for side in SIDES for i, r in enumerate(runs[side], 1) if "tokens_per_s" not in r]
+        if missing:  # skipped by train_throughput (e.g. nosa_tp2 on one GPU)
+            rows.append({"run": name, "not_measured": missing})
             continue
         tps = {side: [r["tokens_per_s"] for r in runs[side]] for side in SIDES}
         mean = {side: statistics.fmean(tps[side]) for side in SIDES}
@@ -119,8 +120,8 @@ def table(rows: list[dict]) -> str:
            "beyond the spread | losses identical | GPU idle ms/step (base / cand) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "failed" in r:
-            out.append(f"| {r['run']} | failed: {', '.join(r['failed'])} | | | | | | |")
+        if "not_measured" in r:
+            out.append(f"| {r['run']} | not measured: {', '.join(r['not_measured'])} | | | | | | |")
             continue
         idle = r.get("gpu_idle_ms_per_step")
         out.append(
@@ -156,17 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {out} is not empty; choose a new folder")
     candidate = Path(a.candidate_src).resolve()
     baseline = out / "baseline_src" if a.baseline else Path(a.baseline_src).resolve()
+    commit = None
     if a.baseline:
         try:
-            resolve_commit(ROOT, a.baseline)
+            commit = resolve_commit(ROOT, a.baseline)
         except ValueError as e:
             p.error(str(e))
-    for side, src in (("baseline", None if a.baseline else baseline), ("candidate", candidate)):
-        if src is not None and not (src / "train" / "main.py").is_file():
+    checkouts = [("candidate", candidate)] + ([] if a.baseline else [("baseline", baseline)])  # an export has one
+    for side, src in checkouts:
+        if not (src / "train" / "main.py").is_file():
             p.error(f"the {side} {src} has no train/main.py")
     out.mkdir(parents=True, exist_ok=True)
     if a.baseline:
-        commit = export_revision(ROOT, a.baseline, baseline)
+        export_revision(ROOT, commit, baseline)
         sides = {"baseline": {"path": str(baseline), "commit": commit, "dirty": False, "revision": a.baseline}}
     else:
         sides = {"baseline": describe(baseline)}
@@ -197,16 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         pairs = min(len(results[x]) for x in SIDES)  # the summary so far: repeats both sides have finished
         doc["complete"] = n == len(order)
         doc["summary"] = summarize({x: results[x][:pairs] for x in SIDES}) if pairs else []
-        _write_json(out / "ab_throughput.json", doc)  # after every run: a stopped comparison keeps what it measured
+        write_json(out / "ab_throughput.json", doc)  # after every run: a stopped comparison keeps what it measured
     print(f"\nbaseline: {sides['baseline']}\ncandidate: {sides['candidate']}\norder: {' '.join(doc['order'])}\n")
     print(table(doc["summary"]))
     return 0
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
 
 if __name__ == "__main__":
     sys.exit(main())

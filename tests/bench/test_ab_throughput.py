@@ -42,9 +42,10 @@ def test_summary_compares_the_means_with_the_spread_and_the_losses():
     assert b["losses_identical"] is False and "gpu_idle_ms_per_step" not in b
     one = summarize({"baseline": [[_result("a", 100.0, loss)]], "candidate": [[_result("a", 90.0, loss)]]})[0]
     assert one["change"] == pytest.approx(-0.1) and one["beyond_spread"] is None  # nothing to compare with
-    failed = summarize({"baseline": [[{"run": "a", "returncode": 1}]], "candidate": [[_result("a", 90.0, loss)]]})
-    assert failed == [{"run": "a", "failed": ["baseline 0"]}]
-    assert "failed: baseline 0" in load_bench("ab_throughput").table(failed)
+    skipped = summarize({"baseline": [[{"run": "a", "skipped": "needs 2 GPUs"}]],
+                         "candidate": [[_result("a", 90.0, loss)]]})
+    assert skipped == [{"run": "a", "not_measured": ["baseline 1"]}]
+    assert "not measured: baseline 1" in load_bench("ab_throughput").table(skipped)
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -67,7 +68,8 @@ def test_a_revision_is_exported_whole_and_an_unknown_one_is_refused(tmp_path):
     _git(repo, "commit", "-qam", "two")
     dest = tmp_path / "out" / "baseline_src"
     dest.parent.mkdir()
-    assert ab.export_revision(repo, "HEAD~1", dest) == first
+    assert ab.resolve_commit(repo, "HEAD~1") == first
+    ab.export_revision(repo, first, dest)
     assert (dest / "train" / "main.py").read_text() == "old\n"
     assert [p.name for p in dest.parent.iterdir()] == ["baseline_src"]  # no temporary left behind
     assert ab.describe(dest) == {"path": str(dest), "commit": None, "dirty": None}  # an export, not a checkout
@@ -75,7 +77,10 @@ def test_a_revision_is_exported_whole_and_an_unknown_one_is_refused(tmp_path):
     (repo / "train" / "main.py").write_text("edited\n")
     assert ab.describe(repo)["dirty"] is True
     with pytest.raises(ValueError, match="not a commit"):
-        ab.export_revision(repo, "no-such-revision", tmp_path / "out" / "other")
+        ab.resolve_commit(repo, "no-such-revision")
+    with pytest.raises(subprocess.CalledProcessError):  # git archive fails: no partial export is left
+        ab.export_revision(repo, "0" * 40, tmp_path / "out" / "other")
+    assert [p.name for p in dest.parent.iterdir()] == ["baseline_src"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -11,7 +11,8 @@ from tests.subproc import child_env
 
 def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
     baseline = tmp_path / "baseline"
-    load_bench("ab_throughput").export_revision(REPO, "HEAD", baseline)
+    ab = load_bench("ab_throughput")
+    ab.export_revision(REPO, ab.resolve_commit(REPO, "HEAD"), baseline)
     recipe = baseline / "recipes" / "recipe" / "tiny_cpt.yaml"
     text = recipe.read_text()
     assert "attention_factor: 1.060660" in text
