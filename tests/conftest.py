@@ -27,20 +27,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    """Starts the phase's CPU clock; the same hook starts the call's and the teardown's."""
     item._cpu_start = cpu_seconds()
     yield
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    item._cpu_start = cpu_seconds()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
-    item._cpu_start = cpu_seconds()
-    yield
+pytest_runtest_call = pytest_runtest_teardown = pytest_runtest_setup
 
 
 @pytest.hookimpl(hookwrapper=True)
