@@ -4,7 +4,9 @@ The breakdown sorts every GPU kernel of the recorded steps by name into the part
 dense) attention layer and the rest: attention forward / backward (the NOSA Triton kernels, or
 flash / cuDNN attention), NOSA selection and index kernels, and the eviction head's forward
 (the ``nosa.eviction_head`` range), so NOSA and dense runs compare part by part (ms per step), and
-names the kernels that make up the rest.
+names the kernels that make up the rest. The rest's matrix products (cuBLAS / CUTLASS kernels, by
+name) are also given on their own (``everything_else_matmul``): the part no attention change can
+shorten, which bounds the NOSA / dense ratio a faster attention can reach.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ PARTS = {  # kernel-name fragments, checked in this order
     "attention_forward": ("_fwd_kernel", "flash_fwd", "fprop", "fmha_fwd", "attention_forward"),
 }
 EVICTION_RANGE = "nosa.eviction_head"
+MATMUL = ("nvjet", "gemm", "cutlass", "xmma")  # cuBLAS(Lt) / CUTLASS kernel-name fragments (lower case)
 
 
 def part_of(kernel: str):
@@ -33,10 +36,17 @@ def part_of(kernel: str):
     return next((name for name, frags in PARTS.items() if any(f in kernel for f in frags)), None)
 
 
+def is_matmul(kernel: str) -> bool:
+    """Whether a kernel outside :data:`PARTS` is a library matrix product (GEMM)."""
+    name = kernel.lower()
+    return any(f in name for f in MATMUL)
+
+
 def breakdown(events, steps: int) -> dict:
-    """GPU ms per step by part from ``profiler.key_averages()`` (kernels and the eviction range)."""
+    """GPU ms per step by part from ``profiler.key_averages()`` (kernels and the eviction range);
+    ``everything_else_matmul`` is the share of ``everything_else`` in library GEMM kernels."""
     parts = {name: 0.0 for name in PARTS}
-    total = eviction = 0.0
+    total = eviction = matmul = 0.0
     for ev in events:
         if ev.key == EVICTION_RANGE:
             eviction = (getattr(ev, "device_time_total", 0) or 0) / 1e3
@@ -48,8 +58,11 @@ def breakdown(events, steps: int) -> dict:
         part = part_of(ev.key)
         if part is not None:
             parts[part] += ms
+        elif is_matmul(ev.key):
+            matmul += ms
     parts["eviction_head_forward"] = eviction
     parts["everything_else"] = total - sum(parts.values())
+    parts["everything_else_matmul"] = matmul
     out = {k: round(v / steps, 3) for k, v in parts.items()}
     out["total_gpu"] = round(total / steps, 3)
     return out

@@ -24,7 +24,8 @@ def test_kernels_are_sorted_into_parts_per_step():
         Ev("_fwd_kernel", CUDA, 4000), Ev("_bwd_dq_kernel", CUDA, 3000), Ev("_bwd_dkdv_kernel", CUDA, 5000),
         Ev("_sel_block_kernel", CUDA, 1000), Ev("_select_kernel", CUDA, 200), Ev("_pack_lists_kernel", CUDA, 100),
         Ev("_inv_fill_kernel", CUDA, 100), Ev("sm90_xmma_gemm_bf16", CUDA, 20000),
-        Ev("pytorch_flash::flash_fwd_kernel", CUDA, 600),
+        Ev("pytorch_flash::flash_fwd_kernel", CUDA, 600), Ev("nvjet_sm90_tst_128x256_NTN", CUDA, 6000),
+        Ev("triton_poi_fused_silu_mul", CUDA, 2000),
         Ev("aten::mm", CPU, 20000),  # a CPU op's own kernels are already counted as kernel events
         Ev("nosa.eviction_head", CPU, 0, 800),
     ]
@@ -32,8 +33,9 @@ def test_kernels_are_sorted_into_parts_per_step():
     assert got["attention_forward"] == pytest.approx(2.3) and got["attention_backward"] == pytest.approx(4.0)
     assert got["nosa_selection"] == pytest.approx(0.6) and got["nosa_index"] == pytest.approx(0.1)
     assert got["eviction_head_forward"] == pytest.approx(0.4)
-    assert got["total_gpu"] == pytest.approx(17.0)
-    assert got["everything_else"] == pytest.approx(17.0 - 2.3 - 4.0 - 0.6 - 0.1 - 0.4)
+    assert got["total_gpu"] == pytest.approx(21.0)
+    assert got["everything_else"] == pytest.approx(21.0 - 2.3 - 4.0 - 0.6 - 0.1 - 0.4)
+    assert got["everything_else_matmul"] == pytest.approx(13.0)  # the two GEMMs, not the fused SwiGLU
 
 
 def test_the_rest_is_named_kernel_by_kernel_largest_first():
