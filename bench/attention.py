@@ -453,10 +453,27 @@ def selection_bench(T, HQ, dense_ms, sweep_first: bool):
                             topk_config=dict(getattr(topk_mod, "TOPK_CONFIG", {}).get("cuda", {})))
 
 
+def scored_columns(bq, cfg, covered):
+    """Block scores of one unpacked sample with the columns the scoring does not write (later blocks,
+    the first ``covered`` blocks' rows) set to 0: a tensor that two code versions can compare."""
+    T, nb = bq.shape[2], bq.shape[3]
+    qb = torch.arange(T, device=bq.device) // cfg.block_size
+    written = (torch.arange(nb, device=bq.device)[None, :] <= qb[:, None]) & (qb >= covered)[:, None]
+    return bq.masked_fill(~written, 0.0)
+
+
+def _digest(x: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (16 hex digits): equal digests mean bit-identical tensors."""
+    import hashlib
+
+    return hashlib.sha256(x.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 def selection_breakdown(q, k, bias, cfg, total_ms, **extra):
     """Selection stages (compression, scoring kernels, the fused top-k and the torch top-k it is
     checked against), the index build of the kernels, and whether preparing a selection (selection +
-    index) runs without a host synchronisation (torch's sync debug mode raises on one)."""
+    index) runs without a host synchronisation (torch's sync debug mode raises on one); the GPU time of
+    each scoring kernel, and digests of the block scores and the selection (to compare code versions)."""
     T, HQ = q.shape[1], q.shape[2]
     layout = block_layout(1, T, None, cfg.block_size, q.device)
     kc, ws = compress(k, bias, layout, cfg, q.dtype)
@@ -473,9 +490,12 @@ def selection_breakdown(q, k, bias, cfg, total_ms, **extra):
         sync_free = False
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    kernels = device_ms_per_call(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))
     emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=total_ms,
          compress_ms=bench(lambda: compress(k, bias, layout, cfg, q.dtype))[0],
          scoring_kernels_ms=bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0],
+         scoring_gpu_ms={name[:40]: round(ms, 4) for name, (ms, _) in kernels.items() if "_sel_" in name},
+         scores_sha256=_digest(scored_columns(bq, cfg, cfg.topk)), selection_sha256=_digest(sel),
          fused_topk_ms=bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0],
          index_build_ms=bench(lambda: index_for(sel, cfg, T, HQ))[0],
          prepare_ms=bench(lambda: prepare_selection(q, k, bias, cfg, backend="triton"))[0],

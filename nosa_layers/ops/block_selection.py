@@ -76,6 +76,15 @@ def _compress_kernel(K, S, Blocks, KC, WS, s_kb, s_kt, s_kh, s_sb, s_st, s_sh, s
 
 
 @triton.jit
+def _lse_step(s, m_i, l_i):
+    """One online log2-sum-exp2 step over the scores ``s [rows, windows]`` (masked ones ``-inf``)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.sum(tl.math.exp2(s - m_safe[:, None]), 1)
+    return m_new, l_i
+
+
+@triton.jit
 def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale, covered,
                     G: tl.constexpr, HP: tl.constexpr, BW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr):
@@ -101,16 +110,21 @@ def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh
     l_i = tl.zeros([HP * BS], tl.float32)
     p_last = tl.minimum(ks + BS, de) - 1 - ds
     n_vis = (p_last - KS + 1 + ST) // ST  # windows visible to the last row (may be <= 0)
+    # chunks of windows every row sees (the block's first row sees ``n_all``) need no mask
+    n_all = tl.maximum((ks - ds - KS + 1 + ST) // ST, 0)
+    n_full = (n_all // BW) * BW
     kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
-    for w0 in range(0, n_vis, BW):
+    for w0 in range(0, n_full, BW):
+        w = w0 + tl.arange(0, BW)
+        kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :])
+        s = tl.dot(q, tl.trans(kc)) * qk_scale
+        m_i, l_i = _lse_step(s, m_i, l_i)
+    for w0 in range(n_full, n_vis, BW):
         w = w0 + tl.arange(0, BW)
         kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :], mask=(w < n_vis)[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kc)) * qk_scale
         s = tl.where((w[None, :] * ST + KS - 1) <= p[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.math.exp2(m_i - m_safe) + tl.sum(tl.math.exp2(s - m_safe[:, None]), 1)
-        m_i = m_new
+        m_i, l_i = _lse_step(s, m_i, l_i)
     lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     tl.store(LSE + b * s_lb + head * s_lh + t, lse, mask=tvalid)
 
@@ -162,11 +176,13 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
             q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
                         mask=tvalid[:, None], other=0.0)
             lse = tl.load(LSE + b * s_lb + head * s_lh + t, mask=tvalid, other=float("inf"))
+            # no mask per head: an invisible window's term is finite or +inf (its key is not in the
+            # row's LSE), never NaN, and the window is set to -inf after the heads' sum below
             s = tl.dot(q, tl.trans(kc)) * qk_scale
-            acc += tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
+            acc += tl.math.exp2(s - lse[:, None])
             if not SHIFT and E > 0:
                 se_ = tl.dot(q, tl.trans(kce)) * qk_scale
-                acc_e += tl.where(vis_e, tl.math.exp2(se_ - lse[:, None]), 0.0)
+                acc_e += tl.math.exp2(se_ - lse[:, None])
         if SHIFT:
             own = tl.reshape(acc, [BS, NBC, R])
             last = tl.sum(tl.where((tl.arange(0, R) == R - 1)[None, None, :], own, 0.0), axis=2)  # [BS, NBC]

@@ -75,6 +75,32 @@ def test_block_scores_match_reference_values(dev, T):
     assert (bt - bref)[fin].abs().max() < fp32_tol(dev)
 
 
+@pytest.mark.parametrize("bw", [16, 32])
+def test_lse_chunks_seen_by_every_row_skip_the_mask_and_score_the_same(dev, monkeypatch, bw):
+    """The LSE kernel masks only the chunks of windows that some row of a block cannot see yet; with
+    narrow chunks most chunks are fully visible (the unmasked loop) in documents that start mid-batch,
+    and the block scores still equal the reference's."""
+    from nosa_layers.ops.block_selection import SEL_CONFIG
+
+    cfg = tiny_cfg()
+    monkeypatch.setitem(SEL_CONFIG, "lse", dict(SEL_CONFIG["lse"], BW=bw))
+    spans = [(0, 61), (61, 61), (61, 330)]
+    cu = torch.tensor([0, 61, 61, 330], device=dev)
+    q, k, _, _ = (x.to(dev) for x in random_qkvs(1, 330, 8, 2, 16, dtype=torch.float32, seed=50 + bw))
+    bt = _scores(q, k, cfg, cu).cpu().double()
+    for a, e in spans:
+        if e == a:
+            continue
+        bref = reference_block_scores(q[:, a:e].cpu(), k[:, a:e].cpu(), cfg)
+        nb = bref.shape[-1]
+        seen = torch.arange(nb)[None, :] <= (torch.arange(e - a) // cfg.block_size)[:, None]
+        bd = bt[:, :, a:e, :nb].masked_fill(~seen, float("-inf"))
+        fin = bref.isfinite()
+        assert torch.equal(fin, bd.isfinite()) and torch.equal(bref[~fin], bd[~fin])
+        if e - a > 200:  # (the short document's blocks are all forced: no finite score)
+            assert (bd - bref)[fin].abs().max() < fp32_tol(dev)
+
+
 @pytest.mark.parametrize("hp", [2, 3, 4])
 def test_lse_heads_packed_per_program_give_the_same_scores(dev, monkeypatch, hp):
     """The LSE kernel with ``HP`` query heads of a KV group per program (3 -> 2: a divisor of G = 4)
