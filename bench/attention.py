@@ -401,8 +401,9 @@ def sweep_selection(T, HQ):
         "lse": [dict(BW=bw, HP=hp, num_warps=nw, num_stages=ns) for hp, bw, nw, ns in
                 ((1, 64, 4, 2), (2, 64, 4, 2), (2, 64, 8, 2), (4, 64, 8, 2), (2, 128, 8, 2), (4, 32, 8, 2),
                  (2, 64, 4, 3))],
-        "block": [dict(NW=w, num_warps=nw, num_stages=ns) for w, nw, ns in
-                  ((256, 8, 2), (128, 8, 2), (128, 4, 2), (64, 4, 2), (256, 8, 1))],
+        "block": [dict(NW=w, NT=t, num_warps=nw, num_stages=ns) for w, t, nw, ns in
+                  ((256, 64, 8, 2), (256, 256, 8, 2), (256, 128, 8, 2), (256, 32, 8, 2), (128, 64, 8, 2),
+                   (128, 64, 4, 2), (64, 64, 4, 2), (256, 64, 8, 1))],
     }
     for kern, cands in space.items():
         best = None

@@ -129,11 +129,78 @@ def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh
     tl.store(LSE + b * s_lb + head * s_lh + t, lse, mask=tvalid)
 
 
+@triton.jit
+def _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw, s_lb, s_lh,
+                 s_ob, s_oh, s_ot, qk_scale, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                 KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                 INIT: tl.constexpr, LOCAL: tl.constexpr):
+    """Block scores of the ``NBC`` blocks from ``m0`` for the ``BS`` rows ``t`` (all in block ``j``) of
+    KV head ``h``, stored; returns the carry (the chunk's last own window, summed over the heads)."""
+    offs_d = tl.arange(0, D)
+    NW: tl.constexpr = NBC * R
+    NE: tl.constexpr = NBC * EP
+    # E == 1 (default geometry): block m's trailing window is block m - 1's last own window, whose
+    # probability this chunk already has (shifted one block over; the chunk's first block takes the
+    # previous chunk's last, ``carry``); other E recompute the trailing windows with their own products
+    SHIFT: tl.constexpr = E == 1
+    i_blk = tl.arange(0, NBC)
+    m = m0 + i_blk  # blocks of this chunk
+    w = m0 * R + tl.arange(0, NW)  # own windows of the chunk's blocks
+    kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :],
+                 mask=(w * ST + KS - 1 <= p_last)[:, None], other=0.0)
+    vis = (w[None, :] * ST + KS - 1) <= p[:, None]
+    acc = tl.zeros([BS, NW], tl.float32)
+    if SHIFT:
+        we1 = m * R - 1
+        vis_e1 = (we1[None, :] >= 0) & ((we1[None, :] * ST + KS - 1) <= p[:, None])
+    elif E > 0:
+        se = tl.arange(0, NE)
+        we = (m0 + se // EP) * R - E + se % EP  # trailing windows of the previous block
+        ok_e = (se % EP < E) & (we >= 0)
+        kce = tl.load(kbase + we[:, None].to(tl.int64) * s_cw + offs_d[None, :],
+                      mask=(ok_e & (we * ST + KS - 1 <= p_last))[:, None], other=0.0)
+        vis_e = ok_e[None, :] & ((we[None, :] * ST + KS - 1) <= p[:, None])
+        acc_e = tl.zeros([BS, NE], tl.float32)
+    for g in range(G):
+        head = h * G + g
+        q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
+                    mask=tvalid[:, None], other=0.0)
+        lse = tl.load(LSE + b * s_lb + head * s_lh + t, mask=tvalid, other=float("inf"))
+        # no mask per head: an invisible window's term is finite or +inf (its key is not in the
+        # row's LSE), never NaN, and the window is set to -inf after the heads' sum below
+        s = tl.dot(q, tl.trans(kc)) * qk_scale
+        acc += tl.math.exp2(s - lse[:, None])
+        if not SHIFT and E > 0:
+            se_ = tl.dot(q, tl.trans(kce)) * qk_scale
+            acc_e += tl.math.exp2(se_ - lse[:, None])
+    if SHIFT:
+        own = tl.reshape(acc, [BS, NBC, R])
+        last = tl.sum(tl.where((tl.arange(0, R) == R - 1)[None, None, :], own, 0.0), axis=2)  # [BS, NBC]
+        prev = tl.gather(last, tl.zeros([BS, NBC], tl.int32) + tl.maximum(i_blk - 1, 0)[None, :], axis=1)
+        prev = tl.where(i_blk[None, :] == 0, carry[:, None], prev)
+        carry = tl.sum(tl.where(i_blk[None, :] == NBC - 1, last, 0.0), axis=1)
+    acc = tl.where(vis, acc, float("-inf"))
+    val = tl.max(tl.reshape(acc, [BS, NBC, R]), axis=2)
+    if SHIFT:
+        val = tl.maximum(val, tl.where(vis_e1, prev, float("-inf")))
+    elif E > 0:
+        acc_e = tl.where(vis_e, acc_e, float("-inf"))
+        val = tl.maximum(val, tl.max(tl.reshape(acc_e, [BS, NBC, EP]), axis=2))
+    forced = (m[None, :] < INIT) | ((m[None, :] >= j - LOCAL) & (m[None, :] <= j))
+    val = tl.where(forced, float("inf"), val)
+    val = tl.where(m[None, :] > j, float("-inf"), val)
+    tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :], val,
+             mask=tvalid[:, None] & (m <= j)[None, :])
+    return carry
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED["_sel_block_kernel"])
 def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale,
-                      covered, HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr,
-                      BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
-                      EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
+                      covered, HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, NBT: tl.constexpr,
+                      D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr,
+                      E: tl.constexpr, EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
+    """Chunks of ``NBC`` blocks while a whole chunk is seen, then chunks of ``NBT`` (a divisor of NBC)
+    for the rest of the row's ``j + 1`` blocks (less work past the last block than one wide chunk)."""
     c = tl.num_programs(0) - 1 - tl.program_id(0)  # later blocks (longer rows) first: no long tail
     h = tl.program_id(1)
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)  # every row of this program is in block qb = j
@@ -143,75 +210,37 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
     tvalid = t < de
     p = t - ds
     p_last = tl.minimum(ks + BS, de) - 1 - ds
-    offs_d = tl.arange(0, D)
     kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
-    NW: tl.constexpr = NBC * R
-    NE: tl.constexpr = NBC * EP
-    # E == 1 (default geometry): block m's trailing window is block m - 1's last own window, whose
-    # probability this loop already has (shifted one block over; the chunk's first block takes the
-    # previous chunk's last); other E recompute the trailing windows with their own products
-    SHIFT: tl.constexpr = E == 1
     carry = tl.zeros([BS], tl.float32)  # the previous chunk's last own window (none before block 0)
-    i_blk = tl.arange(0, NBC)
-    for m0 in range(0, j + 1, NBC):
-        m = m0 + i_blk  # blocks of this chunk
-        w = m0 * R + tl.arange(0, NW)  # own windows of the chunk's blocks
-        kc = tl.load(kbase + w[:, None].to(tl.int64) * s_cw + offs_d[None, :],
-                     mask=(w * ST + KS - 1 <= p_last)[:, None], other=0.0)
-        vis = (w[None, :] * ST + KS - 1) <= p[:, None]
-        acc = tl.zeros([BS, NW], tl.float32)
-        if SHIFT:
-            we1 = m * R - 1
-            vis_e1 = (we1[None, :] >= 0) & ((we1[None, :] * ST + KS - 1) <= p[:, None])
-        elif E > 0:
-            se = tl.arange(0, NE)
-            we = (m0 + se // EP) * R - E + se % EP  # trailing windows of the previous block
-            ok_e = (se % EP < E) & (we >= 0)
-            kce = tl.load(kbase + we[:, None].to(tl.int64) * s_cw + offs_d[None, :],
-                          mask=(ok_e & (we * ST + KS - 1 <= p_last))[:, None], other=0.0)
-            vis_e = ok_e[None, :] & ((we[None, :] * ST + KS - 1) <= p[:, None])
-            acc_e = tl.zeros([BS, NE], tl.float32)
-        for g in range(G):
-            head = h * G + g
-            q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
-                        mask=tvalid[:, None], other=0.0)
-            lse = tl.load(LSE + b * s_lb + head * s_lh + t, mask=tvalid, other=float("inf"))
-            # no mask per head: an invisible window's term is finite or +inf (its key is not in the
-            # row's LSE), never NaN, and the window is set to -inf after the heads' sum below
-            s = tl.dot(q, tl.trans(kc)) * qk_scale
-            acc += tl.math.exp2(s - lse[:, None])
-            if not SHIFT and E > 0:
-                se_ = tl.dot(q, tl.trans(kce)) * qk_scale
-                acc_e += tl.math.exp2(se_ - lse[:, None])
-        if SHIFT:
-            own = tl.reshape(acc, [BS, NBC, R])
-            last = tl.sum(tl.where((tl.arange(0, R) == R - 1)[None, None, :], own, 0.0), axis=2)  # [BS, NBC]
-            prev = tl.gather(last, tl.zeros([BS, NBC], tl.int32) + tl.maximum(i_blk - 1, 0)[None, :], axis=1)
-            prev = tl.where(i_blk[None, :] == 0, carry[:, None], prev)
-            carry = tl.sum(tl.where(i_blk[None, :] == NBC - 1, last, 0.0), axis=1)
-        acc = tl.where(vis, acc, float("-inf"))
-        val = tl.max(tl.reshape(acc, [BS, NBC, R]), axis=2)
-        if SHIFT:
-            val = tl.maximum(val, tl.where(vis_e1, prev, float("-inf")))
-        elif E > 0:
-            acc_e = tl.where(vis_e, acc_e, float("-inf"))
-            val = tl.maximum(val, tl.max(tl.reshape(acc_e, [BS, NBC, EP]), axis=2))
-        forced = (m[None, :] < INIT) | ((m[None, :] >= j - LOCAL) & (m[None, :] <= j))
-        val = tl.where(forced, float("inf"), val)
-        val = tl.where(m[None, :] > j, float("-inf"), val)
-        tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :], val,
-                 mask=tvalid[:, None] & (m <= j)[None, :])
+    n_wide = ((j + 1) // NBC) * NBC
+    for m0 in range(0, n_wide, NBC):
+        carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
+                             s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale, G, NBC, D, BS, KS, ST, R, E, EP, INIT, LOCAL)
+    for m0 in range(n_wide, j + 1, NBT):
+        carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
+                             s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale, G, NBT, D, BS, KS, ST, R, E, EP, INIT, LOCAL)
 
 
 # Launch parameters of the scoring kernels (LSE: compressed keys per step ``BW`` and query heads per
 # program ``HP``, a divisor of the KV group's G is taken; block scores: windows per step ``NW``, i.e.
-# NW / (block / stride) blocks). Tuned on one H200 for block 64, D 128 (bench/attention.py --sweep,
+# NW / (block / stride) blocks, and ``NT`` windows per step for a row's last blocks that do not fill
+# an ``NW`` step). Tuned on one H200 for block 64, D 128 (bench/attention.py --sweep,
 # --selection --sel-sweep: HP 2 against 1, scoring 2.25 -> 2.12 ms at 32K/32); override for
 # experiments.
 SEL_CONFIG = {
     "lse": dict(BW=64, HP=2, num_warps=4, num_stages=2),
-    "block": dict(NW=256, num_warps=8, num_stages=2),
+    "block": dict(NW=256, NT=64, num_warps=8, num_stages=2),
 }
+
+
+def block_chunks(launch: dict, R: int, E: int, on_gpu: bool) -> tuple[int, int]:
+    """Blocks per step of the block-score kernel: ``(NBC, NBT)``, the wide chunks (``launch["NW"]``
+    windows) and the tail chunks (``launch["NT"]``) of a row's last blocks; every product is at least
+    16 windows wide (``tl.dot``), also the trailing-window one when ``E > 1``. The interpreter (CPU
+    tests) takes 16-block chunks and the narrowest tails, so its tests run both loops."""
+    low = max(16 // R, 1 if E <= 1 else triton.cdiv(16, triton.next_power_of_2(E)))
+    wide = max(launch["NW"] // R if on_gpu else 16, low)
+    return wide, min(wide, max(launch["NT"] // R if on_gpu else 1, low))
 
 
 def lse_heads_per_program(G: int) -> int:
@@ -272,11 +301,11 @@ def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSACon
         num_stages=c["num_stages"])
     c = SEL_CONFIG["block"]
     EP = triton.next_power_of_2(max(E, 1))
-    NBC = max(c["NW"] // R if q.is_cuda else 4, 16 // R, triton.cdiv(16, EP))
+    NBC, NBT = block_chunks(c, R, E, q.is_cuda)
     _sel_block_kernel[(layout.n_blocks, Hkv)](
         q, kc, layout.blocks, lse, out, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
         *out.stride()[:3], scale * LOG2E, covered,
-        HKV=Hkv, G=G, NBC=NBC, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
+        HKV=Hkv, G=G, NBC=NBC, NBT=NBT, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
         INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
