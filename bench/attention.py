@@ -421,17 +421,19 @@ def sweep_selection(T, HQ):
         if best:
             SEL_CONFIG[kern] = best[1]
     # top-k: elements per register tile (rows per step = TILE / width class) x programs per (KV block, KV head)
+    # x warps per program (0: the default rule)
     bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
     _, ws = compress(k, bias, layout, cfg, q.dtype)
     live = topk_mod.TOPK_CONFIG["cuda"]
     best = None
     for tile in (256, 512, 1024, 2048):
         for splits in (1, 2, 4, 8, 16):
-            live.update(TILE=tile, ROW_SPLITS=splits)
-            t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
-            emit(kind="sweep", kernel="topk", cfg=dict(live), T=T, HQ=HQ, ms=t)
-            if best is None or t < best[0]:
-                best = (t, dict(live))
+            for warps in (0, 1, 4):
+                live.update(TILE=tile, ROW_SPLITS=splits, WARPS=warps)
+                t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
+                emit(kind="sweep", kernel="topk", cfg=dict(live), T=T, HQ=HQ, ms=t)
+                if best is None or t < best[0]:
+                    best = (t, dict(live))
     live.update(best[1])
 
 

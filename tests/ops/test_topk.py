@@ -94,8 +94,18 @@ def test_kernel_matches_torch_with_rows_split_over_programs(dev, monkeypatch, sp
         _check(*_inputs(1, 2, 450, cfg, evict, seed=5 + splits, cu=[0, 90, 90, 450], device=dev), cfg)
 
 
-def test_launch_settings_must_be_powers_of_two(dev, monkeypatch):
-    _launch_settings(monkeypatch, TILE=1024, ROW_SPLITS=3)  # 3 splits of a 16-row block would leave a row unranked
+@pytest.mark.parametrize("warps", [1, 4])
+def test_kernel_matches_torch_with_the_warps_set(dev, monkeypatch, warps):
+    """One warp per program (a row tile's counts without cross-warp sums) or four, instead of the rule."""
+    _launch_settings(monkeypatch, TILE=256, ROW_SPLITS=2, WARPS=warps)
+    cfg = tiny_cfg(topk=12, select_blocks=5)
+    _check(*_inputs(1, 2, 300, cfg, True, seed=11 + warps, cu=[0, 41, 300], device=dev), cfg)
+
+
+@pytest.mark.parametrize("launch", [dict(TILE=1024, ROW_SPLITS=3),  # 3 splits of a 16-row block leave a row out
+                                    dict(TILE=1024, ROW_SPLITS=1, WARPS=3)], ids=["splits3", "warps3"])
+def test_launch_settings_must_be_powers_of_two(dev, monkeypatch, launch):
+    _launch_settings(monkeypatch, **launch)
     cfg = tiny_cfg()
     with pytest.raises(ValueError, match="powers of two"):
         _check(*_inputs(1, 1, 90, cfg, True, seed=1, device=dev), cfg)
