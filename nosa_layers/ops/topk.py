@@ -40,12 +40,14 @@ from .layout import BlockLayout
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
 # Launch parameters: ``TILE`` rows x padded blocks per register tile, ``ROW_SPLITS`` programs per
 # (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows, and ``WARPS`` per program
-# (0: one per 512 tile elements, at least 2). H200 (bench/attention.py
+# (0: one per 512 tile elements, at least 1). H200 (bench/attention.py
 # --selection --sel-sweep): 256 x 8 took the top-k from 0.75 to 0.56 ms at 32K/32 and from 0.40 to
-# 0.18 ms at 16K/16 against 1024 x 1 (more programs hide the latency of the counting passes). The
-# interpreter (CPU tests) runs fewer, longer programs, which it runs faster.
+# 0.18 ms at 16K/16 against 1024 x 1 (more programs hide the latency of the counting passes); session
+# 26: 256 x 16 with one warp per 512-wide row (the counts summed within a warp, no cross-warp step)
+# 0.57 -> 0.52 ms and 0.18 -> 0.12 ms. The interpreter (CPU tests) runs fewer, longer programs,
+# which it runs faster.
 TOPK_CONFIG = {
-    "cuda": dict(TILE=256, ROW_SPLITS=8, WARPS=0),
+    "cuda": dict(TILE=256, ROW_SPLITS=16, WARPS=0),
     "interpreter": dict(TILE=1024, ROW_SPLITS=1, WARPS=0),
 }
 
@@ -182,7 +184,7 @@ def launch_shape(nbp: int, block: int, kind: str) -> tuple[int, int, int]:
                          f"power of two, got {launch}")
     splits = min(launch["ROW_SPLITS"], block)
     rows = min(block // splits, max(1, launch["TILE"] // nbp))
-    return rows, splits, warps or max(2, min(16, rows * nbp // 512))
+    return rows, splits, warps or max(1, min(16, rows * nbp // 512))
 
 
 def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig) -> Tensor:
