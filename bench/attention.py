@@ -28,6 +28,7 @@ Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -467,8 +468,6 @@ def scored_columns(bq, cfg, covered):
 
 def _digest(x: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (16 hex digits): equal digests mean bit-identical tensors."""
-    import hashlib
-
     return hashlib.sha256(x.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
 
 

@@ -196,7 +196,7 @@ def _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_sel_block_kernel"])
 def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale,
-                      covered, HKV: tl.constexpr, G: tl.constexpr, NBC: tl.constexpr, NBT: tl.constexpr,
+                      covered, G: tl.constexpr, NBC: tl.constexpr, NBT: tl.constexpr,
                       D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr,
                       E: tl.constexpr, EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
     """Chunks of ``NBC`` blocks while a whole chunk is seen, then chunks of ``NBT`` (a divisor of NBC)
@@ -234,12 +234,12 @@ SEL_CONFIG = {
 }
 
 
-def block_chunks(launch: dict, R: int, E: int, on_gpu: bool) -> tuple[int, int]:
+def block_chunks(launch: dict, R: int, E: int, EP: int, on_gpu: bool) -> tuple[int, int]:
     """Blocks per step of the block-score kernel: ``(NBC, NBT)``, the wide chunks (``launch["NW"]``
     windows) and the tail chunks (``launch["NT"]``) of a row's last blocks; every product is at least
-    16 windows wide (``tl.dot``), also the trailing-window one when ``E > 1``. The interpreter (CPU
-    tests) takes 16-block chunks and the narrowest tails, so its tests run both loops."""
-    low = max(16 // R, 1 if E <= 1 else triton.cdiv(16, triton.next_power_of_2(E)))
+    16 windows wide (``tl.dot``), also the trailing-window one (``EP`` per block) when ``E > 1``. The
+    interpreter (CPU tests) takes 16-block chunks and the narrowest tails, so its tests run both loops."""
+    low = max(16 // R, 1 if E <= 1 else triton.cdiv(16, EP))
     wide = max(launch["NW"] // R if on_gpu else 16, low)
     return wide, min(wide, max(launch["NT"] // R if on_gpu else 1, low))
 
@@ -302,11 +302,11 @@ def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSACon
         num_stages=c["num_stages"])
     c = SEL_CONFIG["block"]
     EP = triton.next_power_of_2(max(E, 1))
-    NBC, NBT = block_chunks(c, R, E, q.is_cuda)
+    NBC, NBT = block_chunks(c, R, E, EP, q.is_cuda)
     _sel_block_kernel[(layout.n_blocks, Hkv)](
         q, kc, layout.blocks, lse, out, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
         *out.stride()[:3], scale * LOG2E, covered,
-        HKV=Hkv, G=G, NBC=NBC, NBT=NBT, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
+        G=G, NBC=NBC, NBT=NBT, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
         INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 

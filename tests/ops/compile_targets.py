@@ -89,9 +89,8 @@ def cases(arch: str, G: int):
     yield "sel_lse", bsel._sel_lse_kernel, dict(G=G, HP=bsel.lse_heads_per_program(G), BW=c["BW"], D=D, BS=BS,
                                                 KS=KS, ST=ST, R=R), {}, c["num_warps"], c["num_stages"]
     c = bsel.SEL_CONFIG["block"]
-    yield "sel_block", bsel._sel_block_kernel, dict(HKV=2, G=G, NBC=c["NW"] // R, NBT=c["NT"] // R, D=D, BS=BS,
-                                                    KS=KS, ST=ST, R=R,
-                                                    E=E, EP=1, INIT=1, LOCAL=16), {"Out": "*fp32"}, \
+    yield "sel_block", bsel._sel_block_kernel, dict(G=G, NBC=c["NW"] // R, NBT=c["NT"] // R, D=D, BS=BS, KS=KS, ST=ST,
+                                                    R=R, E=E, EP=1, INIT=1, LOCAL=16), {"Out": "*fp32"}, \
         c["num_warps"], c["num_stages"]
     for nbp in (64, 512):
         br, rs, warps = topk.launch_shape(nbp, BS, "cuda")
