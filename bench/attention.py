@@ -493,6 +493,7 @@ def selection_breakdown(q, k, bias, cfg, total_ms, **extra):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     kernels = device_ms_per_call(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))
+    index_gpu = device_ms_per_call(lambda: index_for(sel, cfg, T, HQ))  # kernels and the slot-count copy
     emit(kind="selection_breakdown", T=T, HQ=HQ, total_ms=total_ms,
          compress_ms=bench(lambda: compress(k, bias, layout, cfg, q.dtype))[0],
          scoring_kernels_ms=bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0],
@@ -500,6 +501,9 @@ def selection_breakdown(q, k, bias, cfg, total_ms, **extra):
          scores_sha256=_digest(scored_columns(bq, cfg, cfg.topk)), selection_sha256=_digest(sel),
          fused_topk_ms=bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0],
          index_build_ms=bench(lambda: index_for(sel, cfg, T, HQ))[0],
+         index_gpu_ms=round(sum(ms for ms, _ in index_gpu.values()), 4),
+         index_gpu_by_kernel={name[:40]: round(ms, 4) for name, (ms, _) in index_gpu.items()},
+         index_host_us=host_us(lambda: index_for(sel, cfg, T, HQ)),
          prepare_ms=bench(lambda: prepare_selection(q, k, bias, cfg, backend="triton"))[0],
          prepare_sync_free=sync_free, fused_equals_torch=exact, **extra)
 
@@ -593,6 +597,22 @@ def _host_top(fn, n=20, top=12) -> dict:
     return {f"{os.path.basename(f)}:{line}({name})": round(v[2] / n * 1e6, 1) for (f, line, name), v in rows}
 
 
+def host_us(fn, n=20) -> float:
+    """Median host time of one ``fn()`` in microseconds, with the GPU kept busy (``torch.cuda._sleep``
+    queued first), so that no launch waits for the GPU: what the call costs the host, not the GPU."""
+    for _ in range(3):
+        fn()
+    host = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time ahead of the call's launches
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return round(sorted(host)[n // 2] * 1e6, 1)
+
+
 def call_overhead(T, HQ, n=20):
     """Where the table's forward / backward time goes beyond the kernels (P1 lists): per call, the
     host time of the call with the GPU kept busy (``torch.cuda._sleep`` queued first, so no launch
@@ -604,15 +624,7 @@ def call_overhead(T, HQ, n=20):
     calls = dict(forward=lambda: sparse_attention(qg, kg, vg, idx, bias=bg),
                  backward=lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
     for name, fn in calls.items():
-        for _ in range(3):
-            fn()
-        host = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time ahead of the call's launches
-            t0 = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - t0)
+        host = host_us(fn, n)
         torch.cuda.synchronize()
         torch.cuda._sleep(40_000_000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -622,7 +634,7 @@ def call_overhead(T, HQ, n=20):
         end.record()
         torch.cuda.synchronize()
         kernels = device_ms_per_call(fn)
-        emit(kind="call_overhead", T=T, HQ=HQ, call=name, host_us=round(sorted(host)[n // 2] * 1e6, 1),
+        emit(kind="call_overhead", T=T, HQ=HQ, call=name, host_us=host,
              back_to_back_ms=round(start.elapsed_time(end) / n, 3),
              kernels_ms=round(sum(ms for ms, _ in kernels.values()), 3), do_bench_ms=round(bench(fn)[0], 3),
              host_top_us=_host_top(fn))

@@ -13,12 +13,13 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
   loss curve is compared with ``nosa_1gpu`` step by step (same data, same CPU-initialised weights);
 * a ``_nr`` suffix (``nosa_1gpu_nr``, ``dense_1gpu_nr``): the same run without activation recompute.
 
-Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users
-pay) and as the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak
-of the GPU), peak memory, per-step losses and gradient norms (whether a loss spike followed a growing
-gradient), per-step times with each step's attention work (the trainer's ``attention_work``: sum of
-squared document lengths / S^2) and the line fitted through them (how much of the step-to-step
-variation the documents explain, and p90 / median once it is taken out); with ``--profile-step N``
+Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users pay) and as
+the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak of the GPU), peak memory,
+the GPUs' SM clock, power and slowdown reasons over the measured steps (``bench/gpu_clocks.py``: whether both
+runs ran at the same clocks), per-step losses and gradient norms (whether a loss spike followed a growing
+gradient), per-step times with each step's attention work (the trainer's ``attention_work``: sum of squared
+document lengths / S^2) and the line fitted through them (how much of the step-to-step variation the documents
+explain, and p90 / median once it is taken out); with ``--profile-step N``
 also the GPU time per step by part
 (attention forward / backward, NOSA selection and index, eviction head, the rest) and the 15
 largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pair take the same
@@ -52,6 +53,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_clocks import GpuSampler, summarize  # noqa: E402
 
 
 def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
@@ -90,11 +93,14 @@ def launch(name: str, a: argparse.Namespace) -> dict:
                str(source / "train" / "main.py"), *args]
     t0 = time.time()
     log = Path(a.out) / f"{name}.log"
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=source, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
-                            check=False).returncode
-    out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
     metrics = Path(a.out) / name / "metrics.jsonl"
+    with log.open("w") as f, GpuSampler() as gpu:
+        proc = subprocess.Popen(cmd, cwd=source, env=env, stdout=f, stderr=subprocess.STDOUT)
+        arrived = step_arrivals(proc, metrics, a.timeout)
+        rc = proc.returncode
+    out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
+    measured = [t for step, t in arrived.items() if step >= a.warmup]  # from the end of the warm-up on
+    out["gpu_clocks"] = summarize(gpu.samples, min(measured), max(measured)) if len(measured) > 1 else None
     if rc != 0 or not metrics.exists():
         out["error_tail"] = log.read_text()[-2500:]
         return out
@@ -128,6 +134,30 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
     })
     return out
+
+
+def step_arrivals(proc: subprocess.Popen, metrics: Path, timeout: float, poll_s: float = 0.1) -> dict[int, float]:
+    """Wait for ``proc`` (killed after ``timeout`` s), noting when each step's row first appears in its
+    ``metrics.jsonl`` (host ``time.time()``; the trainer writes and fsyncs one row per logged step):
+    the window of the measured steps, for the GPU clock samples taken meanwhile."""
+    arrived, deadline = {}, time.time() + timeout
+    while True:
+        done = proc.poll() is not None
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                try:
+                    step = json.loads(line).get("step")
+                except json.JSONDecodeError:  # a row being written
+                    continue
+                if isinstance(step, int):
+                    arrived.setdefault(step, time.time())
+        if done:
+            return arrived
+        if time.time() > deadline:
+            proc.kill()
+            proc.wait()
+            return arrived
+        time.sleep(poll_s)
 
 
 def _fit(work: list, times: list) -> dict | None:
@@ -262,6 +292,13 @@ def main() -> None:
                   f"(sum of squared document lengths / S^2; r = {fit['r']}; work "
                   f"{min(r['attention_work'].values()):.3f}-{max(r['attention_work'].values()):.3f}); "
                   f"p90 / median at the mean work {r['p90_over_median_at_mean_work']:.3f}")
+    for r in results:
+        c = r.get("gpu_clocks")
+        if c:
+            print(f"{r['run']}: GPU over the measured steps ({c['samples']} samples): SM {c['sm_mhz_median']:.0f} MHz "
+                  f"median ({c['sm_mhz_p10']:.0f} p10), {c['power_w_median']} W median, {c['temp_c_max']:.0f} C max, "
+                  f"slowdown reasons active in {100 * c['slowdown_share']:.0f}% of samples "
+                  f"({c['slowdown_reasons_seen']})")
     parts = [r for r in results if r.get("gpu_ms_per_step")]
     if parts:
         keys = list(parts[0]["gpu_ms_per_step"])
