@@ -241,21 +241,6 @@ def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
         tl.store(PieceList + p, lst, mask=p < p1)
 
 
-CARVE_ALIGN = 16  # elements between views of one allocation: 64+ bytes, so every view keeps the 16-byte
-# pointer alignment that Triton specialises its loads on
-
-
-def carve(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
-    """Views of the given shapes, by name, cut from one uninitialised allocation (each view starts on a
-    ``CARVE_ALIGN``-element boundary): one allocator call for many tensors that live and die together."""
-    offsets, total = {}, 0
-    for name, shape in shapes.items():
-        offsets[name] = total
-        total += -(-math.prod(shape) // CARVE_ALIGN) * CARVE_ALIGN
-    buf = torch.empty(max(total, 1), dtype=dtype, device=device)
-    return {name: buf[o:o + math.prod(shape)].view(shape) for (name, shape), o in zip(shapes.items(), offsets.values())}
-
-
 def largest_divisor(G: int, n: int) -> int:
     """The largest divisor of ``G`` that is at most ``max(1, n)``."""
     d = max(1, min(G, n))
@@ -337,43 +322,42 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
                          f"got {max_slots}")
     dev = selected.device
     wdt = torch.int64 if qt > 32 else torch.int32
+    i32 = dict(dtype=torch.int32, device=dev)
+    fwd_count = torch.empty(n_tiles * Hkv, **i32)
+    fwd_ks = torch.empty(n_tiles * Hkv, cap, **i32)
+    fwd_word = torch.empty(n_tiles * Hkv, cap, dtype=wdt, device=dev)
+    inv_ptr = torch.empty(n_lists + 1, **i32)
+    piece_ptr = torch.empty(n_lists + 1, **i32)
+    slot_ptr = torch.empty(n_lists + 1, **i32)
     nnz_cap = n_tiles * Hkv * cap
     max_pieces = n_lists + -(-nnz_cap // chunk)
-    # the index's tensors in one allocation per dtype (host time: one allocator call, not ten)
-    int_shapes = dict(fwd_count=(n_tiles * Hkv,), fwd_ks=(n_tiles * Hkv, cap), inv_ptr=(n_lists + 1,),
-                      piece_ptr=(n_lists + 1,), slot_ptr=(n_lists + 1,), inv_qs=(max(nnz_cap, 1),),
-                      piece_list=(max(max_pieces, 1),), inv_count=(n_lists,))
-    word_shapes = dict(fwd_word=(n_tiles * Hkv, cap), inv_word=(max(nnz_cap, 1), kb))
-    if wdt == torch.int32:
-        t = carve(dict(int_shapes, **word_shapes), torch.int32, dev)
-    else:
-        t = dict(carve(int_shapes, torch.int32, dev), **carve(word_shapes, wdt, dev))
+    inv_qs = torch.empty(max(nnz_cap, 1), **i32)
+    inv_word = torch.empty(max(nnz_cap, 1), kb, dtype=wdt, device=dev)
+    piece_list = torch.empty(max(max_pieces, 1), **i32)
     ring, entry = _slot_count_ring(dev)
     tag_base = _SlotCountRing.tagged(entry) if ring is not None else 0
     if n_tiles:
         sel = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
-        words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)  # dense words: freed on return
-        _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, t["fwd_count"], t["fwd_ks"], t["fwd_word"],
-                                           *sel.stride()[:3], cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
-        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, t["inv_count"], nbw, HKV=Hkv, S=S, BS=bs,
-                                                  KB=kb, CB=128)
-        _scan_kernel[(1,)](t["inv_count"], t["inv_ptr"], t["piece_ptr"], t["slot_ptr"], n_lists, chunk, max_slots,
-                           tag_base, CH=1024)
-        _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, t["inv_ptr"], t["piece_ptr"], t["piece_list"],
-                                                 t["inv_qs"], t["inv_word"], nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb,
-                                                 CB=128)
+        words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
+        inv_count = torch.empty(n_lists, **i32)
+        _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, *sel.stride()[:3],
+                                           cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
+        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
+                                                  CB=128)
+        _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, tag_base, CH=1024)
+        _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
+                                                 inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb, CB=128)
     else:
-        t["inv_ptr"].zero_()
-        t["piece_ptr"].zero_()
-        t["slot_ptr"].fill_(tag_base)  # no lists: only the tagged count, 0
+        inv_ptr.zero_()
+        piece_ptr.zero_()
+        slot_ptr.fill_(tag_base)  # no lists: only the tagged count, 0
     if ring is None:  # CPU (untagged): read it now; while a CUDA graph is captured: unknown (the budget)
-        count = int(t["slot_ptr"][n_lists]) if dev.type != "cuda" else None
+        count = int(slot_ptr[n_lists]) if dev.type != "cuda" else None
     else:
-        ring.copy(entry, t["slot_ptr"][n_lists:])
+        ring.copy(entry, slot_ptr[n_lists:])
         count = (ring, entry)
-    return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, t["fwd_count"], t["fwd_ks"], t["fwd_word"], t["inv_ptr"],
-                       t["inv_qs"], t["inv_word"], chunk, t["piece_ptr"], t["piece_list"], t["slot_ptr"], max_pieces,
-                       max_slots, kb, count)
+    return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, count)
 
 
 class _SlotCountRing:
