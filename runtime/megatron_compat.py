@@ -16,6 +16,12 @@
   ``local_multi_tensor_scale``, two kernel launches per tensor. :func:`use_sync_free_multi_tensor_ops`
   puts in the same operations as a few ``torch._foreach_*`` calls with no host read; the one read of
   the total norm that megatron makes after its all-reduce stays.
+* megatron-core 0.19.2 without Apex: ``gradient_accumulation_fusion`` (each weight gradient GEMM adds
+  its product into the fp32 ``main_grad`` in place, Megatron-LM's default) needs Apex's
+  ``fused_weight_gradient_mlp_cuda``; without it every linear layer's weight gradient is written in
+  bf16 and then added to ``main_grad`` by a separate fp32 kernel (one per weight per micro-batch).
+  :func:`provide_gradient_accumulation_fusion` gives megatron-core the same two functions built on
+  torch's own GEMM with an fp32 output (``torch.addmm(..., out_dtype=torch.float32)``, CUDA).
 """
 
 from __future__ import annotations
@@ -96,3 +102,30 @@ def use_sync_free_multi_tensor_ops() -> bool:
         if getattr(module, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = multi_tensor_scale
     return clip_grads.l2_norm_impl is multi_tensor_l2_norm
+
+
+class TorchWgradAccumulation:
+    """Apex's ``fused_weight_gradient_mlp_cuda`` interface on torch GEMMs (CUDA):
+    ``main_grad [out, in] += grad_output[tokens, out]^T @ total_input[tokens, in]``, accumulated by the
+    GEMM itself (its epilogue reads and writes ``main_grad``; no bf16 product, no separate add)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.addmm_(grad_output.t(), total_input)
+
+
+def provide_gradient_accumulation_fusion() -> bool:
+    """Let megatron-core's linear layers take ``gradient_accumulation_fusion=True`` without Apex: where its
+    import of ``fused_weight_gradient_mlp_cuda`` failed, hand it :class:`TorchWgradAccumulation` (Apex's own
+    kernel, when installed, is left alone). Idempotent; returns whether the stand-in is in use. Needs
+    CUDA (the fp32-output GEMM) and megatron-core's DDP (``main_grad`` on every weight)."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
+        layers._grad_accum_fusion_available = True
+    return getattr(layers, "fused_weight_gradient_mlp_cuda", None) is TorchWgradAccumulation

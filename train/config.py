@@ -88,8 +88,10 @@ class TrainSection:
     precision: str = "bf16"  # fp32 is used on CPU whatever this says
     recompute: str = "none"
     transformer_impl: str = "local"  # layer spec: local (megatron-core local layers) | te (Transformer Engine)
-    # GPU runs: fused RMSNorm, RoPE and eviction score (Triton) and megatron-core's fused SwiGLU and cross entropy
-    # (same formulas, fewer passes over memory); CPU runs always take the unfused reference path
+    # GPU runs: fused RMSNorm, RoPE and eviction score (Triton), megatron-core's fused SwiGLU and cross entropy
+    # (same formulas, fewer passes over memory) and its gradient accumulation fusion (weight gradient GEMMs add
+    # into the fp32 main grads; runtime.megatron_compat gives it a torch GEMM where Apex is missing);
+    # CPU runs always take the unfused reference path
     fusions: bool = True
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
     nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps

@@ -109,6 +109,7 @@ class Trainer:
         from megatron.core.transformer.module import Float16Module
 
         from nosa_layers.megatron import build_model
+        from runtime.megatron_compat import provide_gradient_accumulation_fusion
 
         cfg, env = self.cfg, self.env
         model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
@@ -122,6 +123,9 @@ class Trainer:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
         fusions = cfg.train.fusions and env.device.type == "cuda"  # CPU runs keep the reference layers
+        if fusions and cfg.train.transformer_impl == "local":  # TE's layers fuse the weight gradients themselves
+            provide_gradient_accumulation_fusion()
+            overrides.update(gradient_accumulation_fusion=True)
         chunks = []
         for i in range(vpp or 1):
             m = build_model(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
