@@ -140,14 +140,19 @@ def step_arrivals(proc: subprocess.Popen, metrics: Path, timeout: float, poll_s:
     """Wait for ``proc`` (killed after ``timeout`` s), noting when each step's row first appears in its
     ``metrics.jsonl`` (host ``time.time()``; the trainer writes and fsyncs one row per logged step):
     the window of the measured steps, for the GPU clock samples taken meanwhile."""
-    arrived, deadline = {}, time.time() + timeout
+    arrived, deadline, seen, partial = {}, time.time() + timeout, 0, b""
     while True:
         done = proc.poll() is not None
         if metrics.exists():
-            for line in metrics.read_text().splitlines():
+            with metrics.open("rb") as f:  # only what was appended since the last look
+                f.seek(seen)
+                chunk = f.read()
+            seen += len(chunk)
+            *lines, partial = (partial + chunk).split(b"\n")  # the last piece may be a row being written
+            for line in lines:
                 try:
                     step = json.loads(line).get("step")
-                except json.JSONDecodeError:  # a row being written
+                except (json.JSONDecodeError, AttributeError):
                     continue
                 if isinstance(step, int):
                     arrived.setdefault(step, time.time())

@@ -51,12 +51,13 @@ def test_step_arrivals_note_when_each_row_appears(tmp_path):
     arrivals = load_bench("train_throughput").step_arrivals
     metrics = tmp_path / "metrics.jsonl"
     writer = "import json, sys, time\nfor s in (1, 2, 3):\n    time.sleep(0.4)\n" \
-             "    open(sys.argv[1], 'a').write(json.dumps({'step': s}) + '\\n')\n"
+             "    open(sys.argv[1], 'a').write(json.dumps({'step': s}) + '\\n')\n" \
+             "open(sys.argv[1], 'a').write('{\"step\": 4')\ntime.sleep(0.4)\nopen(sys.argv[1], 'a').write('}\\n')\n"
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-c", writer, str(metrics)])
     got = arrivals(proc, metrics, timeout=60, poll_s=0.05)
-    assert sorted(got) == [1, 2, 3] and proc.returncode == 0
-    assert t0 < got[1] < got[2] < got[3]
+    assert sorted(got) == [1, 2, 3, 4] and proc.returncode == 0
+    assert t0 < got[1] < got[2] < got[3] < got[4] - 0.3  # a row counts once it is whole
     assert got[3] - got[1] > 0.5  # two sleeps of 0.4 s apart, seen as they came
     slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     assert arrivals(slow, tmp_path / "none.jsonl", timeout=0.5, poll_s=0.05) == {}
