@@ -40,12 +40,14 @@ def parse_line(line: str) -> dict | None:
         return None
 
 
-def summarize(samples: list[tuple[float, dict]], start: float, end: float) -> dict | None:
+def summarize(samples: list[tuple[float, dict]], windows: list[tuple[float, float]]) -> dict | None:
     """Median SM clock (MHz) and power (W), the SM clock's 10th percentile, the highest temperature and
     the share of samples with a slowdown reason active (power or thermal cap, ...: any reason but
-    idle / application clocks), over the samples taken in ``[start, end]`` (host ``time.time()``) on
-    every GPU; ``None`` if there is none."""
-    rows = [r for t, r in samples if start <= t <= end]
+    idle / application clocks), over the samples taken inside the ``(start, end]`` windows (host
+    ``time.time()``; e.g. one per measured step, so that pauses between them such as a profiler
+    writing its trace, with the GPU idle at full clock and low power, stay out) on every GPU; ``None``
+    if there is none."""
+    rows = [r for t, r in samples if any(start < t <= end for start, end in windows)]
     if not rows:
         return None
     clocks = sorted(r["sm_mhz"] for r in rows)

@@ -15,7 +15,7 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 
 Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users pay) and as
 the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak of the GPU), peak memory,
-the GPUs' SM clock, power and slowdown reasons over the measured steps (``bench/gpu_clocks.py``: whether both
+the GPUs' SM clock, power and slowdown reasons within the measured steps (``bench/gpu_clocks.py``: whether both
 runs ran at the same clocks), per-step losses and gradient norms (whether a loss spike followed a growing
 gradient), per-step times with each step's attention work (the trainer's ``attention_work``: sum of squared
 document lengths / S^2) and the line fitted through them (how much of the step-to-step variation the documents
@@ -99,8 +99,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         arrived = step_arrivals(proc, metrics, a.timeout)
         rc = proc.returncode
     out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
-    measured = [t for step, t in arrived.items() if step >= a.warmup]  # from the end of the warm-up on
-    out["gpu_clocks"] = summarize(gpu.samples, min(measured), max(measured)) if len(measured) > 1 else None
+    out["gpu_clocks"] = None
     if rc != 0 or not metrics.exists():
         out["error_tail"] = log.read_text()[-2500:]
         return out
@@ -109,6 +108,13 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     profiled = {a.profile_step, a.profile_step + 1} if a.profile_step else set()
     after_warmup = [r for r in rows if r["step"] > a.warmup]
     steady = [r for r in after_warmup if r["step"] not in profiled]  # the profiler's own cost is not measured
+    # each measured step's time span: from the previous step's row to its own (its trace export is in the last
+    # profiled step's span, left out)
+    spans = [(arrived[s - 1], arrived[s]) for s in (r["step"] for r in steady) if {s - 1, s} <= arrived.keys()]
+    out["gpu_clocks"] = summarize(gpu.samples, spans)
+    # the raw record, seconds from the launch: when each step's row arrived, and every clock sample
+    out["step_arrival_s"] = {step: round(t - t0, 3) for step, t in arrived.items()}
+    out["gpu_samples"] = [[round(t - t0, 3), r["gpu"], r["sm_mhz"], r["power_w"], r["reasons"]] for t, r in gpu.samples]
     times = sorted(r["step_time_s"] for r in steady)
     tokens = 2 * a.seq * len(steady)
     fit = _fit([r.get("attention_work") for r in steady], [r["step_time_s"] for r in steady])

@@ -17,19 +17,21 @@ def test_lines_are_parsed_and_others_skipped():
     assert parse("Failed to initialize NVML") is None
 
 
-def test_summary_takes_the_window_and_counts_slowdowns_but_not_idle():
+def test_summary_takes_the_step_windows_and_counts_slowdowns_but_not_idle():
     summarize = load_bench("gpu_clocks").summarize
     row = lambda mhz, w, reasons, gpu=0: {"gpu": gpu, "sm_mhz": mhz, "power_w": w, "temp_c": 50.0 + w / 100,  # noqa: E731
                                           "reasons": reasons}
     samples = [(0.5, row(345, 80, 0x1)),  # idle, before the window
                (1.0, row(1980, 600, 0x0)), (2.0, row(1900, 700, 0x4)), (3.0, row(1800, 700, 0x4, gpu=1)),
                (4.0, row(1980, 650, 0x1 | 0x2)), (9.0, row(345, 80, 0x1))]
-    s = summarize(samples, 1.0, 4.0)
+    s = summarize(samples, [(0.9, 2.0), (2.0, 3.0), (3.5, 4.0)])  # three steps; (3.0, 3.5] is no step's
     assert s["samples"] == 4 and s["gpus"] == 2
     assert s["sm_mhz_median"] == 1940.0 and s["sm_mhz_p10"] == 1800.0
     assert s["power_w_median"] == 675.0 and s["temp_c_max"] == 57.0
     assert s["slowdown_share"] == 0.5 and s["slowdown_reasons_seen"] == "0x4"
-    assert summarize(samples, 5.0, 8.0) is None
+    assert summarize(samples, [(4.0, 8.0)]) is None and summarize(samples, []) is None
+    paused = samples + [(3.2, row(1980, 90, 0x1))]  # the GPU idle between steps (a trace being written)
+    assert summarize(paused, [(0.9, 2.0), (2.0, 3.0), (3.5, 4.0)]) == s
 
 
 def test_the_sampler_keeps_stamped_rows_of_a_stand_in_command():
