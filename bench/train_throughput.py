@@ -270,7 +270,7 @@ def main() -> None:
             continue
         r = launch(name, a)
         results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "grad_norms")}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "grad_norms", "gpu_samples")}), flush=True)
     by = {r["run"]: r for r in results}
     if "losses" in by.get("nosa_1gpu", {}) and "losses" in by.get("nosa_tp2", {}):
         a1, a2 = by["nosa_1gpu"]["losses"], by["nosa_tp2"]["losses"]
