@@ -27,8 +27,8 @@ largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pa
 profiled steps are left out of the measured steps (``tokens_per_s_with_profiled_steps`` keeps them). Usage::
 
     python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
-        [--seq 16384] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2] [--profile-step N]
-        [--extra key=value ...] [--source CHECKOUT]
+        [--seq 16384] [--global-batch 2] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
+        [--profile-step N] [--extra key=value ...] [--source CHECKOUT]
 
 ``--source`` runs another checkout's ``train/main.py`` under this harness (``bench/ab_throughput.py``
 uses it to time two versions of the code alike). Relative paths are taken from the current directory;
@@ -59,7 +59,7 @@ from gpu_clocks import GpuSampler, summarize  # noqa: E402
 
 def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
     common = [f"recipe={a.recipe}", f"data.paths=[{a.data}]", f"data.tokenizer={a.tokenizer}",
-              f"train.max_steps={a.steps}", "train.global_batch_size=2", "train.micro_batch_size=1",
+              f"train.max_steps={a.steps}", f"train.global_batch_size={a.global_batch}", "train.micro_batch_size=1",
               f"train.seq_length={a.seq}", "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1",
               "optim.warmup_steps=2", "checkpoint.save=false", "checkpoint.resume=none", "logging.plot=false",
               "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}"]
@@ -116,7 +116,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     out["step_arrival_s"] = {step: round(t - t0, 3) for step, t in arrived.items()}
     out["gpu_samples"] = [[round(t - t0, 3), r["gpu"], r["sm_mhz"], r["power_w"], r["reasons"]] for t, r in gpu.samples]
     times = sorted(r["step_time_s"] for r in steady)
-    tokens = 2 * a.seq * len(steady)
+    tokens = a.global_batch * a.seq * len(steady)
     fit = _fit([r.get("attention_work") for r in steady], [r["step_time_s"] for r in steady])
     profile = Path(a.out) / name / "profile" / "summary.json"
     out.update({
@@ -129,7 +129,8 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "p90_over_median": _p90_over_median(times),
         "slowest_step_s": times[-1],
         "measured_steps": [r["step"] for r in steady],
-        "tokens_per_s_with_profiled_steps": 2 * a.seq * len(after_warmup) / sum(r["step_time_s"] for r in after_warmup),
+        "tokens_per_s_with_profiled_steps": (a.global_batch * a.seq * len(after_warmup)
+                                             / sum(r["step_time_s"] for r in after_warmup)),
         "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in after_warmup},
         "attention_work": {r["step"]: round(r["attention_work"], 4) for r in after_warmup if "attention_work" in r},
         "step_time_vs_attention_work": fit,
@@ -232,7 +233,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--recipe", default="nosa_1b_cpt", help="e.g. nosa_8b_cpt with --extra parallel=single")
     p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--seq", type=int, default=16384, help="tokens per sequence (global batch: 2 sequences)")
+    p.add_argument("--seq", type=int, default=16384, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, default=2,
+                   help="sequences per optimizer step (micro-batches of one; per GPU: this / data-parallel size)")
     p.add_argument("--profile-step", type=int, default=0, help="profile this step and the next (0: off)")
     p.add_argument("--data", default=str(ROOT / ".cache/demo_data/corpus_text_document"))
     p.add_argument("--tokenizer", default=str(ROOT / ".cache/demo_data/tokenizer"))

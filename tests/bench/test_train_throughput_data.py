@@ -51,3 +51,15 @@ def test_steadiness_at_the_mean_work_takes_out_only_what_the_documents_explain()
     fit = bench._fit(work, [r["step_time_s"] for r in steps])
     assert bench._p90_at_mean_work(steps, fit) > 1.3
     assert bench._p90_at_mean_work(steps, None) is None
+
+
+def test_every_run_takes_the_global_batch_asked_for():
+    import argparse
+
+    run_config = load_bench("train_throughput").run_config
+    a = argparse.Namespace(recipe="nosa_1b_cpt", data="d", tokenizer="t", steps=5, seq=1024, layers=2, out="o",
+                           profile_step=0, extra=[], global_batch=8)
+    for name in ("nosa_1gpu_nr", "dense_doc_1gpu", "nosa_tp2"):
+        args, _ = run_config(name, a)
+        assert [x for x in args if x.startswith("train.global_batch_size=")] == ["train.global_batch_size=8"]
+        assert "train.micro_batch_size=1" in args
