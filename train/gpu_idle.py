@@ -17,6 +17,21 @@ from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "python_function")  # the last with profile.with_stack
+# The trainer's step phases (``torch.profiler.record_function`` ranges on the main thread, nested): the
+# start of a step (zero the gradients, batches to the GPU), megatron's forward-backward schedule (its own
+# time, outside the forwards: the backward and the schedule's glue), the forward of the step's first
+# micro-batch and of the others, reading the next step's batches, the loss / finiteness read, the
+# optimizer step. ``idle_by_phase`` splits the GPU's idle time among them.
+PHASE_PREFIX = "train."
+PHASES = {
+    "train.step_start": "step start (zero gradients, batches to the GPU)",
+    "train.forward_first": "forward, first micro-batch of the step",
+    "train.forward": "forward, other micro-batches",
+    "train.forward_backward": "backward (and the schedule between micro-batches)",
+    "train.read_ahead": "next step's batches read",
+    "train.checks": "loss and finite-gradient read",
+    "train.optimizer": "optimizer step",
+}
 # host calls that wait for the GPU (cudaMemcpyAsync to pageable host memory blocks too)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cudaMemcpyAsync")
@@ -47,7 +62,8 @@ def gpu_busy(events: list[dict]) -> list[tuple[float, float]]:
 def idle_gaps(events: list[dict], min_ms: float = 0.2) -> list[dict]:
     """Every GPU idle gap of at least ``min_ms`` with the host work that overlapped it."""
     busy = gpu_busy(events)
-    host = sorted((e for e in events if e.get("cat") in HOST_CATS), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("cat") in HOST_CATS and not e["name"].startswith(PHASE_PREFIX)),
+                  key=lambda e: e["ts"])
     runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
     gaps = []
     for (_, s), (t, _) in itertools.pairwise(busy):
@@ -70,6 +86,65 @@ def idle_gaps(events: list[dict], min_ms: float = 0.2) -> list[dict]:
             "runtime_ms": {k: round(v, 3) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])[:4]},
         })
     return gaps
+
+
+def phase_segments(events: list[dict]) -> list[tuple[float, float, str]]:
+    """``(start, end, name)`` (µs) of the innermost trainer phase (``PHASES`` ranges, nested) at each moment
+    they cover, in time order."""
+    ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"] in PHASES),
+                    key=lambda e: (e["ts"], -e["dur"]))
+    segments: list[tuple[float, float, str]] = []
+    stack: list[tuple[float, str]] = []  # (end, name) of the open ranges, innermost last
+    cursor = 0.0
+
+    def advance(to: float) -> None:
+        nonlocal cursor
+        if stack and to > cursor:
+            segments.append((cursor, to, stack[-1][1]))
+        cursor = max(cursor, to)
+
+    for e in ranges:
+        start, end = e["ts"], e["ts"] + e["dur"]
+        while stack and stack[-1][0] <= start:  # close the ranges that ended before this one starts
+            advance(stack[-1][0])
+            stack.pop()
+        advance(start)
+        stack.append((end, e["name"]))
+    while stack:
+        advance(stack[-1][0])
+        stack.pop()
+    return segments
+
+
+def idle_by_phase(busy: list[tuple[float, float]], segments: list[tuple[float, float, str]], steps: int) -> dict:
+    """GPU idle and wall time per trainer phase (``PHASES``), ms per step; idle outside every phase
+    under ``"(outside the trainer's phases)"``."""
+    gaps = [(s, t) for (_, s), (t, _) in itertools.pairwise(busy)]
+    idle: dict[str, float] = defaultdict(float)
+    span: dict[str, float] = defaultdict(float)
+    for s, t, name in segments:
+        span[name] += t - s
+    i = 0
+    for s, t in gaps:
+        covered = 0.0
+        while i < len(segments) and segments[i][1] <= s:
+            i += 1
+        j = i
+        while j < len(segments) and segments[j][0] < t:
+            ov = min(t, segments[j][1]) - max(s, segments[j][0])
+            if ov > 0:
+                idle[segments[j][2]] += ov
+                covered += ov
+            j += 1
+        if t - s > covered:
+            idle["(outside the trainer's phases)"] += t - s - covered
+    per = 1.0 / max(steps, 1)
+    out = {}
+    for name in [*PHASES, "(outside the trainer's phases)"]:
+        if name in span or name in idle:
+            out[PHASES.get(name, name)] = {"idle_ms_per_step": round(idle[name] / 1e3 * per, 2),
+                                           "span_ms_per_step": round(span[name] / 1e3 * per, 2)}
+    return out
 
 
 def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12) -> dict:
@@ -107,6 +182,7 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
              "longest_gap_stack": v[2]["host_stack"]}
             for k, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
         "longest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
+        "idle_by_phase": idle_by_phase(busy, phase_segments(events), steps),
         "host_sync_ms_per_step": {k: round(v * per, 2) for k, v in sorted(sync.items(), key=lambda kv: -kv[1])},
         "allocator_calls_per_step": {k: {"count": round(n * per, 1), "ms": round(ms * per, 2)}
                                      for k, (n, ms) in allocs.items()},

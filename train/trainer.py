@@ -80,7 +80,8 @@ def forward_step(data_iterator, model):
         cu = mb["cu_seqlens"]
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                               max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
-    output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp)
+    with torch.profiler.record_function("train.forward_first" if mb.get("first") else "train.forward"):
+        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp)
     return output, partial(_loss_func, mb["loss_mask"])
 
 
@@ -287,20 +288,26 @@ class Trainer:
         return packed_locality_summary(sels, mb["position_ids"])
 
     def train_step(self) -> dict:
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        batches = self.train_batches.take()
-        work = causal_attention_work(batches)
-        mbs = [to_microbatch(b, self.env.device) for b in batches]
+        # the phases are profiler ranges: train.gpu_idle splits the GPU's idle time among them
+        with torch.profiler.record_function("train.step_start"):
+            for m in self.model:
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            batches = self.train_batches.take()
+            work = causal_attention_work(batches)
+            mbs = [to_microbatch(b, self.env.device) for b in batches]
+            mbs[0]["first"] = True
         every = self.cfg.train.locality_interval
         record = bool(every) and (self.step + 1) % every == 0
         for m in self._nosa_modules() if record else []:
             m.record_selection = True
-        total = self._forward_backward(mbs, forward_only=False)
+        with torch.profiler.record_function("train.forward_backward"):
+            total = self._forward_backward(mbs, forward_only=False)
         if self.step + 1 < self.cfg.train.max_steps:
-            self.train_batches.read_ahead()  # the GPU runs this step's work; the loss read below waits for it
-        loss, grads_bad = self._loss_and_grads_nonfinite(total)
+            with torch.profiler.record_function("train.read_ahead"):
+                self.train_batches.read_ahead()  # the GPU runs this step's work; the loss read below waits for it
+        with torch.profiler.record_function("train.checks"):
+            loss, grads_bad = self._loss_and_grads_nonfinite(total)
         stats = {}
         if record:
             stats = self._locality(mbs[-1])
@@ -314,11 +321,12 @@ class Trainer:
             bad = f"loss is {loss:.4f} but the gradients hold NaN/inf"  # fp16: megatron's loss scaler skips
         grad_norm = None
         ok = False
-        if bad is None:
-            ok, grad_norm, _ = self.optimizer.step()
-            if not ok and grad_norm is not None and not math.isfinite(grad_norm):
-                bad = f"loss is {loss:.4f} but the gradient norm is {grad_norm}"
-        self.scheduler.step(increment=1)
+        with torch.profiler.record_function("train.optimizer"):
+            if bad is None:
+                ok, grad_norm, _ = self.optimizer.step()
+                if not ok and grad_norm is not None and not math.isfinite(grad_norm):
+                    bad = f"loss is {loss:.4f} but the gradient norm is {grad_norm}"
+            self.scheduler.step(increment=1)
         if bad is not None:
             self._non_finite_step(bad)
         else:

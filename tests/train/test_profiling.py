@@ -81,6 +81,40 @@ def test_gpu_idle_gaps_name_the_host_work_that_caused_them():
     assert s["allocator_calls_per_step"]["cudaMalloc"]["ms"] == pytest.approx(0.775, abs=0.006)
 
 
+def test_gpu_idle_is_split_among_the_trainers_phases():
+    from train.gpu_idle import PHASES, idle_by_phase, phase_segments, summarize
+
+    ann = lambda name, ts, dur: _x("user_annotation", name, ts, dur)  # noqa: E731
+    events = [
+        ann("train.step_start", 0, 1000),
+        ann("train.forward_backward", 1000, 8000),
+        ann("train.forward_first", 1000, 2000), ann("train.forward", 5000, 1000),
+        ann("train.checks", 9000, 500), ann("train.optimizer", 9500, 1500),
+        _x("user_annotation", "nosa.eviction_head", 1200, 100),  # not a phase: ignored
+        _x("kernel", "a", 500, 700),      # idle 1200-1500 (forward, first micro-batch)
+        _x("kernel", "b", 1500, 1000),    # idle 2500-3200: 500 in the first forward, 200 in the backward
+        _x("kernel", "c", 3200, 5900),    # idle 9100-9700: 400 in the checks, 200 in the optimizer
+        _x("kernel", "d", 9700, 1000),    # idle 10700-11500: 300 in the optimizer, 500 outside
+        _x("kernel", "e", 11500, 100),
+    ]
+    segs = phase_segments(events)
+    assert [(s, t, n) for s, t, n in segs] == [
+        (0, 1000, "train.step_start"), (1000, 3000, "train.forward_first"), (3000, 5000, "train.forward_backward"),
+        (5000, 6000, "train.forward"), (6000, 9000, "train.forward_backward"), (9000, 9500, "train.checks"),
+        (9500, 11000, "train.optimizer")]
+    got = idle_by_phase([(500, 1200), (1500, 2500), (3200, 9100), (9700, 10700), (11500, 11600)], segs, steps=1)
+    assert got[PHASES["train.forward_first"]] == {"idle_ms_per_step": 0.8, "span_ms_per_step": 2.0}
+    assert got[PHASES["train.forward_backward"]] == {"idle_ms_per_step": 0.2, "span_ms_per_step": 5.0}
+    assert got[PHASES["train.checks"]] == {"idle_ms_per_step": 0.4, "span_ms_per_step": 0.5}
+    assert got[PHASES["train.optimizer"]] == {"idle_ms_per_step": 0.5, "span_ms_per_step": 1.5}
+    assert got["(outside the trainer's phases)"]["idle_ms_per_step"] == 0.5
+    assert got[PHASES["train.forward"]]["idle_ms_per_step"] == 0.0
+    assert sum(v["idle_ms_per_step"] for v in got.values()) == pytest.approx(2.4)  # every idle moment, once
+    s = summarize(events, steps=1)
+    assert s["idle_by_phase"] == got and s["gpu_idle_ms_per_step"] == 2.4
+    assert all(not g["host_op"].startswith("train.") for g in s["longest_gaps"])  # phases are not host ops
+
+
 def test_host_work_splits_threads_and_counts_self_time_and_launches():
     from train.host_time import host_work
 
