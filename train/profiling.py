@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from train.gpu_idle import summarize, trace_events
+from train.gpu_idle import PHASE_PREFIX, summarize, trace_events
 from train.host_time import host_work
 
 PARTS = {  # kernel-name fragments, checked in this order
@@ -51,8 +51,8 @@ def breakdown(events, steps: int) -> dict:
         if ev.key == EVICTION_RANGE:
             eviction = (getattr(ev, "device_time_total", 0) or 0) / 1e3
             continue
-        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue  # CPU ops: their kernels are counted as kernel events
+        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA or ev.key.startswith(PHASE_PREFIX):
+            continue  # CPU ops: their kernels are counted as kernel events; the trainer's phase ranges hold kernels
         ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
         total += ms
         part = part_of(ev.key)
@@ -73,7 +73,8 @@ def top_other_kernels(events, steps: int, n: int = 15) -> list[dict]:
     time: ``{"kernel", "ms_per_step", "calls_per_step"}``, names cut to 160 characters."""
     rows = []
     for ev in events:
-        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA or part_of(ev.key) is not None:
+        if (getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA or part_of(ev.key) is not None
+                or ev.key.startswith(PHASE_PREFIX)):
             continue
         ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
         rows.append({"kernel": ev.key[:160], "ms_per_step": round(ms / steps, 3),

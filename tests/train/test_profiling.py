@@ -28,6 +28,7 @@ def test_kernels_are_sorted_into_parts_per_step():
         Ev("triton_poi_fused_silu_mul", CUDA, 2000),
         Ev("aten::mm", CPU, 20000),  # a CPU op's own kernels are already counted as kernel events
         Ev("nosa.eviction_head", CPU, 0, 800),
+        Ev("train.forward_backward", CUDA, 30000),  # a phase range on the GPU timeline: its kernels are above
     ]
     got = breakdown(events, steps=2)
     assert got["attention_forward"] == pytest.approx(2.3) and got["attention_backward"] == pytest.approx(4.0)
@@ -41,7 +42,7 @@ def test_kernels_are_sorted_into_parts_per_step():
 def test_the_rest_is_named_kernel_by_kernel_largest_first():
     events = [Ev("_fwd_kernel", CUDA, 9000), Ev("elementwise_kernel<mul>", CUDA, 3000, count=8),
               Ev("sm90_xmma_gemm_bf16", CUDA, 20000, count=4), Ev("aten::mm", CPU, 20000),
-              Ev("reduce_kernel<sum>", CUDA, 500, count=2)]
+              Ev("reduce_kernel<sum>", CUDA, 500, count=2), Ev("train.optimizer", CUDA, 90000)]
     top = top_other_kernels(events, steps=2, n=2)
     assert [r["kernel"] for r in top] == ["sm90_xmma_gemm_bf16", "elementwise_kernel<mul>"]
     assert top[0]["ms_per_step"] == pytest.approx(10.0) and top[1]["calls_per_step"] == 4.0
