@@ -121,8 +121,10 @@ def local_peak_memory_gib(device: torch.device) -> float:
 
 
 def max_over_ranks(value: float, device: torch.device, group=None) -> float:
-    """The largest ``value`` of all ranks of ``group`` (all-reduce MAX; every rank must call it)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """The largest ``value`` of all ranks of ``group`` (all-reduce MAX; every rank must call it). With one rank
+    it is ``value`` itself: no device round trip (the per-step preemption agreement would otherwise wait for
+    the GPU's queue every step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

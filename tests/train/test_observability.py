@@ -72,6 +72,27 @@ def _max_rank(rank, init, out):
     dist.destroy_process_group()
 
 
+def _one_rank(rank, init, out):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective with one rank")
+
+    dist.all_reduce = collective
+    with open(os.path.join(out, "r0"), "w") as f:
+        f.write(repr(max_over_ranks(2.5, torch.device("cpu"))))
+    dist.destroy_process_group()
+
+
+def test_one_rank_is_its_own_max_without_a_collective(tmp_path):
+    mp.start_processes(_one_rank, args=(f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=1, join=True,
+                       start_method="fork")
+    assert float((tmp_path / "r0").read_text()) == 2.5
+
+
 def test_peak_memory_is_the_max_over_all_ranks(tmp_path):
     mp.start_processes(_max_rank, args=(f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=3, join=True,
                        start_method="fork")
