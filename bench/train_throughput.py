@@ -30,9 +30,11 @@ profiled steps are left out of the measured steps (``tokens_per_s_with_profiled_
         [--seq 16384] [--global-batch 2] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
         [--profile-step N] [--extra key=value ...] [--source CHECKOUT]
 
-``--source`` runs another checkout's ``train/main.py`` under this harness (``bench/ab_throughput.py``
-uses it to time two versions of the code alike). Relative paths are taken from the current directory;
-the default data is this repository's ``.cache/demo_data``.
+Runs log every step (``train.log_interval=1``); with ``--extra train.log_interval=N`` each row's interval
+means count for the N steps it covers (e.g. to time ``train.step_reads=at_log``, whose host reads wait for the
+GPU only at logged steps). ``--source`` runs another checkout's ``train/main.py`` under this harness
+(``bench/ab_throughput.py`` uses it to time two versions of the code alike). Relative paths are taken from
+the current directory; the default data is this repository's ``.cache/demo_data``.
 
 The demo corpus is mostly short files (46% of its tokens are in documents shorter than 16K), so
 document masking already removes most attention work there. For the document lengths of a
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -104,33 +107,34 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         out["error_tail"] = log.read_text()[-2500:]
         return out
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r.get("loss") is not None]
+    rows = with_steps_covered([r for r in rows if r.get("loss") is not None])
     profiled = {a.profile_step, a.profile_step + 1} if a.profile_step else set()
-    after_warmup = [r for r in rows if r["step"] > a.warmup]
-    steady = [r for r in after_warmup if r["step"] not in profiled]  # the profiler's own cost is not measured
-    # each measured step's time span: from the previous step's row to its own (its trace export is in the last
+    after_warmup = [r for r in rows if r["step"] - r["steps_covered"] >= a.warmup]
+    # the profiler's own cost is not measured
+    steady = [r for r in after_warmup if not profiled & set(range(r["step"] - r["steps_covered"] + 1, r["step"] + 1))]
+    # each measured row's time span: from the previous row to its own (the trace export is in the last
     # profiled step's span, left out)
-    spans = [(arrived[s - 1], arrived[s]) for s in (r["step"] for r in steady) if {s - 1, s} <= arrived.keys()]
+    spans = [(arrived[s - n], arrived[s]) for s, n in ((r["step"], r["steps_covered"]) for r in steady)
+             if {s - n, s} <= arrived.keys()]
     out["gpu_clocks"] = summarize(gpu.samples, spans)
     # the raw record, seconds from the launch: when each step's row arrived, and every clock sample
     out["step_arrival_s"] = {step: round(t - t0, 3) for step, t in arrived.items()}
     out["gpu_samples"] = [[round(t - t0, 3), r["gpu"], r["sm_mhz"], r["power_w"], r["reasons"]] for t, r in gpu.samples]
     times = sorted(r["step_time_s"] for r in steady)
-    tokens = a.global_batch * a.seq * len(steady)
+    tokens, seconds = tokens_and_seconds(steady, a.global_batch * a.seq)
     fit = _fit([r.get("attention_work") for r in steady], [r["step_time_s"] for r in steady])
     profile = Path(a.out) / name / "profile" / "summary.json"
     out.update({
         "steps": len(rows), "losses": [round(r["loss"], 5) for r in rows],
         "grad_norms": [None if r.get("grad_norm") is None else round(r["grad_norm"], 4) for r in rows],
-        "tokens_per_s": tokens / sum(times),
-        "tokens_per_s_per_gpu": tokens / sum(times) / nproc,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_s_per_gpu": tokens / seconds / nproc,
         "tokens_per_s_median_step": statistics.median(r["tokens_per_s"] for r in steady),
         "step_s": statistics.median(times),
         "p90_over_median": _p90_over_median(times),
         "slowest_step_s": times[-1],
         "measured_steps": [r["step"] for r in steady],
-        "tokens_per_s_with_profiled_steps": (a.global_batch * a.seq * len(after_warmup)
-                                             / sum(r["step_time_s"] for r in after_warmup)),
+        "tokens_per_s_with_profiled_steps": _ratio(*tokens_and_seconds(after_warmup, a.global_batch * a.seq)),
         "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in after_warmup},
         "attention_work": {r["step"]: round(r["attention_work"], 4) for r in after_warmup if "attention_work" in r},
         "step_time_vs_attention_work": fit,
@@ -170,6 +174,26 @@ def step_arrivals(proc: subprocess.Popen, metrics: Path, timeout: float, poll_s:
             proc.wait()
             return arrived
         time.sleep(poll_s)
+
+
+def with_steps_covered(rows: list[dict]) -> list[dict]:
+    """``rows`` (logged rows in step order) with ``steps_covered``: the steps each row's interval means cover
+    (``train.log_interval`` of them; 1 when every step is logged)."""
+    out, previous = [], 0
+    for r in rows:
+        out.append({**r, "steps_covered": r["step"] - previous})
+        previous = r["step"]
+    return out
+
+
+def tokens_and_seconds(rows: list[dict], tokens_per_step: int) -> tuple[int, float]:
+    """Tokens and wall seconds of the steps ``rows`` cover (each row: its interval's mean step time)."""
+    steps = sum(r["steps_covered"] for r in rows)
+    return tokens_per_step * steps, math.fsum(r["steps_covered"] * r["step_time_s"] for r in rows)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def _fit(work: list, times: list) -> dict | None:

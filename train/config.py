@@ -18,6 +18,7 @@ from nosa_layers.megatron.config import validate as validate_model
 STAGES = ("pretrain", "cpt", "sft")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("bf16", "fp16", "fp32")
+STEP_READS = ("each_step", "at_log")
 RECOMPUTE = ("none", "selective", "full")
 TRANSFORMER_IMPLS = ("local", "te")
 SCHEDULES = ("wsd", "cosine", "constant")
@@ -93,6 +94,11 @@ class TrainSection:
     # into the fp32 main grads; runtime.megatron_compat gives it a torch GEMM where Apex is missing);
     # CPU runs always take the unfused reference path
     fusions: bool = True
+    # When the host reads a step's loss, gradient norm and finite-gradient verdict: each_step (before the
+    # update: every step waits for the GPU twice), or at_log (the update is clipped and, for a non-finite step,
+    # skipped on the GPU; the values are read at the next log, evaluation, checkpoint or stop point and the
+    # nan_policy applied there, so the host can queue the next steps meanwhile; needs optim.fused, not fp16)
+    step_reads: str = "each_step"
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
     nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps
     locality_interval: int = 0  # log NOSA locality stats every N steps (0: off)
@@ -235,9 +241,9 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 # Settings a resumed run may change (said in one line); any other change alters the training
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
-               "train.eval_iters", "train.nan_policy", "train.nan_skip_limit", "train.locality_interval",
-               "train.gc_interval", "train.fusions", "optim.fused", "checkpoint.", "logging.", "profile.", "parallel.",
-               "cluster.", "run.device", "init_from", "print_config",
+               "train.step_reads", "train.eval_iters", "train.nan_policy", "train.nan_skip_limit",
+               "train.locality_interval", "train.gc_interval", "train.fusions", "optim.fused", "checkpoint.",
+               "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "print_config",
                "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
 
 
@@ -360,6 +366,10 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
           f"{t.micro_batch_size}*{dp}; pick a multiple of {t.micro_batch_size * dp}")
     _need(t.nan_skip_limit > 0, f"train.nan_skip_limit={t.nan_skip_limit} must be > 0")
     _need(t.log_interval > 0, f"train.log_interval={t.log_interval} must be > 0")
+    _choice(t.step_reads, STEP_READS, "train.step_reads")
+    _need(t.step_reads != "at_log" or (o.fused and t.precision != "fp16"),
+          "train.step_reads=at_log skips a non-finite update on the device through torch's fused AdamW: it needs "
+          "optim.fused=true and a precision other than fp16 (whose loss scaler reads on the host)")
     if cfg.logging.tensorboard:
         from train.metrics import tensorboard_missing
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from runtime.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
+from train.device_step import step_on_device, supports_device_step
 from train.distributed import DistEnv
 from train.finite import grads_nonfinite_flag, weights_nonfinite
 from train.gc_control import GarbageCollection
@@ -306,6 +307,8 @@ class Trainer:
         if self.step + 1 < self.cfg.train.max_steps:
             with torch.profiler.record_function("train.read_ahead"):
                 self.train_batches.read_ahead()  # the GPU runs this step's work; the loss read below waits for it
+        if self.cfg.train.step_reads == "at_log":
+            return self._queue_update(total, work, record, mbs)
         with torch.profiler.record_function("train.checks"):
             loss, grads_bad = self._loss_and_grads_nonfinite(total)
         stats = {}
@@ -334,11 +337,79 @@ class Trainer:
         return {"loss": loss, "lr": lr, "skipped": not ok, "attention_work": work,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, **stats}
 
-    def _non_finite_step(self, what: str) -> None:
+    def _queue_update(self, total: torch.Tensor | None, work, record: bool, mbs: list[dict]) -> dict:
+        """``train.step_reads=at_log``: the rest of :meth:`train_step` with nothing read by the host: the
+        update is clipped, and skipped for a non-finite loss or gradient, on the device
+        (``train.device_step``); the loss, the skip and the norm go to pinned host memory without blocking
+        and are read by :meth:`_settle` (``"reads"`` of the result)."""
+        with torch.profiler.record_function("train.checks"):
+            loss = self._loss_tensor_on_all_ranks(total)
+            flag = grads_nonfinite_flag(self.model, self.env.device)
+        stats = {}
+        if record:
+            stats = self._locality(mbs[-1])
+            for m in self._nosa_modules():
+                m.record_selection = False
+        lr = self.optimizer.param_groups[0]["lr"]
+        with torch.profiler.record_function("train.optimizer"):
+            bad = torch.cat([flag.double(), (~torch.isfinite(loss)).double()])
+            norm, skipped = step_on_device(self.optimizer, bad, self.env.device)
+            self.scheduler.step(increment=1)
+        values = torch.stack([loss.reshape(()), skipped.double(), norm.double()])
+        event = None
+        if values.is_cuda:
+            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = host
+        return {"reads": (values, event), "lr": lr, "attention_work": work, **stats}
+
+    def _settle(self, pending: list) -> list:
+        """Read the values of the ``(step, result, dt)`` steps queued by :meth:`_queue_update` (waiting for
+        the GPU only as far as the newest of them), apply the non-finite policy to each in order (it may
+        raise) and return them with ``loss``, ``skipped`` and ``grad_norm`` filled in."""
+        out = []
+        for step, res, dt in pending:
+            values, event = res.pop("reads")
+            if event is not None:
+                event.synchronize()
+            loss, skipped, norm = values.tolist()
+            res.update(loss=loss, skipped=bool(skipped), grad_norm=norm)
+            if skipped:
+                what = f"loss is {loss}" if not math.isfinite(loss) else (
+                    f"loss is {loss:.4f} but the gradients or their norm ({norm}) hold NaN/inf")
+                self._non_finite_step(what, step)
+            else:
+                self.nonfinite_streak = 0
+            out.append((step, res, dt))
+        return out
+
+    def _reads_due(self, start_step: int) -> bool:
+        """Whether this step's loop needs the values of the steps queued so far (``train.step_reads=at_log``):
+        at log, evaluation, checkpoint and last steps, and at the last step of this launch."""
+        t, step = self.cfg.train, self.step
+        return (step % t.log_interval == 0 or step >= t.max_steps
+                or bool(t.eval_interval and step % t.eval_interval == 0)
+                or bool(self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0)
+                or (t.exit_after_steps is not None and step - start_step >= t.exit_after_steps))
+
+    def _account(self, pending: list, interval: IntervalStats) -> dict:
+        """Add the ``pending`` steps to ``interval`` (reading the values of those queued without a host read
+        first, the wait shared out among their step times) and empty it; returns the newest step's result."""
+        t0 = time.perf_counter()
+        steps = self._settle(pending) if "reads" in pending[-1][1] else list(pending)
+        wait = (time.perf_counter() - t0) / len(steps)
+        for _, res, dt in steps:
+            interval.add(res["loss"], dt + wait, res["attention_work"])
+        pending.clear()
+        return steps[-1][1]
+
+    def _non_finite_step(self, what: str, step: int | None = None) -> None:
         """A step whose update was not applied: stop (policy ``stop``) or count it (``skip``)."""
         t = self.cfg.train
         self.nonfinite_streak += 1
-        step = self.step + 1
+        step = self.step + 1 if step is None else step
         if t.nan_policy == "skip" and self.nonfinite_streak < t.nan_skip_limit:
             log0(self.env, f"step {step}: {what}; update skipped ({self.nonfinite_streak} in a row, "
                            f"the run stops at train.nan_skip_limit={t.nan_skip_limit})")
@@ -411,6 +482,10 @@ class Trainer:
         with StopSignal(cfg.cluster.save_signals, env.device) as stop:  # a signal during the build counts too
             self.build()
             self.restore()
+            why = supports_device_step(self.optimizer) if cfg.train.step_reads == "at_log" else None
+            if why is not None:
+                raise ValueError(f"train.step_reads=at_log cannot run this optimizer: {why}; "
+                                 f"use train.step_reads=each_step")
             return self._loop(stop)
 
     def _loop(self, stop: StopSignal) -> dict:
@@ -423,6 +498,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_length
         start_step, saved_at = self.step, self.step
         last: dict = {}
+        pending: list = []  # (step, result, seconds) of the steps whose values the host has not read yet
         if self.step >= t.max_steps:
             log0(env, f"run.dir {self.run_dir} is already at step {self.step} = train.max_steps: nothing to train "
                       f"(raise train.max_steps to continue)")
@@ -444,7 +520,13 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.step += 1
                 profiler.after(self.step, partial(log0, env))
-                interval.add(out["loss"], dt, out["attention_work"])
+                pending.append((self.step, out, dt))
+                got = None
+                if "reads" in out and not self._reads_due(start_step):  # train.step_reads=at_log
+                    got = stop.agreed()
+                    if got is None:
+                        continue
+                out = self._account(pending, interval)
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
                        "grad_norm": out["grad_norm"], "skipped": out["skipped"]}
                 row.update({k: v for k, v in out.items() if k.startswith("nosa_")})
@@ -464,7 +546,7 @@ class Trainer:
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                     self.save()
                     saved_at = self.step
-                got = stop.agreed()
+                got = stop.agreed() if got is None else got
                 if got is not None:
                     log0(env, f"{got} received: stopping at step {self.step} with a checkpoint; the next launch "
                               f"with the same run.dir resumes from it")

@@ -63,3 +63,15 @@ def test_every_run_takes_the_global_batch_asked_for():
         args, _ = run_config(name, a)
         assert [x for x in args if x.startswith("train.global_batch_size=")] == ["train.global_batch_size=8"]
         assert "train.micro_batch_size=1" in args
+
+
+def test_rows_of_several_steps_count_every_step_they_cover():
+    bench = load_bench("train_throughput")
+    every = bench.with_steps_covered([{"step": s, "step_time_s": 1.0 + s / 10} for s in (1, 2, 3, 4)])
+    assert [r["steps_covered"] for r in every] == [1, 1, 1, 1]
+    assert bench.tokens_and_seconds(every[1:], 100) == (300, pytest.approx(1.2 + 1.3 + 1.4))
+    logged = bench.with_steps_covered([{"step": 4, "step_time_s": 2.0}, {"step": 8, "step_time_s": 1.5},
+                                       {"step": 12, "step_time_s": 1.0}])  # train.log_interval=4: interval means
+    assert [r["steps_covered"] for r in logged] == [4, 4, 4]
+    tokens, seconds = bench.tokens_and_seconds(logged[1:], 100)
+    assert (tokens, seconds) == (800, pytest.approx(4 * 1.5 + 4 * 1.0))

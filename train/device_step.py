@@ -1,0 +1,97 @@
+"""megatron-core's optimizer step without a host read (``train.step_reads=at_log``).
+
+megatron-core's step reads the gradient norm back to the host (its clip decision and skip threshold are
+host-side), and the trainer reads the loss and the finite-gradient verdict before it; each read drains the
+GPU's queue, so the optimizer step and the next step's first forward then run at the host's pace. Here the
+same step is queued with nothing read back:
+
+* megatron-core's own pieces per optimizer: ``prepare_grads`` (model gradients to main gradients),
+  ``get_grads_for_grad_norm`` (its filter of shared and tensor-parallel-duplicate gradients) and
+  ``step_with_ready_grads`` (the torch AdamW step, the copy back to the model parameters);
+* the gradient norm as ``get_grad_norm_fp32`` computes it (L2 over the optimizer's grad-stats group), kept
+  on the device, and clipping by the tensor coefficient ``min(1, clip / (norm + 1e-6))`` (megatron-core's
+  own path where Transformer Engine provides a tensor scale);
+* a step whose ``bad`` flag (non-finite loss or gradients) is set or whose norm is not finite is skipped on
+  the device: torch's fused AdamW takes a ``found_inf`` tensor and then leaves the weights, the moments and
+  the step count as they were.
+
+The trainer reads the loss, the skip and the norm later (at the log, evaluation, checkpoint and stop
+points) and applies its non-finite policy there. Needs the fused AdamW (``optim.fused``) and no fp16 loss
+scaler (its unscale reads ``found_inf`` on the host)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runtime.megatron_compat import multi_tensor_l2_norm
+
+
+def _optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _torch_adams(opt) -> list:
+    inner = getattr(opt, "optimizer", None)
+    return [inner] if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) else []
+
+
+def supports_device_step(optimizer) -> str | None:
+    """Why :func:`step_on_device` cannot run ``optimizer`` (``None`` if it can)."""
+    from megatron.core.optimizer.optimizer import _get_param_grad_norm_group, _is_separate_grad_norm_group
+
+    for opt in _optimizers(optimizer):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        if any(_is_separate_grad_norm_group(_get_param_grad_norm_group(p)) for p in opt.get_parameters()):
+            return "parameters with a separate gradient-norm group"
+        if getattr(opt, "grad_scaler", None) is not None:
+            return "an fp16 loss scaler reads found_inf on the host"
+        if opt.config.use_precision_aware_optimizer:
+            return "the precision-aware optimizer keeps decoupled gradients"
+        adams = _torch_adams(opt)
+        if not adams or not all(g.get("fused") for a in adams for g in a.param_groups):
+            return "the device-side skip needs torch's fused AdamW (optim.fused=true)"
+    return None
+
+
+def grad_norm_on_device(optimizer, device: torch.device) -> torch.Tensor:
+    """0-dim fp32: the L2 norm of the gradients megatron-core clips by (each optimizer's
+    ``get_grads_for_grad_norm``, summed in squares over its grad-stats group), not read by the host."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for opt in _optimizers(optimizer):
+        grads = opt.get_grads_for_grad_norm()
+        if not grads:
+            continue
+        sq = multi_tensor_l2_norm(None, None, [grads], False)[0].reshape(()).square()
+        group = opt.get_grad_stats_parallel_group()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        total = total + sq
+    return total.sqrt()
+
+
+def step_on_device(optimizer, bad: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queue ``optimizer``'s step (megatron-core's) with no host read: returns ``(grad_norm, skipped)``, 0-dim
+    fp32 tensors on ``device``; ``bad`` (any shape, nonzero = skip) is the caller's verdict of the step."""
+    opts = _optimizers(optimizer)
+    for opt in opts:
+        if opt.prepare_grads():  # only an fp16 loss scaler reports here (refused by supports_device_step)
+            raise RuntimeError("step_on_device: the loss scaler found inf/nan (fp16 is not supported)")
+    norm = grad_norm_on_device(optimizer, device)
+    clip = opts[0].config.clip_grad if opts else 0.0
+    if clip > 0:
+        coeff = (clip / (norm + 1.0e-6)).clamp_max(1.0)
+        grads = [p.grad for opt in opts for p in opt.get_parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff)
+    skipped = (bad.reshape(-1).ne(0).any() | ~torch.isfinite(norm)).float().reshape(())
+    for opt in opts:
+        for adam in _torch_adams(opt):
+            adam.found_inf = skipped
+        try:
+            opt.step_with_ready_grads()
+        finally:
+            for adam in _torch_adams(opt):
+                del adam.found_inf
+    return norm, skipped
