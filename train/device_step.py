@@ -61,9 +61,9 @@ def grad_norm_on_device(optimizer, device: torch.device) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for opt in _optimizers(optimizer):
         grads = opt.get_grads_for_grad_norm()
-        if not grads:
-            continue
-        sq = multi_tensor_l2_norm(None, None, [grads], False)[0].reshape(()).square()
+        # a rank without gradients here still joins the reduction (as megatron-core's does), or its peers wait
+        sq = (multi_tensor_l2_norm(None, None, [grads], False)[0].reshape(()).square() if grads
+              else torch.zeros((), dtype=torch.float32, device=device))
         group = opt.get_grad_stats_parallel_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)

@@ -40,6 +40,21 @@ def test_updates_read_at_the_logs_train_as_those_read_each_step(each_step_and_at
     assert any(each[s]["grad_norm"] > 0.5 for s in each)  # clipping took part
 
 
+@pytest.mark.parametrize("parallel", [["parallel.tensor_model_parallel_size=2"], ["train.global_batch_size=4"]],
+                         ids=["tp2", "dp2"])
+def test_reads_at_the_logs_with_two_ranks(tmp_path, data_args, parallel):
+    """TP=2 (the norm summed over the model-parallel group) and DP=2 (the distributed optimizer's shards,
+    summed over the world): the same losses and norm as the per-step reads."""
+    common = [*PRETRAIN, *data_args, "train.max_steps=4", "optim.clip_grad=0.5", *parallel]
+    run_main([*common, f"run.dir={tmp_path / 'each'}", "train.log_interval=2"], nproc=2)
+    run_main([*common, f"run.dir={tmp_path / 'log'}", "train.step_reads=at_log", "train.log_interval=2"], nproc=2)
+    each, at_log = _rows(tmp_path / "each"), _rows(tmp_path / "log")
+    assert sorted(each) == sorted(at_log) == [2, 4]
+    for step in (2, 4):
+        assert math.isclose(at_log[step]["loss"], each[step]["loss"], rel_tol=1e-5)
+        assert math.isclose(at_log[step]["grad_norm"], each[step]["grad_norm"], rel_tol=1e-4)
+
+
 @pytest.mark.parametrize("log_interval", [1, 4])
 def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run(tmp_path, data_args, log_interval):
     """lr=1e6 gives NaN gradients at step 3: the device skips the update; the host reads it at the next
