@@ -5,9 +5,10 @@ host-side), and the trainer reads the loss and the finite-gradient verdict befor
 GPU's queue, so the optimizer step and the next step's first forward then run at the host's pace. Here the
 same step is queued with nothing read back:
 
-* megatron-core's own pieces per optimizer: ``prepare_grads`` (model gradients to main gradients),
-  ``get_grads_for_grad_norm`` (its filter of shared and tensor-parallel-duplicate gradients) and
-  ``step_with_ready_grads`` (the torch AdamW step, the copy back to the model parameters);
+* megatron-core's own pieces: ``prepare_grads`` (model gradients to main gradients),
+  ``get_grads_for_grad_norm`` of each optimizer (its filter of shared and tensor-parallel-duplicate
+  gradients) and ``step_with_ready_grads`` (the torch AdamW steps, the copy back to the model parameters
+  and the parameter gathers, in the chain's order);
 * the gradient norm as ``get_grad_norm_fp32`` computes it (L2 over the optimizer's grad-stats group), kept
   on the device, and clipping by the tensor coefficient ``min(1, clip / (norm + 1e-6))`` (megatron-core's
   own path where Transformer Engine provides a tensor scale);
@@ -75,9 +76,8 @@ def step_on_device(optimizer, bad: torch.Tensor, device: torch.device) -> tuple[
     """Queue ``optimizer``'s step (megatron-core's) with no host read: returns ``(grad_norm, skipped)``, 0-dim
     fp32 tensors on ``device``; ``bad`` (any shape, nonzero = skip) is the caller's verdict of the step."""
     opts = _optimizers(optimizer)
-    for opt in opts:
-        if opt.prepare_grads():  # only an fp16 loss scaler reports here (refused by supports_device_step)
-            raise RuntimeError("step_on_device: the loss scaler found inf/nan (fp16 is not supported)")
+    if optimizer.prepare_grads():  # only an fp16 loss scaler reports here (refused by supports_device_step)
+        raise RuntimeError("step_on_device: the loss scaler found inf/nan (fp16 is not supported)")
     norm = grad_norm_on_device(optimizer, device)
     clip = opts[0].config.clip_grad if opts else 0.0
     if clip > 0:
@@ -86,12 +86,12 @@ def step_on_device(optimizer, bad: torch.Tensor, device: torch.device) -> tuple[
         if grads:
             torch._foreach_mul_(grads, coeff)
     skipped = (bad.reshape(-1).ne(0).any() | ~torch.isfinite(norm)).float().reshape(())
-    for opt in opts:
-        for adam in _torch_adams(opt):
-            adam.found_inf = skipped
-        try:
-            opt.step_with_ready_grads()
-        finally:
-            for adam in _torch_adams(opt):
-                del adam.found_inf
+    adams = [adam for opt in opts for adam in _torch_adams(opt)]
+    for adam in adams:
+        adam.found_inf = skipped
+    try:
+        optimizer.step_with_ready_grads()  # a chain's own: its parameter-sync ordering across optimizers
+    finally:
+        for adam in adams:
+            del adam.found_inf
     return norm, skipped
