@@ -97,7 +97,8 @@ class TrainSection:
     # When the host reads a step's loss, gradient norm and finite-gradient verdict: each_step (before the
     # update: every step waits for the GPU twice), or at_log (the update is clipped and, for a non-finite step,
     # skipped on the GPU; the values are read at the next log, evaluation, checkpoint or stop point and the
-    # nan_policy applied there, so the host can queue the next steps meanwhile; needs optim.fused, not fp16)
+    # nan_policy applied there, so the host can queue the next steps meanwhile; with several ranks a save
+    # signal is acted on at those points too; needs optim.fused, not fp16)
     step_reads: str = "each_step"
     nan_policy: str = "stop"  # a non-finite loss or gradient: stop, or skip the update (see nan_skip_limit)
     nan_skip_limit: int = 5  # nan_policy=skip: stop (exit 3) after this many consecutive skipped steps

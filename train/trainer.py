@@ -523,7 +523,9 @@ class Trainer:
                 pending.append((self.step, out, dt))
                 got = None
                 if "reads" in out and not self._reads_due(start_step):  # train.step_reads=at_log
-                    got = stop.agreed()
+                    # a save signal is agreed on every step with one rank (no collective), else at the reads:
+                    # the agreement's collective would make every step wait for the GPU
+                    got = stop.agreed() if env.world_size == 1 else None
                     if got is None:
                         continue
                 out = self._account(pending, interval)
