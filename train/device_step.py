@@ -26,15 +26,11 @@ import torch
 import torch.distributed as dist
 
 from runtime.megatron_compat import multi_tensor_l2_norm
+from train.optim import adam_is_fused, torch_adams
 
 
 def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _torch_adams(opt) -> list:
-    inner = getattr(opt, "optimizer", None)
-    return [inner] if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) else []
 
 
 def supports_device_step(optimizer) -> str | None:
@@ -50,9 +46,8 @@ def supports_device_step(optimizer) -> str | None:
             return "an fp16 loss scaler reads found_inf on the host"
         if opt.config.use_precision_aware_optimizer:
             return "the precision-aware optimizer keeps decoupled gradients"
-        adams = _torch_adams(opt)
-        if not adams or not all(g.get("fused") for a in adams for g in a.param_groups):
-            return "the device-side skip needs torch's fused AdamW (optim.fused=true)"
+    if not adam_is_fused(optimizer):
+        return "the device-side skip needs torch's fused AdamW (optim.fused=true)"
     return None
 
 
@@ -79,14 +74,12 @@ def step_on_device(optimizer, bad: torch.Tensor, device: torch.device) -> tuple[
     if optimizer.prepare_grads():  # only an fp16 loss scaler reports here (refused by supports_device_step)
         raise RuntimeError("step_on_device: the loss scaler found inf/nan (fp16 is not supported)")
     norm = grad_norm_on_device(optimizer, device)
-    clip = opts[0].config.clip_grad if opts else 0.0
-    if clip > 0:
-        coeff = (clip / (norm + 1.0e-6)).clamp_max(1.0)
-        grads = [p.grad for opt in opts for p in opt.get_parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coeff)
+    for opt in opts:  # each optimizer clips its own gradients by the whole norm, as megatron-core's chain does
+        grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
+        if opt.config.clip_grad > 0 and grads:
+            torch._foreach_mul_(grads, (opt.config.clip_grad / (norm + 1.0e-6)).clamp_max(1.0))
     skipped = (bad.reshape(-1).ne(0).any() | ~torch.isfinite(norm)).float().reshape(())
-    adams = [adam for opt in opts for adam in _torch_adams(opt)]
+    adams = torch_adams(optimizer)
     for adam in adams:
         adam.found_inf = skipped
     try:

@@ -22,7 +22,6 @@ HOST_CATS = ("cpu_op", "user_annotation", "python_function")  # the last with pr
 # time, outside the forwards: the backward and the schedule's glue), the forward of the step's first
 # micro-batch and of the others, reading the next step's batches, the loss / finiteness read, the
 # optimizer step. ``idle_by_phase`` splits the GPU's idle time among them.
-PHASE_PREFIX = "train."
 PHASES = {
     "train.step_start": "step start (zero gradients, batches to the GPU)",
     "train.forward_first": "forward, first micro-batch of the step",
@@ -62,7 +61,7 @@ def gpu_busy(events: list[dict]) -> list[tuple[float, float]]:
 def idle_gaps(events: list[dict], min_ms: float = 0.2) -> list[dict]:
     """Every GPU idle gap of at least ``min_ms`` with the host work that overlapped it."""
     busy = gpu_busy(events)
-    host = sorted((e for e in events if e.get("cat") in HOST_CATS and not e["name"].startswith(PHASE_PREFIX)),
+    host = sorted((e for e in events if e.get("cat") in HOST_CATS and e["name"] not in PHASES),
                   key=lambda e: e["ts"])
     runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
     gaps = []

@@ -38,6 +38,12 @@ def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
     return get_megatron_optimizer(ocfg, model_chunks)
 
 
+def torch_adams(optimizer) -> list:
+    """The torch Adam(W)s inside megatron-core's ``optimizer`` (one per optimizer of a chain that has one)."""
+    inners = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [inner for inner in inners if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))]
+
+
 def use_fused_adam(optimizer, fused: bool) -> int:
     """Run every torch Adam(W) inside megatron-core's ``optimizer`` with torch's fused kernel (one
     kernel per parameter group and dtype instead of the multi-tensor path's dozen passes; megatron-core
@@ -45,11 +51,8 @@ def use_fused_adam(optimizer, fused: bool) -> int:
     The step counters move where that path keeps them, one tensor per parameter: on the parameter's
     device (fused) or on the CPU. Call after building the optimizer and after loading a checkpoint
     (loading restores the saved groups' settings). Returns how many torch optimizers it set."""
-    n = 0
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
+    adams = torch_adams(optimizer)
+    for inner in adams:
         for group in inner.param_groups:
             group["fused"], group["foreach"] = (True, None) if fused else (None, None)
             for p in group["params"]:
@@ -57,15 +60,12 @@ def use_fused_adam(optimizer, fused: bool) -> int:
                 if isinstance(step, torch.Tensor):
                     device = p.device if fused or group.get("capturable") else torch.device("cpu")
                     inner.state[p]["step"] = step.detach().to(device=device, dtype=torch.float32).clone()
-        n += 1
-    return n
+    return len(adams)
 
 
 def adam_is_fused(optimizer) -> bool:
     """Whether every parameter group of the torch Adam(W)s inside ``optimizer`` runs the fused kernel."""
-    groups = [g for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-              if isinstance(getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))
-              for g in opt.optimizer.param_groups]
+    groups = [g for inner in torch_adams(optimizer) for g in inner.param_groups]
     return bool(groups) and all(g.get("fused") for g in groups)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from train.gpu_idle import PHASE_PREFIX, summarize, trace_events
+from train.gpu_idle import PHASES, summarize, trace_events
 from train.host_time import host_work
 
 PARTS = {  # kernel-name fragments, checked in this order
@@ -42,6 +42,15 @@ def is_matmul(kernel: str) -> bool:
     return any(f in name for f in MATMUL)
 
 
+def _is_kernel(ev) -> bool:
+    """Whether a ``key_averages()`` entry is GPU work of its own: a CUDA-timeline entry that is not the GPU
+    copy of a profiler range (``record_function``: the eviction head's, the trainer's phases), whose time is
+    its kernels' (counted as theirs). torch marks range copies ``is_user_annotation``; the trainer's phase
+    names are checked as well."""
+    return (getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
+            and not getattr(ev, "is_user_annotation", False) and ev.key not in PHASES)
+
+
 def breakdown(events, steps: int) -> dict:
     """GPU ms per step by part from ``profiler.key_averages()`` (kernels and the eviction range);
     ``everything_else_matmul`` is the share of ``everything_else`` in library GEMM kernels."""
@@ -51,8 +60,8 @@ def breakdown(events, steps: int) -> dict:
         if ev.key == EVICTION_RANGE:
             eviction = (getattr(ev, "device_time_total", 0) or 0) / 1e3
             continue
-        if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA or ev.key.startswith(PHASE_PREFIX):
-            continue  # CPU ops: their kernels are counted as kernel events; the trainer's phase ranges hold kernels
+        if not _is_kernel(ev):
+            continue  # CPU ops and ranges: their kernels are counted as kernel events
         ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
         total += ms
         part = part_of(ev.key)
@@ -73,8 +82,7 @@ def top_other_kernels(events, steps: int, n: int = 15) -> list[dict]:
     time: ``{"kernel", "ms_per_step", "calls_per_step"}``, names cut to 160 characters."""
     rows = []
     for ev in events:
-        if (getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA or part_of(ev.key) is not None
-                or ev.key.startswith(PHASE_PREFIX)):
+        if not _is_kernel(ev) or part_of(ev.key) is not None:
             continue
         ms = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3
         rows.append({"kernel": ev.key[:160], "ms_per_step": round(ms / steps, 3),

@@ -307,16 +307,16 @@ class Trainer:
         if self.step + 1 < self.cfg.train.max_steps:
             with torch.profiler.record_function("train.read_ahead"):
                 self.train_batches.read_ahead()  # the GPU runs this step's work; the loss read below waits for it
-        if self.cfg.train.step_reads == "at_log":
-            return self._queue_update(total, work, record, mbs)
-        with torch.profiler.record_function("train.checks"):
-            loss, grads_bad = self._loss_and_grads_nonfinite(total)
         stats = {}
         if record:
             stats = self._locality(mbs[-1])
             for m in self._nosa_modules():
                 m.record_selection = False
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step applies
+        if self.cfg.train.step_reads == "at_log":
+            return {"reads": self._queue_update(total), "lr": lr, "attention_work": work, **stats}
+        with torch.profiler.record_function("train.checks"):
+            loss, grads_bad = self._loss_and_grads_nonfinite(total)
         bad = None
         if not math.isfinite(loss):
             bad = f"loss is {loss}"
@@ -337,20 +337,14 @@ class Trainer:
         return {"loss": loss, "lr": lr, "skipped": not ok, "attention_work": work,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None, **stats}
 
-    def _queue_update(self, total: torch.Tensor | None, work, record: bool, mbs: list[dict]) -> dict:
-        """``train.step_reads=at_log``: the rest of :meth:`train_step` with nothing read by the host: the
-        update is clipped, and skipped for a non-finite loss or gradient, on the device
-        (``train.device_step``); the loss, the skip and the norm go to pinned host memory without blocking
-        and are read by :meth:`_settle` (``"reads"`` of the result)."""
+    def _queue_update(self, total: torch.Tensor | None) -> tuple:
+        """``train.step_reads=at_log``: the update with nothing read by the host: clipped, and skipped for a
+        non-finite loss or gradient, on the device (``train.device_step``). Returns ``(values, event)``: the
+        loss, the skip and the norm, copied to pinned host memory without blocking (the CPU tensor itself on
+        the CPU, ``event`` None), for :meth:`_settle`."""
         with torch.profiler.record_function("train.checks"):
             loss = self._loss_tensor_on_all_ranks(total)
             flag = grads_nonfinite_flag(self.model, self.env.device)
-        stats = {}
-        if record:
-            stats = self._locality(mbs[-1])
-            for m in self._nosa_modules():
-                m.record_selection = False
-        lr = self.optimizer.param_groups[0]["lr"]
         with torch.profiler.record_function("train.optimizer"):
             bad = torch.cat([flag.double(), (~torch.isfinite(loss)).double()])
             norm, skipped = step_on_device(self.optimizer, bad, self.env.device)
@@ -363,7 +357,7 @@ class Trainer:
             event = torch.cuda.Event()
             event.record()
             values = host
-        return {"reads": (values, event), "lr": lr, "attention_work": work, **stats}
+        return values, event
 
     def _settle(self, pending: list) -> list:
         """Read the values of the ``(step, result, dt)`` steps queued by :meth:`_queue_update` (waiting for

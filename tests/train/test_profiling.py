@@ -17,6 +17,7 @@ class Ev:
     self_device_time_total: float  # us
     device_time_total: float = 0.0
     count: int = 1
+    is_user_annotation: bool = False
 
 
 def test_kernels_are_sorted_into_parts_per_step():
@@ -29,6 +30,7 @@ def test_kernels_are_sorted_into_parts_per_step():
         Ev("aten::mm", CPU, 20000),  # a CPU op's own kernels are already counted as kernel events
         Ev("nosa.eviction_head", CPU, 0, 800),
         Ev("train.forward_backward", CUDA, 30000),  # a phase range on the GPU timeline: its kernels are above
+        Ev("a user's range", CUDA, 9000, is_user_annotation=True),  # any range copy, by torch's mark
     ]
     got = breakdown(events, steps=2)
     assert got["attention_forward"] == pytest.approx(2.3) and got["attention_backward"] == pytest.approx(4.0)
