@@ -49,6 +49,8 @@ from nosa_layers.ops.block_selection import block_scores_triton, compress  # noq
 from nosa_layers.ops.layout import block_layout  # noqa: E402
 from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
 from train.profiling import PARTS, device_ms_per_call, part_of  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_timing import SLEEP_CYCLES, gpu_ms_back_to_back, host_top, host_us_alone  # noqa: E402
 from nosa_layers.ops import topk as topk_mod  # noqa: E402
 from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
 
@@ -503,7 +505,7 @@ def selection_breakdown(q, k, bias, cfg, total_ms, **extra):
          index_build_ms=bench(lambda: index_for(sel, cfg, T, HQ))[0],
          index_gpu_ms=round(sum(ms for ms, _ in index_gpu.values()), 4),
          index_gpu_by_kernel={name[:40]: round(ms, 4) for name, (ms, _) in index_gpu.items()},
-         index_host_us=host_us(lambda: index_for(sel, cfg, T, HQ)),
+         index_host_us=host_us_alone(lambda: index_for(sel, cfg, T, HQ)),
          prepare_ms=bench(lambda: prepare_selection(q, k, bias, cfg, backend="triton"))[0],
          prepare_sync_free=sync_free, fused_equals_torch=exact, **extra)
 
@@ -580,39 +582,6 @@ def profile_kernels(T, HQ):
          kernels=kernels)
 
 
-def _host_top(fn, n=20, top=12) -> dict:
-    """Python functions where ``n`` calls of ``fn()`` spend their host time (cProfile, own time):
-    ``{"file:line(function)": microseconds per call}``, the ``top`` largest."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {f"{os.path.basename(f)}:{line}({name})": round(v[2] / n * 1e6, 1) for (f, line, name), v in rows}
-
-
-def host_us(fn, n=20) -> float:
-    """Median host time of one ``fn()`` in microseconds, with the GPU kept busy (``torch.cuda._sleep``
-    queued first), so that no launch waits for the GPU: what the call costs the host, not the GPU."""
-    for _ in range(3):
-        fn()
-    host = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time ahead of the call's launches
-        t0 = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return round(sorted(host)[n // 2] * 1e6, 1)
-
-
 def call_overhead(T, HQ, n=20):
     """Where the table's forward / backward time goes beyond the kernels (P1 lists): per call, the
     host time of the call with the GPU kept busy (``torch.cuda._sleep`` queued first, so no launch
@@ -624,20 +593,12 @@ def call_overhead(T, HQ, n=20):
     calls = dict(forward=lambda: sparse_attention(qg, kg, vg, idx, bias=bg),
                  backward=lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
     for name, fn in calls.items():
-        host = host_us(fn, n)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(40_000_000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
+        host = host_us_alone(fn, n)
+        back_to_back = gpu_ms_back_to_back(fn, n, sleep_cycles=SLEEP_CYCLES)
         kernels = device_ms_per_call(fn)
-        emit(kind="call_overhead", T=T, HQ=HQ, call=name, host_us=host,
-             back_to_back_ms=round(start.elapsed_time(end) / n, 3),
+        emit(kind="call_overhead", T=T, HQ=HQ, call=name, host_us=host, back_to_back_ms=round(back_to_back, 3),
              kernels_ms=round(sum(ms for ms, _ in kernels.values()), 3), do_bench_ms=round(bench(fn)[0], 3),
-             host_top_us=_host_top(fn))
+             host_top_us=host_top(fn))
 
 
 def profile_index(T, HQ):

@@ -6,8 +6,9 @@ has nothing queued ahead of it). This measures, for each part of one NOSA layer'
 eviction head, the block selection, the index build, the sparse attention, their backward) and for
 the whole forward and backward of that path:
 
-* ``host_us``: median host time of one call with the GPU kept busy (``torch.cuda._sleep`` queued
-  first, so no launch waits for the GPU): what the call costs the host;
+* ``host_us``: host time per call of ``n`` calls back to back with the GPU kept busy (``torch.cuda._sleep``
+  queued first, so no launch waits for the GPU): what the call costs the host inside a step;
+  ``host_us_alone``: the median of single calls right after a synchronisation (a cold call);
 * ``gpu_ms``: GPU time per call of back-to-back calls (events around ``n`` calls queued behind a sleep);
 * ``launches``: kernel launches, copies and fills per call (torch.profiler's CUDA runtime / driver
   calls);
@@ -28,16 +29,13 @@ Writes ``DIR/layer_host.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import os
-import pstats
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -47,8 +45,7 @@ from nosa_layers.ops import build_sparse_index, select_blocks_triton, sparse_att
 from nosa_layers.ops.gated_score import fused_gated_score  # noqa: E402
 from nosa_layers.ops.layout import remember_host_values  # noqa: E402
 from train.host_time import LAUNCH_PREFIXES  # noqa: E402
-
-SLEEP_CYCLES = 200_000_000  # ~100 ms of GPU time queued ahead of the timed calls
+from host_timing import gpu_ms_back_to_back, host_top, host_us_alone, host_us_back_to_back, run_calls  # noqa: E402
 
 
 @triton.jit
@@ -62,56 +59,6 @@ def _noop24(X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11,
     pass
 
 
-def _call(fn, setup, batch, args):
-    """Run the ``args`` calls: ``batch(args)`` at once where given (backward: one engine run), else one by one."""
-    if batch is not None:
-        batch(args)
-    else:
-        for a in args:
-            fn(a) if setup is not None else fn()
-
-
-def host_us(fn, n: int, setup=None, batch=None) -> float:
-    """Host time per call in microseconds of ``n`` back-to-back calls with the GPU kept busy (a sleep
-    queued first, longer than the calls' host time), as a layer runs inside a step."""
-    args = [setup() for _ in range(n)] if setup is not None else [None] * n
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    t0 = time.perf_counter()
-    _call(fn, setup, batch, args)
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return round(host / n * 1e6, 1)
-
-
-def host_us_alone(fn, n: int, setup=None) -> float:
-    """Median host time of one call alone (right after a synchronisation, the GPU kept busy): a cold call."""
-    host = []
-    for i in range(n + 3):
-        arg = setup() if setup is not None else None
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES // 8)
-        t0 = time.perf_counter()
-        fn(arg) if setup is not None else fn()
-        if i >= 3:
-            host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return round(sorted(host)[len(host) // 2] * 1e6, 1)
-
-
-def gpu_ms(fn, n: int, setup=None, batch=None) -> float:
-    """GPU time per call of ``n`` back-to-back calls (host time hidden behind a sleep)."""
-    args = [setup() for _ in range(n)] if setup is not None else [None] * n
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    _call(fn, setup, batch, args)
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) / n, 4)
-
-
 def launches(fn, setup=None, batch=None, n: int = 5) -> float:
     """Kernel launches, copies and fills per call (CUDA runtime / driver calls, torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -119,25 +66,10 @@ def launches(fn, setup=None, batch=None, n: int = 5) -> float:
     args = [setup() for _ in range(n)] if setup is not None else [None] * n
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _call(fn, setup, batch, args)
+        run_calls(fn, setup, batch, args)
         torch.cuda.synchronize()
     count = sum(1 for e in prof.events() if e.name.startswith(LAUNCH_PREFIXES))
     return round(count / n, 1)
-
-
-def host_top(fn, n: int, setup=None, batch=None, top: int = 14) -> dict:
-    """``{"file:line(function)": us per call}`` of cProfile's own time, the ``top`` largest."""
-    args = [setup() for _ in range(n)] if setup is not None else [None] * n
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    _call(fn, setup, batch, args)
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {f"{os.path.relpath(f, ROOT) if f.startswith(str(ROOT)) else os.path.basename(f)}:{line}({name})":
-            round(v[2] / n * 1e6, 1) for (f, line, name), v in rows}
 
 
 def layer_inputs(T: int, HQ: int, HKV: int, D: int, docs: int, seed: int = 0):
@@ -223,9 +155,9 @@ def main() -> int:
     for name, (fn, setup, batch) in parts(a.seq, a.heads, a.kv_heads, a.head_dim, a.docs).items():
         for _ in range(3):  # compile and warm up
             fn(setup()) if setup is not None else fn()
-        row = {"part": name, "host_us": host_us(fn, a.n, setup, batch), "host_us_alone": host_us_alone(fn, 15, setup),
-               "gpu_ms": gpu_ms(fn, a.n, setup, batch), "launches": launches(fn, setup, batch),
-               "host_top": host_top(fn, a.n, setup, batch)}
+        row = {"part": name, "host_us": host_us_back_to_back(fn, a.n, setup, batch),
+               "host_us_alone": host_us_alone(fn, 15, setup), "gpu_ms": gpu_ms_back_to_back(fn, a.n, setup, batch),
+               "launches": launches(fn, setup, batch), "host_top": host_top(fn, a.n, setup, batch, top=14)}
         rows.append(row)
         print(f"{name:58s} host {row['host_us']:8.1f} us (alone {row['host_us_alone']:7.1f})  "
               f"GPU {row['gpu_ms']:8.4f} ms  launches {row['launches']:5.1f}", flush=True)
