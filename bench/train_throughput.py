@@ -122,6 +122,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     out["gpu_samples"] = [[round(t - t0, 3), r["gpu"], r["sm_mhz"], r["power_w"], r["reasons"]] for t, r in gpu.samples]
     times = sorted(r["step_time_s"] for r in steady)
     tokens, seconds = tokens_and_seconds(steady, a.global_batch * a.seq)
+    with_profiled = tokens_and_seconds(after_warmup, a.global_batch * a.seq)
     fit = _fit([r.get("attention_work") for r in steady], [r["step_time_s"] for r in steady])
     profile = Path(a.out) / name / "profile" / "summary.json"
     out.update({
@@ -134,7 +135,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "p90_over_median": _p90_over_median(times),
         "slowest_step_s": times[-1],
         "measured_steps": [r["step"] for r in steady],
-        "tokens_per_s_with_profiled_steps": _ratio(*tokens_and_seconds(after_warmup, a.global_batch * a.seq)),
+        "tokens_per_s_with_profiled_steps": with_profiled[0] / with_profiled[1],
         "step_times_s": {r["step"]: round(r["step_time_s"], 4) for r in after_warmup},
         "attention_work": {r["step"]: round(r["attention_work"], 4) for r in after_warmup if "attention_work" in r},
         "step_time_vs_attention_work": fit,
@@ -190,10 +191,6 @@ def tokens_and_seconds(rows: list[dict], tokens_per_step: int) -> tuple[int, flo
     """Tokens and wall seconds of the steps ``rows`` cover (each row: its interval's mean step time)."""
     steps = sum(r["steps_covered"] for r in rows)
     return tokens_per_step * steps, math.fsum(r["steps_covered"] * r["step_time_s"] for r in rows)
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else float("nan")
 
 
 def _fit(work: list, times: list) -> dict | None:

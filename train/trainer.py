@@ -379,15 +379,6 @@ class Trainer:
             out.append((step, res, dt))
         return out
 
-    def _reads_due(self, start_step: int) -> bool:
-        """Whether this step's loop needs the values of the steps queued so far (``train.step_reads=at_log``):
-        at log, evaluation, checkpoint and last steps, and at the last step of this launch."""
-        t, step = self.cfg.train, self.step
-        return (step % t.log_interval == 0 or step >= t.max_steps
-                or bool(t.eval_interval and step % t.eval_interval == 0)
-                or bool(self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0)
-                or (t.exit_after_steps is not None and step - start_step >= t.exit_after_steps))
-
     def _account(self, pending: list, interval: IntervalStats) -> dict:
         """Add the ``pending`` steps to ``interval`` (reading the values of those queued without a host read
         first, the wait shared out among their step times) and empty it; returns the newest step's result."""
@@ -515,8 +506,12 @@ class Trainer:
                 self.step += 1
                 profiler.after(self.step, partial(log0, env))
                 pending.append((self.step, out, dt))
+                eval_now = bool(t.eval_interval and self.step % t.eval_interval == 0)
+                log_now = self.step % t.log_interval == 0 or self.step == t.max_steps
+                save_now = bool(cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
+                launch_ends = t.exit_after_steps is not None and self.step - start_step >= t.exit_after_steps
                 got = None
-                if "reads" in out and not self._reads_due(start_step):  # train.step_reads=at_log
+                if "reads" in out and not (eval_now or log_now or save_now or launch_ends):  # train.step_reads=at_log
                     # a save signal is agreed on every step with one rank (no collective), else at the reads:
                     # the agreement's collective would make every step wait for the GPU
                     got = stop.agreed() if env.world_size == 1 else None
@@ -526,9 +521,9 @@ class Trainer:
                 row = {"step": self.step, "loss": out["loss"], "lr": out["lr"],
                        "grad_norm": out["grad_norm"], "skipped": out["skipped"]}
                 row.update({k: v for k, v in out.items() if k.startswith("nosa_")})
-                if t.eval_interval and self.step % t.eval_interval == 0:
+                if eval_now:
                     row["val_loss"] = self.evaluate()
-                if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                if log_now:
                     # interval means; peak memory over all ranks (a collective: every rank logs here)
                     row.update(interval.flush(tokens_per_step, t.max_steps - self.step))
                     row["peak_mem_gib"] = max_over_ranks(local_peak_memory_gib(env.device), env.device)
@@ -539,7 +534,7 @@ class Trainer:
                     if env.owns_loss:
                         print(_format_row(row, t.max_steps), flush=True)
                 last = row
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                if save_now:
                     self.save()
                     saved_at = self.step
                 got = stop.agreed() if got is None else got
