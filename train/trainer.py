@@ -47,15 +47,20 @@ def log0(env: DistEnv, msg: str) -> None:
 
 
 def to_microbatch(batch: dict, device: torch.device) -> dict:
-    """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens."""
-    out = {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens.
+
+    On a GPU every tensor goes through pinned memory: a copy from pageable memory waits for the GPU's
+    whole queue (the previous step's backward and update), a copy from pinned memory does not."""
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+    out = {k: to_device(batch[k]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
     if "cu_seqlens" in batch:
         from data.packing import flat_cu_seqlens
 
         out = {k: v.reshape(1, -1) for k, v in out.items()}
         cu = flat_cu_seqlens(batch)
-        # from pinned memory without blocking: a copy from pageable memory waits for the GPU's queue
-        out["cu_seqlens"] = (cu.pin_memory() if device.type == "cuda" else cu).to(device, non_blocking=True)
+        out["cu_seqlens"] = to_device(cu)
         _hand_over_cu_seqlens(out["cu_seqlens"], cu.tolist())
         out["max_seqlen"] = int(batch["max_seqlen"])
     return out

@@ -67,3 +67,25 @@ def test_layout_is_cached_per_tensor_and_forgotten_with_it(monkeypatch):
     del cu
     gc.collect()
     assert ident not in layout_mod._KNOWN
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trainer_microbatch_copies_do_not_wait_for_the_gpu_queue():
+    """The next step's batches go to the GPU while the previous step's work still runs: a copy from
+    pageable memory would wait for the whole queue (here a long sleep kernel) before returning."""
+    from data.packing import assemble_row, collate
+    from train.trainer import to_microbatch
+
+    rows = [assemble_row([torch.arange(300).numpy(), torch.arange(500).numpy()], None, 1024, 0) for _ in range(2)]
+    batch = collate(rows)
+    dev = torch.device("cuda")
+    to_microbatch(batch, dev)  # warm the pinned-memory cache
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the copies
+    mb = to_microbatch(batch, dev)
+    assert not torch.cuda.current_stream().query(), "to_microbatch waited for the GPU's queue"
+    torch.cuda.synchronize()
+    for k in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(mb[k].cpu(), batch[k].reshape(1, -1))
+    assert mb["cu_seqlens"].is_cuda
