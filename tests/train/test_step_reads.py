@@ -3,6 +3,7 @@
 points. CPU runs (gloo; torch's fused AdamW has a CPU kernel with the same ``found_inf`` skip)."""
 
 import math
+import os
 
 import pytest
 
@@ -194,3 +195,54 @@ def test_at_log_reads_need_the_fused_adamw(tmp_path, data_args):
     p = run_main([*PRETRAIN, *data_args, f"run.dir={tmp_path / 'y'}", "train.max_steps=2",
                   "train.step_reads=sometimes"], check=False)
     assert p.returncode == 2 and "train.step_reads" in p.stdout and "Traceback" not in p.stdout
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_save_signal_stops_at_a_checkpoint_and_the_run_resumes_exactly(tmp_path, data_args, nproc):
+    """SIGUSR1 (through the launcher) while the host reads at the logs only (every 4th step): one rank checks
+    the signal every step (no collective), two ranks at the next read, where they agree. The stop step's
+    values are read, its checkpoint written, and the resumed run's per-step losses equal an uninterrupted
+    run's bit for bit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.subproc import child_env
+    from tests.train.conftest import ROOT, losses
+    from tests.train.test_preemption import contextlib_suppress, losses_so_far
+
+    common = [*PRETRAIN, *data_args, "train.max_steps=12", "train.step_reads=at_log"]
+    reference = tmp_path / "reference"
+    run_main([*common, f"run.dir={reference}", "train.log_interval=1"], nproc=nproc)
+    want = losses(reference)
+
+    env = child_env(RUN_ROOT=str(tmp_path), RUN_ID="job8", NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
+                    MASTER_PORT="0", NOSA_SHUTDOWN_TIMEOUT="120")
+    run = tmp_path / "tiny_pretrain-job8"
+    log = tmp_path / "launch.log"
+    args = [*common, "train.log_interval=4", "checkpoint.save=true", "checkpoint.interval=0"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(["bash", str(ROOT / "launch" / "run_train.sh"), *args], cwd=ROOT, env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not losses_so_far(run) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGUSR1)
+            proc.wait(timeout=240)
+        finally:
+            with contextlib_suppress():
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    stopped = [ln for ln in text.splitlines() if "SIGUSR1 received: stopping at step" in ln]
+    assert stopped, text[-3000:]
+    step = int(stopped[0].split("stopping at step ")[1].split()[0])
+    assert 4 <= step < 12 and (nproc == 1 or step % 4 == 0), step  # two ranks: only where they read
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
+    for s, loss in losses(run).items():  # the logged interval means (steps 4, 8, ... up to the stop)
+        assert s <= step and math.isclose(loss, math.fsum(want[i] for i in range(s - 3, s + 1)) / 4, rel_tol=1e-6)
+
+    run_main([*common, f"run.dir={run}", "train.log_interval=1", "checkpoint.save=false"], nproc=nproc)
+    resumed = {s: v for s, v in losses(run).items() if s > step}
+    assert resumed == {s: want[s] for s in range(step + 1, 13)}  # bitwise: the same floats
