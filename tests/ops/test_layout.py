@@ -77,7 +77,8 @@ def test_trainer_microbatch_copies_do_not_wait_for_the_gpu_queue():
     from data.packing import assemble_row, collate
     from train.trainer import to_microbatch
 
-    rows = [assemble_row([torch.arange(300).numpy(), torch.arange(500).numpy()], None, 1024, 0) for _ in range(2)]
+    # 16K-token rows: 128 KiB per int64 tensor (a copy of a few KiB from pageable memory is staged without waiting)
+    rows = [assemble_row([torch.arange(7000).numpy(), torch.arange(9000).numpy()], None, 16384, 0) for _ in range(2)]
     batch = collate(rows)
     dev = torch.device("cuda")
     to_microbatch(batch, dev)  # warm the pinned-memory cache
