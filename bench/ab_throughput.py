@@ -1,4 +1,4 @@
-"""Two versions of the code timed alike on one machine: an A/B of ``bench/train_throughput.py``.
+"""Two versions of the code, or two settings, timed alike on one machine: an A/B of ``bench/train_throughput.py``.
 
 The machine-to-machine spread of training throughput on one GPU kind (a few percent between two
 starts of the same H200 image: clocks, host CPU) is as large as most changes worth measuring, so a
@@ -6,10 +6,14 @@ change is timed against its baseline on the same machine, in alternating order (
 drift of the clocks cancels), with the same harness, data and settings. Each side is a checkout: the
 baseline is ``--baseline REV`` (exported with ``git archive`` into ``OUT/baseline_src``) or an existing
 ``--baseline-src DIR``; the candidate is this checkout as it is (uncommitted edits included) or
-``--candidate-src DIR``. Usage::
+``--candidate-src DIR``. To compare two settings of one checkout instead, give the overrides that differ
+(``--baseline-overrides`` and / or ``--candidate-overrides``, Hydra ``key=value``, added to each run's
+``--extra``) and no baseline: both sides then run the candidate checkout. Usage::
 
     python bench/ab_throughput.py --baseline main --out DIR [--repeats 2] [--runs nosa_1gpu_nr] \\
         [-- any bench/train_throughput.py options: --steps 17 --warmup 5 --layers 28 --seq 16384 ...]
+    python bench/ab_throughput.py --out DIR --baseline-overrides train.step_reads=each_step \\
+        --candidate-overrides train.step_reads=at_log --runs nosa_1gpu_nr -- --extra train.log_interval=5
 
 Writes ``DIR/ab_throughput.json`` (every run's ``train_throughput`` result and the summary; rewritten after
 every run, ``complete`` false until the last, so that a stopped comparison keeps what it measured) and prints,
@@ -138,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    base = p.add_mutually_exclusive_group(required=True)
+    base = p.add_mutually_exclusive_group()
     base.add_argument("--baseline", help="git revision of this repository to compare against")
-    base.add_argument("--baseline-src", help="a checkout to compare against")
+    base.add_argument("--baseline-src", help="a checkout to compare against (default with overrides: the candidate's)")
     p.add_argument("--candidate-src", default=str(ROOT), help="the checkout under test (default: this one)")
+    for side in SIDES:
+        p.add_argument(f"--{side}-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                       help=f"Hydra overrides of the {side}'s runs only (added to train_throughput's --extra)")
     p.add_argument("--out", required=True, help="a new or empty folder")
     p.add_argument("--repeats", type=int, default=2, help="runs of each side (alternating order)")
     p.add_argument("--runs", default="nosa_1gpu_nr", help="train_throughput runs, e.g. nosa_1gpu_nr,dense_doc_1gpu_nr")
@@ -152,6 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out, --runs and --source are set by this script; give only other train_throughput options after --")
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
+    overrides = {side: getattr(a, f"{side}_overrides") for side in SIDES}
+    bad = [o for side in SIDES for o in overrides[side] if "=" not in o or o.startswith("=")]
+    if bad:
+        p.error(f"overrides are Hydra key=value, got {bad}")
+    if not (a.baseline or a.baseline_src):
+        if overrides["baseline"] == overrides["candidate"]:
+            p.error("give --baseline REV or --baseline-src DIR (code A/B), or overrides that differ between the "
+                    "sides (settings A/B)")
+        a.baseline_src = a.candidate_src
     out = Path(a.out).resolve()
     if out.exists() and any(out.iterdir()):
         p.error(f"--out {out} is not empty; choose a new folder")
@@ -174,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sides = {"baseline": describe(baseline)}
     sides["candidate"] = describe(candidate)
+    for side in SIDES:
+        sides[side]["overrides"] = overrides[side]
     srcs = {"baseline": baseline, "candidate": candidate}
     results: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
     envs: dict[str, list[dict]] = {side: [] for side in SIDES}
@@ -186,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{n}/{len(order)}] {side} repeat {i + 1}: {a.runs} ({time.time() - t0:.0f} s)", flush=True)
         cmd = [sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--out", str(run_out), "--runs", a.runs,
                "--source", str(srcs[side]), *passthrough]
+        if overrides[side]:
+            cmd += ["--extra", *overrides[side]]  # train_throughput's --extra accumulates over repeats
         with open(out / f"{side}_{i + 1}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         got = run_out / "train_throughput.json"

@@ -263,7 +263,8 @@ def main() -> None:
     p.add_argument("--source", default=str(ROOT), help="checkout whose train/main.py runs (default: this one)")
     p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
     p.add_argument("--timeout", type=int, default=420)
-    p.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. train.recompute=none")
+    p.add_argument("--extra", nargs="*", action="extend", default=[],
+                   help="more overrides for every run, e.g. train.recompute=none (repeatable: the lists add up)")
     a = p.parse_args()
     # the runs start in --source: every path they are given is absolute
     a.out, a.data, a.tokenizer, a.source = (os.path.abspath(x) for x in (a.out, a.data, a.tokenizer, a.source))

@@ -88,6 +88,9 @@ def test_a_revision_is_exported_whole_and_an_unknown_one_is_refused(tmp_path):
     (["--baseline-src", "{tmp}"], "has no train/main.py"),
     (["--baseline", "HEAD", "--repeats", "0"], "--repeats must be at least 1"),
     (["--baseline", "HEAD", "--", "--runs", "x"], "set by this script"),
+    ([], "give --baseline REV or --baseline-src DIR"),
+    (["--baseline-overrides", "a=1", "--candidate-overrides", "a=1"], "overrides that differ"),
+    (["--candidate-overrides", "train.step_reads"], "overrides are Hydra key=value"),
 ])
 def test_bad_command_lines_are_refused_before_any_run(tmp_path, args, message):
     out = tmp_path / "out"

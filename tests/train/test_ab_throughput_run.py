@@ -52,3 +52,26 @@ def test_a_failed_run_stops_the_comparison_and_keeps_the_runs_before_it(tmp_path
     assert doc["complete"] is False and doc["summary"] == [] and doc["results"]["candidate"] == []
     (run,) = doc["results"]["baseline"][0]
     assert run["run"] == "nosa_1gpu" and run["tokens_per_s"] > 0 and len(run["losses"]) == 3
+
+
+def test_two_settings_of_one_checkout_differ_only_by_their_overrides(tmp_path, demo_data):
+    out = tmp_path / "ab"
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--out", str(out), "--repeats", "1",
+         "--runs", "nosa_1gpu", "--baseline-overrides", "optim.lr=1e-4", "--candidate-overrides", "optim.lr=3e-3",
+         "--", "--recipe", "tiny_cpt", "--layers", "1", "--seq", "128", "--steps", "3", "--warmup", "1",
+         "--data", demo_data["indexed_prefix"], "--tokenizer", demo_data["tokenizer"], "--extra", "optim.min_lr=0"],
+        capture_output=True, text=True, timeout=600, env=child_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "ab_throughput.json").read_text())
+    assert [e["source"] for side in ("baseline", "candidate") for e in doc["env"][side]] == [str(REPO)] * 2
+    assert doc["sides"]["baseline"]["overrides"] == ["optim.lr=1e-4"]
+    assert doc["sides"]["candidate"]["overrides"] == ["optim.lr=3e-3"]
+    base, cand = doc["results"]["baseline"][0][0]["losses"], doc["results"]["candidate"][0][0]["losses"]
+    assert base[0] == cand[0] and base[1:] != cand[1:]  # the same first step; the learning rates part them
+    assert doc["summary"][0]["losses_identical"] is False
+    import yaml
+
+    for side, lr in (("baseline", 1e-4), ("candidate", 3e-3)):  # each side's own override and the shared --extra
+        optim = yaml.safe_load((out / f"{side}_1" / "nosa_1gpu" / "config.yaml").read_text())["optim"]
+        assert (optim["lr"], optim["min_lr"]) == (lr, 0), (side, optim)
