@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--out", str(run_out), "--runs", a.runs,
                "--source", str(srcs[side]), *passthrough]
         if overrides[side]:
-            cmd += ["--extra", *overrides[side]]  # train_throughput's --extra accumulates over repeats
+            cmd += ["--extra", *overrides[side]]  # train_throughput adds up repeated --extra lists
         with open(out / f"{side}_{i + 1}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         got = run_out / "train_throughput.json"

@@ -49,8 +49,9 @@ def log0(env: DistEnv, msg: str) -> None:
 def to_microbatch(batch: dict, device: torch.device) -> dict:
     """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens.
 
-    On a GPU every tensor goes through pinned memory: a copy from pageable memory waits for the GPU's
-    whole queue (the previous step's backward and update), a copy from pinned memory does not."""
+    On a GPU every tensor goes through pinned memory: a copy from pageable memory (beyond a few KiB, e.g.
+    a 16K-token row) waits for the GPU's whole queue (the previous step's backward and update), a copy
+    from pinned memory does not."""
     def to_device(t: torch.Tensor) -> torch.Tensor:
         return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
