@@ -347,7 +347,9 @@ def main() -> None:
         print(f"\n{r['run']}: GPU idle {idle.get('gpu_idle_ms_per_step')} ms/step of {idle.get('window_ms_per_step')}; "
               f"allocator {r.get('allocator')}; host syncs {idle.get('host_sync_ms_per_step')}")
         for phase, v in (idle.get("idle_by_phase") or {}).items():
-            print(f"  idle {v['idle_ms_per_step']:8.2f} ms/step of {v['span_ms_per_step']:8.2f} in {phase}")
+            waits = ", ".join(f"{c} {ms:.2f}" for c, ms in (v.get("host_waits_ms_per_step") or {}).items())
+            print(f"  idle {v['idle_ms_per_step']:8.2f} ms/step of {v['span_ms_per_step']:8.2f} in {phase}"
+                  + (f"; host waited in {waits} ms/step" if waits else ""))
         for g in idle.get("idle_by_host_op", [])[:6]:
             print(f"  idle {g['ms_per_step']:8.2f} ms/step in {g['gaps_per_step']:6.1f} gaps at {g['host_op']}; "
                   f"longest at {' < '.join(g.get('longest_gap_stack', [])[:8])}")

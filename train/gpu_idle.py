@@ -115,16 +115,15 @@ def phase_segments(events: list[dict]) -> list[tuple[float, float, str]]:
     return segments
 
 
-def idle_by_phase(busy: list[tuple[float, float]], segments: list[tuple[float, float, str]], steps: int) -> dict:
-    """GPU idle and wall time per trainer phase (``PHASES``), ms per step; idle outside every phase
-    under ``"(outside the trainer's phases)"``."""
-    gaps = [(s, t) for (_, s), (t, _) in itertools.pairwise(busy)]
-    idle: dict[str, float] = defaultdict(float)
-    span: dict[str, float] = defaultdict(float)
-    for s, t, name in segments:
-        span[name] += t - s
+OUTSIDE = "(outside the trainer's phases)"
+
+
+def _split_by_phase(intervals, segments: list[tuple[float, float, str]]) -> dict[str, float]:
+    """µs of ``intervals`` (``(start, end)``, sorted by start) inside the phase ``segments`` (``phase_segments``),
+    by phase name; what lies outside every phase under ``OUTSIDE``."""
+    out: dict[str, float] = defaultdict(float)
     i = 0
-    for s, t in gaps:
+    for s, t in intervals:
         covered = 0.0
         while i < len(segments) and segments[i][1] <= s:
             i += 1
@@ -132,17 +131,37 @@ def idle_by_phase(busy: list[tuple[float, float]], segments: list[tuple[float, f
         while j < len(segments) and segments[j][0] < t:
             ov = min(t, segments[j][1]) - max(s, segments[j][0])
             if ov > 0:
-                idle[segments[j][2]] += ov
+                out[segments[j][2]] += ov
                 covered += ov
             j += 1
         if t - s > covered:
-            idle["(outside the trainer's phases)"] += t - s - covered
+            out[OUTSIDE] += t - s - covered
+    return out
+
+
+def idle_by_phase(busy: list[tuple[float, float]], segments: list[tuple[float, float, str]], steps: int,
+                  waits: dict[str, list[tuple[float, float]]] | None = None) -> dict:
+    """GPU idle and wall time per trainer phase (``PHASES``), ms per step; idle outside every phase
+    under ``OUTSIDE``. With ``waits`` (``{runtime call: [(start, end), ...]}``, the host calls that wait for
+    the GPU, ``SYNC_CALLS``), each phase also gets ``host_waits_ms_per_step``: the host's time in them, by
+    call (a copy to the GPU from pageable memory shows here as ``cudaMemcpyAsync``, not as a read)."""
+    gaps = [(s, t) for (_, s), (t, _) in itertools.pairwise(busy)]
+    idle = _split_by_phase(gaps, segments)
+    span: dict[str, float] = defaultdict(float)
+    for s, t, name in segments:
+        span[name] += t - s
+    waited = {call: _split_by_phase(sorted(iv), segments) for call, iv in (waits or {}).items()}
     per = 1.0 / max(steps, 1)
     out = {}
-    for name in [*PHASES, "(outside the trainer's phases)"]:
-        if name in span or name in idle:
-            out[PHASES.get(name, name)] = {"idle_ms_per_step": round(idle[name] / 1e3 * per, 2),
-                                           "span_ms_per_step": round(span[name] / 1e3 * per, 2)}
+    for name in [*PHASES, OUTSIDE]:
+        if name in span or name in idle or any(name in w for w in waited.values()):
+            entry = {"idle_ms_per_step": round(idle[name] / 1e3 * per, 2),
+                     "span_ms_per_step": round(span[name] / 1e3 * per, 2)}
+            if waits is not None:
+                entry["host_waits_ms_per_step"] = {
+                    call: ms for call, ms in ((c, round(w.get(name, 0.0) / 1e3 * per, 2)) for c, w in waited.items())
+                    if ms > 0}
+            out[PHASES.get(name, name)] = entry
     return out
 
 
@@ -162,9 +181,11 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
         if entry[2] is None or g["ms"] > entry[2]["ms"]:
             entry[2] = g
     sync = defaultdict(float)
+    waits: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in SYNC_CALLS:
             sync[e["name"]] += e["dur"] / 1e3
+            waits[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
     allocs = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") == "cuda_runtime" and e["name"] in ("cudaMalloc", "cudaFree", "cudaMallocAsync"):
@@ -181,7 +202,7 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
              "longest_gap_stack": v[2]["host_stack"]}
             for k, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
         "longest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
-        "idle_by_phase": idle_by_phase(busy, phase_segments(events), steps),
+        "idle_by_phase": idle_by_phase(busy, phase_segments(events), steps, waits),
         "host_sync_ms_per_step": {k: round(v * per, 2) for k, v in sorted(sync.items(), key=lambda kv: -kv[1])},
         "allocator_calls_per_step": {k: {"count": round(n * per, 1), "ms": round(ms * per, 2)}
                                      for k, (n, ms) in allocs.items()},

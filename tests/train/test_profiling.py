@@ -114,8 +114,35 @@ def test_gpu_idle_is_split_among_the_trainers_phases():
     assert got[PHASES["train.forward"]]["idle_ms_per_step"] == 0.0
     assert sum(v["idle_ms_per_step"] for v in got.values()) == pytest.approx(2.4)  # every idle moment, once
     s = summarize(events, steps=1)
-    assert s["idle_by_phase"] == got and s["gpu_idle_ms_per_step"] == 2.4
+    assert {k: {m: v[m] for m in ("idle_ms_per_step", "span_ms_per_step")} for k, v in s["idle_by_phase"].items()} == got
+    assert s["gpu_idle_ms_per_step"] == 2.4
     assert all(not g["host_op"].startswith("train.") for g in s["longest_gaps"])  # phases are not host ops
+    assert all(v["host_waits_ms_per_step"] == {} for v in s["idle_by_phase"].values())  # no waiting call here
+
+
+def test_host_waits_are_split_among_the_trainers_phases():
+    """A copy to the GPU that waits (from pageable memory) shows in the phase that issued it; a synchronize
+    that spans two phases is split between them; waits outside every phase are kept apart."""
+    from train.gpu_idle import OUTSIDE, PHASES, summarize
+
+    ann = lambda name, ts, dur: _x("user_annotation", name, ts, dur)  # noqa: E731
+    rt = lambda name, ts, dur: _x("cuda_runtime", name, ts, dur)  # noqa: E731
+    events = [
+        ann("train.step_start", 0, 1000), ann("train.forward_backward", 1000, 8000),
+        ann("train.checks", 9000, 500), ann("train.optimizer", 9500, 1500),
+        _x("kernel", "a", 0, 11000),
+        rt("cudaMemcpyAsync", 100, 600), rt("cudaMemcpyAsync", 800, 100),  # the batches' copies
+        rt("cudaStreamSynchronize", 9200, 500),  # 300 in the checks, 200 in the optimizer step
+        rt("cudaMemcpyAsync", 11200, 400),  # after the step: outside the phases
+        rt("cudaLaunchKernel", 2000, 300),  # does not wait
+    ]
+    for steps, scale in ((1, 1.0), (2, 0.5)):
+        phases = summarize(events, steps=steps)["idle_by_phase"]
+        assert phases[PHASES["train.step_start"]]["host_waits_ms_per_step"] == {"cudaMemcpyAsync": 0.7 * scale}
+        assert phases[PHASES["train.checks"]]["host_waits_ms_per_step"] == {"cudaStreamSynchronize": 0.3 * scale}
+        assert phases[PHASES["train.optimizer"]]["host_waits_ms_per_step"] == {"cudaStreamSynchronize": 0.2 * scale}
+        assert phases[PHASES["train.forward_backward"]]["host_waits_ms_per_step"] == {}
+        assert phases[OUTSIDE]["host_waits_ms_per_step"] == {"cudaMemcpyAsync": 0.4 * scale}
 
 
 def test_host_work_splits_threads_and_counts_self_time_and_launches():
