@@ -36,6 +36,7 @@ SELECTION_SHARE, SELECTION_SHAPE, INDEX_GPU_MS = 0.20, (32768, 32), 0.3
 E2E = {"16K": (1.1, 1.25), "32K": (1.4, 1.7)}  # NOSA / dense tokens/s: target, stretch
 P90_OVER_MEDIAN = 1.10
 
+DEMO_CORPUS = ROOT / ".cache" / "demo_data" / "corpus_text_document"  # bench/train_throughput.py's default data
 # what --run measures (bench/ scripts, relative output folders)
 RUN_STEPS = [
     ("attention", ["bench/attention.py", "--shapes", "32768x32,16384x16"], "attention_bench.json"),
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p for p in [*a.attention, *a.selection, *train.values()] if not Path(p).is_file()]
     if missing:
         ap.error(f"no such file: {', '.join(missing)}")
+    if a.run and not DEMO_CORPUS.with_suffix(".idx").is_file():  # the training pairs' data
+        ap.error(f"--run trains on the demo corpus, not built yet ({DEMO_CORPUS}.idx): run python -m data.demo_corpus")
     taken = [name for name, _, _ in RUN_STEPS if (out / name).exists()] if a.run else []
     if taken:  # the benchmarks would mix their runs with what is there
         ap.error(f"--out {out} already holds {', '.join(taken)}: choose a new folder for --run")

@@ -122,6 +122,12 @@ def test_run_measures_each_benchmark_into_its_folder_then_reports(tmp_path, monk
              _fake_step(tmp_path, "train_16k", TRAIN_16K, "train_throughput.json"),
              _fake_step(tmp_path, "train_32k", TRAIN_32K, "train_throughput.json")]
     monkeypatch.setattr(m, "RUN_STEPS", steps)
+    monkeypatch.setattr(m, "DEMO_CORPUS", tmp_path / "missing" / "corpus")
+    with pytest.raises(SystemExit):
+        m.main(["--out", str(tmp_path / "out"), "--run"])
+    assert "run python -m data.demo_corpus" in capsys.readouterr().err
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    monkeypatch.setattr(m, "DEMO_CORPUS", tmp_path / "corpus")
     out = tmp_path / "out"
     assert m.main(["--out", str(out), "--run"]) == 0
     doc = json.loads((out / "speed_report.json").read_text())
