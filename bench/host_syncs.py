@@ -5,12 +5,12 @@ from optimizer step ``--from-step`` on, every time the host waits for the device
 debug mode reports it (``torch.cuda.set_sync_debug_mode``): scalar reads (``.item()``, ``bool(t)``),
 blocking device-to-host copies, ops whose output size depends on the data (``nonzero``, boolean
 indexing) and ``synchronize()`` calls, nested ones inside other ops included. Non-blocking copies
-into pinned memory are not syncs. Not reported: a copy to the GPU from pageable host memory beyond a few
-KiB, which waits for the GPU's queue too (CUDA's sync debug mode flags reads, not uploads); the profile
-summary's ``idle_by_phase`` shows those as ``cudaMemcpyAsync`` host waits of the phase that issued them.
-Each is attributed to its innermost Python frames in this
+into pinned memory are not syncs. Each is attributed to its innermost Python frames in this
 repository or in megatron-core (``--frames`` of them). A sync drains the GPU's queue: the GPU then
 idles while the host launches the next kernels, so a per-layer sync costs a launch gap per layer.
+Not reported: a copy to the GPU from pageable host memory beyond a few KiB, which waits for the GPU's
+queue too (CUDA's sync debug mode flags reads, not uploads); the profile summary's ``idle_by_phase``
+shows those as ``cudaMemcpyAsync`` host waits of the phase that issued them.
 
 The counts are the same on any GPU (they follow the code path, not the timing); a CPU run takes other
 code paths (no Triton kernels, no fused layers) and is refused. Usage::
