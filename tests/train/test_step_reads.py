@@ -3,11 +3,10 @@
 points. CPU runs (gloo; torch's fused AdamW has a CPU kernel with the same ``found_inf`` skip)."""
 
 import math
-import os
 
 import pytest
 
-from tests.train.conftest import metrics, run_main
+from tests.train.conftest import losses, metrics, run_main
 
 PRETRAIN = ["recipe=tiny_pretrain", "train.seq_length=128", "train.global_batch_size=2",
             "train.micro_batch_size=1", "train.eval_interval=0", "train.eval_iters=1", "optim.warmup_steps=1",
@@ -203,41 +202,15 @@ def test_a_save_signal_stops_at_a_checkpoint_and_the_run_resumes_exactly(tmp_pat
     the signal every step (no collective), two ranks at the next read, where they agree. The stop step's
     values are read, its checkpoint written, and the resumed run's per-step losses equal an uninterrupted
     run's bit for bit."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.subproc import child_env
-    from tests.train.conftest import ROOT, losses
-    from tests.train.test_preemption import contextlib_suppress, losses_so_far
+    from tests.train.test_preemption import sigusr1_through_the_launcher
 
     common = [*PRETRAIN, *data_args, "train.max_steps=12", "train.step_reads=at_log"]
     reference = tmp_path / "reference"
     run_main([*common, f"run.dir={reference}", "train.log_interval=1"], nproc=nproc)
     want = losses(reference)
 
-    env = child_env(RUN_ROOT=str(tmp_path), RUN_ID="job8", NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
-                    MASTER_PORT="0", NOSA_SHUTDOWN_TIMEOUT="120")
-    run = tmp_path / "tiny_pretrain-job8"
-    log = tmp_path / "launch.log"
     args = [*common, "train.log_interval=4", "checkpoint.save=true", "checkpoint.interval=0"]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(["bash", str(ROOT / "launch" / "run_train.sh"), *args], cwd=ROOT, env=env,
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 240
-            while not losses_so_far(run) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            proc.send_signal(signal.SIGUSR1)
-            proc.wait(timeout=240)
-        finally:
-            with contextlib_suppress():
-                os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text(errors="replace")
-    stopped = [ln for ln in text.splitlines() if "SIGUSR1 received: stopping at step" in ln]
-    assert stopped, text[-3000:]
-    step = int(stopped[0].split("stopping at step ")[1].split()[0])
+    run, _, step = sigusr1_through_the_launcher(tmp_path, args, "job8", nproc=nproc)
     assert 4 <= step < 12 and (nproc == 1 or step % 4 == 0), step  # two ranks: only where they read
     assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
     for s, loss in losses(run).items():  # the logged interval means (steps 4, 8, ... up to the stop)
