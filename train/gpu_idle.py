@@ -140,28 +140,25 @@ def _split_by_phase(intervals, segments: list[tuple[float, float, str]]) -> dict
 
 
 def idle_by_phase(busy: list[tuple[float, float]], segments: list[tuple[float, float, str]], steps: int,
-                  waits: dict[str, list[tuple[float, float]]] | None = None) -> dict:
-    """GPU idle and wall time per trainer phase (``PHASES``), ms per step; idle outside every phase
-    under ``OUTSIDE``. With ``waits`` (``{runtime call: [(start, end), ...]}``, the host calls that wait for
-    the GPU, ``SYNC_CALLS``), each phase also gets ``host_waits_ms_per_step``: the host's time in them, by
-    call (a copy to the GPU from pageable memory shows here as ``cudaMemcpyAsync``, not as a read)."""
+                  waits: dict[str, list[tuple[float, float]]]) -> dict:
+    """GPU idle and wall time per trainer phase (``PHASES``), ms per step, and ``host_waits_ms_per_step``: the
+    host's time in the calls that wait for the GPU (``waits``: ``{runtime call: [(start, end), ...]}`` of
+    ``SYNC_CALLS``), by call (a copy to the GPU from pageable memory shows here as ``cudaMemcpyAsync``, not as
+    a read); what lies outside every phase under ``OUTSIDE``."""
     gaps = [(s, t) for (_, s), (t, _) in itertools.pairwise(busy)]
     idle = _split_by_phase(gaps, segments)
     span: dict[str, float] = defaultdict(float)
     for s, t, name in segments:
         span[name] += t - s
-    waited = {call: _split_by_phase(sorted(iv), segments) for call, iv in (waits or {}).items()}
+    waited = {call: _split_by_phase(sorted(iv), segments) for call, iv in waits.items()}
     per = 1.0 / max(steps, 1)
     out = {}
     for name in [*PHASES, OUTSIDE]:
         if name in span or name in idle or any(name in w for w in waited.values()):
-            entry = {"idle_ms_per_step": round(idle[name] / 1e3 * per, 2),
-                     "span_ms_per_step": round(span[name] / 1e3 * per, 2)}
-            if waits is not None:
-                entry["host_waits_ms_per_step"] = {
-                    call: ms for call, ms in ((c, round(w.get(name, 0.0) / 1e3 * per, 2)) for c, w in waited.items())
-                    if ms > 0}
-            out[PHASES.get(name, name)] = entry
+            host_waits = {c: round(w.get(name, 0.0) / 1e3 * per, 2) for c, w in waited.items()}
+            out[PHASES.get(name, name)] = {"idle_ms_per_step": round(idle[name] / 1e3 * per, 2),
+                                           "span_ms_per_step": round(span[name] / 1e3 * per, 2),
+                                           "host_waits_ms_per_step": {c: ms for c, ms in host_waits.items() if ms > 0}}
     return out
 
 
@@ -180,12 +177,11 @@ def summarize(events: list[dict], steps: int, min_ms: float = 0.2, top: int = 12
         entry[1] += 1
         if entry[2] is None or g["ms"] > entry[2]["ms"]:
             entry[2] = g
-    sync = defaultdict(float)
-    waits: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    waits: dict[str, list[tuple[float, float]]] = defaultdict(list)  # the host calls that wait for the GPU
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in SYNC_CALLS:
-            sync[e["name"]] += e["dur"] / 1e3
             waits[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
+    sync = {call: sum(t - s for s, t in iv) / 1e3 for call, iv in waits.items()}
     allocs = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") == "cuda_runtime" and e["name"] in ("cudaMalloc", "cudaFree", "cudaMallocAsync"):

@@ -105,20 +105,19 @@ def test_gpu_idle_is_split_among_the_trainers_phases():
         (0, 1000, "train.step_start"), (1000, 3000, "train.forward_first"), (3000, 5000, "train.forward_backward"),
         (5000, 6000, "train.forward"), (6000, 9000, "train.forward_backward"), (9000, 9500, "train.checks"),
         (9500, 11000, "train.optimizer")]
-    got = idle_by_phase([(500, 1200), (1500, 2500), (3200, 9100), (9700, 10700), (11500, 11600)], segs, steps=1)
-    assert got[PHASES["train.forward_first"]] == {"idle_ms_per_step": 0.8, "span_ms_per_step": 2.0}
-    assert got[PHASES["train.forward_backward"]] == {"idle_ms_per_step": 0.2, "span_ms_per_step": 5.0}
-    assert got[PHASES["train.checks"]] == {"idle_ms_per_step": 0.4, "span_ms_per_step": 0.5}
-    assert got[PHASES["train.optimizer"]] == {"idle_ms_per_step": 0.5, "span_ms_per_step": 1.5}
+    got = idle_by_phase([(500, 1200), (1500, 2500), (3200, 9100), (9700, 10700), (11500, 11600)], segs, steps=1,
+                        waits={})
+    nothing = {"host_waits_ms_per_step": {}}  # no call that waits for the GPU in these events
+    assert got[PHASES["train.forward_first"]] == {"idle_ms_per_step": 0.8, "span_ms_per_step": 2.0, **nothing}
+    assert got[PHASES["train.forward_backward"]] == {"idle_ms_per_step": 0.2, "span_ms_per_step": 5.0, **nothing}
+    assert got[PHASES["train.checks"]] == {"idle_ms_per_step": 0.4, "span_ms_per_step": 0.5, **nothing}
+    assert got[PHASES["train.optimizer"]] == {"idle_ms_per_step": 0.5, "span_ms_per_step": 1.5, **nothing}
     assert got["(outside the trainer's phases)"]["idle_ms_per_step"] == 0.5
     assert got[PHASES["train.forward"]]["idle_ms_per_step"] == 0.0
     assert sum(v["idle_ms_per_step"] for v in got.values()) == pytest.approx(2.4)  # every idle moment, once
     s = summarize(events, steps=1)
-    kept = ("idle_ms_per_step", "span_ms_per_step")
-    assert {k: {m: v[m] for m in kept} for k, v in s["idle_by_phase"].items()} == got
-    assert s["gpu_idle_ms_per_step"] == 2.4
+    assert s["idle_by_phase"] == got and s["gpu_idle_ms_per_step"] == 2.4
     assert all(not g["host_op"].startswith("train.") for g in s["longest_gaps"])  # phases are not host ops
-    assert all(v["host_waits_ms_per_step"] == {} for v in s["idle_by_phase"].values())  # no waiting call here
 
 
 def test_host_waits_are_split_among_the_trainers_phases():
