@@ -29,7 +29,6 @@ Writes ``DIR/layer_host.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
 from nosa_layers.ops import build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
 from nosa_layers.ops.gated_score import fused_gated_score  # noqa: E402
 from nosa_layers.ops.layout import remember_host_values  # noqa: E402
+from eval.report import write_json  # noqa: E402
 from train.host_time import LAUNCH_PREFIXES  # noqa: E402
 from host_timing import gpu_ms_back_to_back, host_top, host_us_alone, host_us_back_to_back, run_calls  # noqa: E402
 
@@ -164,9 +164,7 @@ def main() -> int:
     result = {"seq": a.seq, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "docs": a.docs,
               "n": a.n, "rows": rows, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "python": sys.version.split()[0]}
-    tmp = out / "layer_host.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out / "layer_host.json")
+    write_json(out / "layer_host.json", result)
     for r in rows:
         if not r["part"].startswith("calibration"):
             print(f"\n{r['part']}: cProfile own time, us per call")

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eval.report import write_json  # noqa: E402
 
 FWD_X_IDEAL, BWD_X_IDEAL, SMOOTH_OVER_P1 = 1.35, 1.8, 1.3
 SELECTION_SHARE, SELECTION_SHAPE, INDEX_GPU_MS = 0.20, (32768, 32), 0.3
@@ -227,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
            "met": sum(c["met"] is True for c in targets), "not_met": sum(c["met"] is False for c in targets),
            "stretch_met": sum(c["met"] is True for c in checks if c["stretch"]),
            "stretch": sum(c["stretch"] for c in checks)}
-    tmp = out / f".speed_report.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out / "speed_report.json")
+    write_json(out / "speed_report.json", doc)
     print(table(checks))
     print(f"\ntargets: {doc['met']} met, {doc['not_met']} not met; stretch targets: {doc['stretch_met']} of "
           f"{doc['stretch']} met ({len(checks)} rows)")

@@ -16,8 +16,6 @@ Writes ``DIR/wgrad_gemm.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from eval.report import write_json  # noqa: E402
 
 DEFAULT_SHAPES = "11264x2048,2048x5632,2560x2048,2048x2048"
 
@@ -66,7 +66,7 @@ def measure(out_f: int, in_f: int, tokens: int, seed: int = 0) -> dict:
     start = torch.randn(out_f, in_f, device="cuda", dtype=torch.float32, generator=g)
     want = start.double() + dy.double().t() @ x.double()
     errors = {}
-    for name, fn in (("unfused", unfused), ("fused", lambda a, b, c: fused(a, b, c))):
+    for name, fn in (("unfused", unfused), ("fused", fused)):
         grad = start.clone()
         fn(x, dy, grad)
         errors[name] = relative_error(grad, want)
@@ -104,13 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(f"| {r['weight']} | {r['tokens']} | {r['unfused_ms']:.3f} | {r['fused_ms']:.3f} | {r['fused_tflops']} "
               f"| {r['unfused_rel_err']:.1e} / {r['fused_rel_err']:.1e} |", flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cmd": " ".join(sys.argv),
-              "rows": rows}
-    tmp = out / f".wgrad_gemm.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out / "wgrad_gemm.json")
+    write_json(Path(a.out) / "wgrad_gemm.json", {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                  "cmd": " ".join(sys.argv), "rows": rows})
     return 0
 
 
