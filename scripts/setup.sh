@@ -26,8 +26,24 @@ fi
 .venv/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' \
   || { echo "setup: .venv is not Python 3.12; remove .venv and run again" >&2; exit 1; }
 
+# Free space (GiB, rounded down) on the file system that holds path $1.
+free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }'; }
+
 stamp=.venv/.nosa-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # A first install (torch's CUDA build) needs about 7 GiB in .venv plus its download in the temp dir:
+  # say so in one line instead of pip's "No space left on device" halfway through.
+  if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+    need=${NOSA_SETUP_MIN_FREE_GIB:-8}
+    for where in .venv "${TMPDIR:-/tmp}"; do
+      have=$(free_gib "$where")
+      if [ -n "$have" ] && [ "$have" -lt "$need" ]; then
+        echo "setup: only ${have} GiB free for $where; installing torch needs about ${need} GiB" \
+             "(free some space, point TMPDIR elsewhere, or set NOSA_SETUP_MIN_FREE_GIB)" >&2
+        exit 1
+      fi
+    done
+  fi
   echo "setup: installing dependencies (first run downloads torch, several GB)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[dev]"
