@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from data.demo_corpus import DEFAULT_OUT  # noqa: E402
 from eval.report import write_json  # noqa: E402
 
 FWD_X_IDEAL, BWD_X_IDEAL, SMOOTH_OVER_P1 = 1.35, 1.8, 1.3
@@ -38,7 +39,7 @@ SELECTION_SHARE, SELECTION_SHAPE, INDEX_GPU_MS = 0.20, (32768, 32), 0.3
 E2E = {"16K": (1.1, 1.25), "32K": (1.4, 1.7)}  # NOSA / dense tokens/s: target, stretch
 P90_OVER_MEDIAN = 1.10
 
-DEMO_CORPUS = ROOT / ".cache" / "demo_data" / "corpus_text_document"  # bench/train_throughput.py's default data
+DEMO_CORPUS = Path(DEFAULT_OUT) / "corpus_text_document"  # bench/train_throughput.py's default data
 # what --run measures (bench/ scripts, relative output folders)
 RUN_STEPS = [
     ("attention", ["bench/attention.py", "--shapes", "32768x32,16384x16"], "attention_bench.json"),

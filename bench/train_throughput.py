@@ -56,7 +56,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from data.demo_corpus import DEFAULT_OUT  # noqa: E402
 from gpu_clocks import GpuSampler, summarize  # noqa: E402
 
 
@@ -258,8 +260,8 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=2,
                    help="sequences per optimizer step (micro-batches of one; per GPU: this / data-parallel size)")
     p.add_argument("--profile-step", type=int, default=0, help="profile this step and the next (0: off)")
-    p.add_argument("--data", default=str(ROOT / ".cache/demo_data/corpus_text_document"))
-    p.add_argument("--tokenizer", default=str(ROOT / ".cache/demo_data/tokenizer"))
+    p.add_argument("--data", default=os.path.join(DEFAULT_OUT, "corpus_text_document"))
+    p.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer"))
     p.add_argument("--source", default=str(ROOT), help="checkout whose train/main.py runs (default: this one)")
     p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
     p.add_argument("--timeout", type=int, default=420)

@@ -1,9 +1,13 @@
 """Fixtures for trainer tests: the SMALL demo data and a runner for train/main.py subprocesses."""
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import tempfile
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +59,37 @@ def metrics(run_dir) -> list[dict]:
 
 def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir) if r.get("loss") is not None}
+
+
+def losses_so_far(run) -> dict:
+    try:
+        return losses(run)
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def sigusr1_through_the_launcher(tmp_path, args: list, run_id: str, nproc: int = 1) -> tuple:
+    """Train ``args`` (a ``recipe=`` among them) through ``launch/run_train.sh`` under ``tmp_path``, send SIGUSR1 to
+    the launcher (as SLURM's ``--signal=USR1@<s>`` does) once the run has logged a loss, and wait for it to end.
+    Returns the run dir, the launcher's output and the step the trainer said it stopped at."""
+    env = child_env(RUN_ROOT=str(tmp_path), RUN_ID=run_id, NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
+                    MASTER_PORT="0", NOSA_SHUTDOWN_TIMEOUT="120")
+    recipe = next(a.split("=", 1)[1] for a in args if a.startswith("recipe="))
+    run = tmp_path / f"{recipe}-{run_id}"
+    log = tmp_path / f"launch-{run_id}.log"
+    with open(log, "w") as fh:  # the launcher execs torchrun: proc.pid is torchrun's
+        proc = subprocess.Popen(["bash", str(ROOT / "launch" / "run_train.sh"), *args], cwd=ROOT,
+                                env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not losses_so_far(run) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGUSR1)
+            proc.wait(timeout=240)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    stopped = [ln for ln in text.splitlines() if "SIGUSR1 received: stopping at step" in ln]
+    assert stopped, text[-3000:]
+    return run, text, int(stopped[0].split("stopping at step ")[1].split()[0])

@@ -3,15 +3,11 @@ resumed run continues bit for bit; bad cluster settings are one line."""
 
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch.multiprocessing as mp
 
-from tests.subproc import child_env
-from tests.train.conftest import ROOT, losses, run_main
+from tests.train.conftest import losses, run_main, sigusr1_through_the_launcher
 from tests.train.test_train_runs import PRETRAIN
 
 RUN = [*PRETRAIN, "train.eval_interval=0", "logging.plot=false", "checkpoint.interval=0", "train.max_steps=12"]
@@ -43,33 +39,6 @@ def test_a_signal_on_one_rank_is_seen_by_every_rank_at_the_same_step(tmp_path):
     assert (tmp_path / "rank1").read_text() == "None|SIGUSR1|False"
 
 
-def sigusr1_through_the_launcher(tmp_path, args: list, run_id: str, nproc: int = 1) -> tuple:
-    """Train ``args`` (a ``recipe=`` among them) through ``launch/run_train.sh`` under ``tmp_path``, send SIGUSR1 to
-    the launcher (as SLURM's ``--signal=USR1@<s>`` does) once the run has logged a loss, and wait for it to end.
-    Returns the run dir, the launcher's output and the step the trainer said it stopped at."""
-    env = child_env(RUN_ROOT=str(tmp_path), RUN_ID=run_id, NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
-                    MASTER_PORT="0", NOSA_SHUTDOWN_TIMEOUT="120")
-    recipe = next(a.split("=", 1)[1] for a in args if a.startswith("recipe="))
-    run = tmp_path / f"{recipe}-{run_id}"
-    log = tmp_path / f"launch-{run_id}.log"
-    with open(log, "w") as fh:  # the launcher execs torchrun: proc.pid is torchrun's
-        proc = subprocess.Popen(["bash", str(ROOT / "launch" / "run_train.sh"), *args], cwd=ROOT,
-                                env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 240
-            while not losses_so_far(run) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            proc.send_signal(signal.SIGUSR1)
-            proc.wait(timeout=240)
-        finally:
-            with contextlib_suppress():
-                os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text(errors="replace")
-    stopped = [ln for ln in text.splitlines() if "SIGUSR1 received: stopping at step" in ln]
-    assert stopped, text[-3000:]
-    return run, text, int(stopped[0].split("stopping at step ")[1].split()[0])
-
-
 def test_sigusr1_through_the_launcher_saves_at_the_next_step_and_resumes_bit_for_bit(tmp_path, data_args):
     reference = tmp_path / "reference"
     run_main([*RUN, *data_args, f"run.dir={reference}", "checkpoint.save=false"])  # its losses only
@@ -84,19 +53,6 @@ def test_sigusr1_through_the_launcher_saves_at_the_next_step_and_resumes_bit_for
     p = run_main([*RUN, *data_args, f"run.dir={run}"])
     assert f"resumed from {run / 'checkpoints' / f'iter_{step:07d}'} at step {step}" in p.stdout
     assert losses(run) == losses(reference) and len(losses(reference)) == 12  # bitwise: same floats
-
-
-def losses_so_far(run) -> dict:
-    try:
-        return losses(run)
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
-def contextlib_suppress():
-    import contextlib
-
-    return contextlib.suppress(ProcessLookupError, PermissionError)
 
 
 @pytest.mark.parametrize("override, env, msg", [

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.train.conftest import losses, metrics, run_main
+from tests.train.conftest import losses, metrics, run_main, sigusr1_through_the_launcher
 
 PRETRAIN = ["recipe=tiny_pretrain", "train.seq_length=128", "train.global_batch_size=2",
             "train.micro_batch_size=1", "train.eval_interval=0", "train.eval_iters=1", "optim.warmup_steps=1",
@@ -202,8 +202,6 @@ def test_a_save_signal_stops_at_a_checkpoint_and_the_run_resumes_exactly(tmp_pat
     the signal every step (no collective), two ranks at the next read, where they agree. The stop step's
     values are read, its checkpoint written, and the resumed run's per-step losses equal an uninterrupted
     run's bit for bit."""
-    from tests.train.test_preemption import sigusr1_through_the_launcher
-
     common = [*PRETRAIN, *data_args, "train.max_steps=12", "train.step_reads=at_log"]
     reference = tmp_path / "reference"
     run_main([*common, f"run.dir={reference}", "train.log_interval=1"], nproc=nproc)
