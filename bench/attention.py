@@ -307,10 +307,10 @@ DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_sta
 # forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90) at 2 or 3
 # K/V ring slots each, dQ's A operands Q / dO in registers or shared memory; dK/dV is the same in every
 # candidate (``triton={}``: the candidate's stages hold where the Hopper kernels cannot run too)
-# (session 21: two forward slots with registers capped at 168 per thread, three programs per SM instead of
+# (two forward slots with registers capped at 168 per thread, three programs per SM instead of
 # two, against the default three slots at 220 registers); the one-entry-per-step forward (``keys_per_step``
-# 64) against the default two entries per step (128). Session 22 also measured, at commit c565288 of this
-# sweep: two warpgroups taking turns (ping-pong) and two 64-key products per pair, both slower.
+# 64) against the default two entries per step (128). Also measured on an H200 in 2026-12, at commit c565288
+# of this sweep: two warpgroups taking turns (ping-pong) and two 64-key products per pair, both slower.
 FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, maxnreg=mr, keys_per_step=64),
                        dq=dict(impl=i, num_stages=qs, regs=qr))
                   for i, fs, qs, qr, mr in (("triton", 2, 2, True, None), ("gluon", 2, 2, True, None),

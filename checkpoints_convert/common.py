@@ -1,8 +1,7 @@
 """Shared pieces of the converters: trainer-checkpoint discovery, typed configs, tensor I/O.
 
-Layering: this package imports ``nosa_layers`` (configs, megatron builders) and never ``train/``;
-the checkpoint layout conventions (``latest`` pointer, ``nosa_config.json`` next to the tensors) come
-from ``runtime.checkpoint_files``, shared with the trainer.
+Layering: docs/ARCHITECTURE.md. The checkpoint layout conventions (``latest`` pointer, ``nosa_config.json``
+next to the tensors) come from ``runtime.checkpoint_files``, shared with the trainer.
 """
 
 from __future__ import annotations

@@ -9,6 +9,5 @@ Commands (each ``--help``s itself; see eval/README.md)::
     python -m eval.ppl      --ckpt ... --data ... --length N --out DIR
     python -m eval.ablate   --preset tiny | proof_h200 --out DIR [--devices 0,1,2,3]
 
-Layering: upper floor (imports ``nosa_layers``, ``data``, ``runtime``, ``checkpoints_convert``;
-never ``train``, which it runs as a subprocess).
+Layering: docs/ARCHITECTURE.md (``train`` runs as a subprocess, never imported).
 """

@@ -3,7 +3,7 @@
 Backends: ``reference`` (pure PyTorch in ``selection.py`` / ``reference.py``, CPU/GPU, fp32/fp64, the
 ground truth), ``triton`` (the kernels in ``nosa_layers.ops``), ``auto`` (Triton on CUDA when
 available, else reference). The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for
-debugging. Layers: references <- kernels (``ops``) <- this module <- layers (``layer.py``, megatron).
+debugging. Its place between the kernels and the layers: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

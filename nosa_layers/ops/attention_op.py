@@ -38,7 +38,7 @@ from .sparse_index import SparseIndex, largest_divisor
 # registers with ``regs``) for the shapes it covers (16-bit, D 64 / 128, 64-key blocks, 64-row tiles);
 # other GPUs and shapes take the Triton kernel, which computes the same (bit for bit in the H200 runs, except the
 # two-entry forward below: one softmax step per 128 keys rounds differently, within the reference tolerances).
-# bench/attention.py --fwd-sweep on the H200 (session 15, after the per-entry loads moved one entry
+# bench/attention.py --fwd-sweep on an H200 (2026-12, with the per-entry loads one entry
 # ahead): 3 forward slots were 3-5% faster at 16K/16 in all three cases (P1, iid, smooth) and within the
 # sweep's 4% noise at 32K/32; dQ with Q / dO in shared memory (245 registers, no spill, against 255
 # and a small spill) was at or below the others in 5 of the 6 cases. dK/dV ``impl = "gluon"``: warp-specialised
@@ -51,7 +51,7 @@ from .sparse_index import SparseIndex, largest_divisor
 # The Hopper forward takes two list entries per step (``keys_per_step = 128``, ``attention_sm90_pairs``:
 # one 128-key score product and one P V product per pair, 64-row tiles) where it covers the tile; 64 is
 # the one-entry kernel above (``num_stages``, ``regs`` are its settings). bench/attention.py --fwd-sweep
-# on the H200 (session 22): 128 keys per step 6% faster at 32K/32 on P1 lists (1.31x ideal), 3-5% on real
+# on an H200 (2026-12): 128 keys per step 6% faster at 32K/32 on P1 lists (1.31x ideal), 3-5% on real
 # selections, within 3% either way at 16K/16; two 64-key products per pair and two warpgroups taking
 # turns at the tensor cores (FlashAttention-3's ping-pong) were slower and are not kept.
 # Override for experiments (bench/attention.py --sweep, --dkdv-sweep).

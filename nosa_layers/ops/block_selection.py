@@ -225,7 +225,7 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
 # program ``HP``, a divisor of the KV group's G is taken; block scores: windows per step ``NW``, i.e.
 # NW / (block / stride) blocks, and ``NT`` windows per step for a row's last blocks that do not fill
 # an ``NW`` step). Tuned on one H200 for block 64, D 128 (bench/attention.py --selection --sel-sweep;
-# session 12: HP 2 against 1, scoring 2.25 -> 2.12 ms at 32K/32; session 26, with the tail steps and
+# HP 2 against 1 took the scoring from 2.25 to 2.12 ms at 32K/32; with the tail steps and
 # the masks only where needed: HP 4 / 8 warps and NW 128 / NT 64 / 4 warps, the fastest at 32K/32
 # and 16K/16, 1.57 -> 1.49 and 0.25 -> 0.21 ms against HP 2 / NW 256); override for experiments.
 SEL_CONFIG = {

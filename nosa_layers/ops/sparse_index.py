@@ -12,7 +12,7 @@ Forward lists, per (tile, KV head) ``w = tile * Hkv + h``: ``fwd_count[w]`` entr
 ``fwd_ks[w, :]`` (first token of each listed KV block, ascending, the tile's own block last) and
 ``fwd_word[w, :]`` (bit ``r`` set <=> row ``r`` of the tile selected the block), padded to ``cap``
 entries (no compaction across lists, hence no host sync for sizes). One KV block per entry: two-block
-forward entries were measured slower on an H200 in every case (``docs/BENCHMARKS.md``, session 7).
+forward entries were measured slower on an H200 in every case (2026-12).
 
 Inverse lists, per key group and KV head. A key group is ``kb`` (1 or 2) adjacent KV blocks of one
 document, from a block whose index in its document is a multiple of ``kb`` (the last group of a

@@ -1,5 +1,6 @@
-"""``bench/speed_report.py``: the speed targets judged from the benchmarks' stored H200 results (the repository's
-own ``docs/results``), thresholds that can fail, and bad inputs refused in one line."""
+"""``bench/speed_report.py``: the speed targets judged from the benchmarks' stored H200 results (copies of the
+result files ``docs/BENCHMARKS.md`` cites, in ``tests/assets/speed_report``), thresholds that can fail, and bad
+inputs refused in one line."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 
 from tests.bench.loader import REPO, load_bench
 
-RESULTS = REPO / "docs" / "results"
-ATT_32K = RESULTS / "session22" / "attention_bench_32k.json"
-ATT_16K = RESULTS / "session22" / "attention_bench_16k.json"
-SELECTION = RESULTS / "session27" / "selection_index_gpu.json"
-TRAIN_16K = RESULTS / "session29" / "step_reads_c_each_step_li5.json"
-TRAIN_32K = RESULTS / "session28" / "train_throughput_32k_gb8.json"
+RESULTS = REPO / "tests" / "assets" / "speed_report"
+ATT_32K = RESULTS / "attention_nosa-32k32_h200_2026-12.json"
+ATT_16K = RESULTS / "attention_nosa-16k16_h200_2026-12.json"
+SELECTION = RESULTS / "selection-index_nosa-32k32-16k16_h200_2026-12.json"
+TRAIN_16K = RESULTS / "train-16k_nosa-1b_h200_2026-12.json"
+TRAIN_32K = RESULTS / "train-32k-8seq_nosa-1b-14l_h200_2026-12.json"
 
 
 def _row(checks, target_start, where_start):

@@ -30,8 +30,7 @@ def _estimate_gib(overrides: list[str], world_size: int = 1) -> float:
 
 
 # Peak allocated GiB of the 1B-shaped CPT at 16K (and 14 layers at 32K), micro-batch 1, global batch 2,
-# one H200 (and TP=2 on two), as docs/BENCHMARKS.md records them: before the fusions (sessions 6-16)
-# and with them (session 17).
+# one H200 (and TP=2 on two), measured in 2026-12: without ``train.fusions`` (``UNFUSED``) and with them.
 UNFUSED, NR = "train.fusions=false", "train.recompute=none"
 AT_32K = ["model.num_layers=14", "train.seq_length=32768", "model.max_position_embeddings=32768", NR]
 MEASURED = [([UNFUSED], 1, 96.7), (["attention=dense", UNFUSED], 1, 95.6), ([NR, UNFUSED], 1, 94.6),
