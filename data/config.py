@@ -153,8 +153,8 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
         if cfg.packing not in PACKING_MODES:
             raise ValueError(f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
         if cfg.packing in ("document", "best_fit") and not cfg.eod_mask_loss:
-            raise ValueError(f"data.eod_mask_loss=false with packing={cfg.packing} would train labels across documents: "
-                             "set it true")
+            raise ValueError(f"data.eod_mask_loss=false with packing={cfg.packing} would train labels across "
+                             "documents: set it true")
         parts = [p for p in cfg.split.replace(" ", "").split(",") if p]
         try:
             nums = [float(p) for p in parts]

@@ -34,7 +34,8 @@ def solve(prompt: str) -> list[str]:
     q = prompt[prompt.rindex("\n") + 1:]
     if "special magic number" in q:
         needles = re.findall(r"One of the special magic numbers for (\w+) is: (\d+)\.", prompt)
-        asked = re.search(r"The special magic numbers? for (.+?) mentioned in the provided text (?:is|are)$", q).group(1)
+        asked = re.search(r"The special magic numbers? for (.+?) mentioned in the provided text (?:is|are)$",
+                          q).group(1)
         keys = re.split(r", | and ", asked)
         return [v for k in keys for key, v in needles if key == k]
     if "VAR " in prompt and "they are:" in q:
