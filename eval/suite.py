@@ -65,8 +65,8 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
     write_json(out_dir / "ppl.json", pp)
     write_atomic(out_dir / "ppl.md", ppl.markdown(pp, f"Perplexity by position: {src.label}"))
     result = {"model": loc["model"], "config": asdict(cfg), "locality": loc["summary"], "dense": loc["dense"],
-              "ruler": {"average": rs["average"], "by_task": rs["by_task"], "by_length": rs["by_length"],
-                        "items": len(items)},
+              "ruler": {k: rs[k] for k in ("average", "average_stderr", "by_task", "by_length", "by_task_detail",
+                                           "by_length_detail", "needles", "graded")} | {"items": len(items)},
               "ppl": pp, "seconds": time.perf_counter() - t0}
     write_json(out_dir / RESULT, result)
     log(f"[{src.label}] {locality.summary_line(loc)}; RULER {rs['average']:.1f}; "

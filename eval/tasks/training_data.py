@@ -16,6 +16,7 @@ for any number of workers. Each document is its full text (prompt and answers) p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 from eval.errors import EvalError
 
 TOKENS_PER_JOB = 1_000_000  # a worker's unit of work (documents of one task and length)
+SERIAL_BELOW_TOKENS = 2_000_000  # smaller mixes are generated in this process
 
 
 @dataclass
@@ -116,15 +118,22 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
             log(f"retrieval data: {out_prefix} is complete ({have['documents']} documents, {have['tokens']} tokens)")
             return have
     todo = [(*j, mix.seed) for j in jobs(mix)]
-    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    # a pool pays its start (imports, one haystack per worker: seconds) only for real work
+    workers = 1 if mix.tokens < SERIAL_BELOW_TOKENS else max(1, min(workers or os.cpu_count() or 1, len(todo)))
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{out_prefix}.tmp-{os.getpid()}"
     writer = IndexedWriter(tmp, tok.vocab_size)
     t0 = last = time.perf_counter()
     ok = False
     try:
-        with mp.get_context("spawn").Pool(workers, _init_worker, (corpus, tokenizer_dir)) as pool:
-            for k, docs in enumerate(pool.imap(_run_job, todo)):
+        with contextlib.ExitStack() as stack:
+            if workers > 1:
+                pool = stack.enter_context(mp.get_context("spawn").Pool(workers, _init_worker, (corpus, tokenizer_dir)))
+                results = pool.imap(_run_job, todo)
+            else:
+                _init_worker(corpus, tokenizer_dir)
+                results = map(_run_job, todo)
+            for k, docs in enumerate(results):
                 for d in docs:
                     writer.add(d)
                 if time.perf_counter() - last > 10 or k + 1 == len(todo):
