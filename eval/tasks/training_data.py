@@ -16,7 +16,6 @@ for any number of workers. Each document is its full text (prompt and answers) p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -72,17 +71,6 @@ def jobs(mix: RetrievalMix) -> list[tuple[str, int, int, int]]:
     return out
 
 
-_WORKER: dict = {}
-
-
-def _init_worker(corpus: str, tokenizer_dir: str) -> None:
-    from data.tokenizer import Tokenizer
-    from eval.tasks import encoder, load_haystack
-
-    tok = Tokenizer(tokenizer_dir)
-    _WORKER.update(tok=tok, enc=encoder(tok), hay=load_haystack(corpus, tok))
-
-
 def _run_job(job: tuple[str, int, int, int, int]):
     """Token arrays (with EOD) of one job's documents."""
     import numpy as np
@@ -90,8 +78,10 @@ def _run_job(job: tuple[str, int, int, int, int]):
     from eval.tasks import TRAIN_SEED_OFFSET
     from eval.tasks.ruler import generate
 
+    from eval.tasks.workers import state
+
     task, length, start, count, seed = job
-    w = _WORKER
+    w = state()
     samples = generate(task, w["hay"], w["enc"], length, count, seed + TRAIN_SEED_OFFSET, start=start)
     eod = w["tok"].eod
     return [np.asarray(w["enc"](s.full_text()) + [eod], dtype=np.int32) for s in samples]
@@ -101,11 +91,10 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
                             workers: int | None = None, log=print) -> dict:
     """Write ``out_prefix.bin/.idx`` (+ ``.summary.json``); returns the summary. Skips the work when a
     complete dataset of the same mix and tokenizer is already there."""
-    import multiprocessing as mp
-
     from data.indexed import IndexedWriter
     from data.tokenizer import Tokenizer
     from eval.tasks import tokenizer_hash
+    from eval.tasks.workers import default_workers, job_results
 
     mix.validate()
     tok = Tokenizer(tokenizer_dir)
@@ -119,20 +108,14 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
             return have
     todo = [(*j, mix.seed) for j in jobs(mix)]
     # a pool pays its start (imports, one haystack per worker: seconds) only for real work
-    workers = 1 if mix.tokens < SERIAL_BELOW_TOKENS else max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    workers = 1 if mix.tokens < SERIAL_BELOW_TOKENS else (workers or default_workers())
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{out_prefix}.tmp-{os.getpid()}"
     writer = IndexedWriter(tmp, tok.vocab_size)
     t0 = last = time.perf_counter()
     ok = False
     try:
-        with contextlib.ExitStack() as stack:
-            if workers > 1:
-                pool = stack.enter_context(mp.get_context("spawn").Pool(workers, _init_worker, (corpus, tokenizer_dir)))
-                results = pool.imap(_run_job, todo)
-            else:
-                _init_worker(corpus, tokenizer_dir)
-                results = map(_run_job, todo)
+        with job_results(_run_job, todo, corpus, tokenizer_dir, workers) as results:
             for k, docs in enumerate(results):
                 for d in docs:
                     writer.add(d)
