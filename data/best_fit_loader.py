@@ -13,6 +13,8 @@ Blends: ``data.weights`` are token shares, as in a megatron blend. An epoch hold
 one pass over the training parts of all paths; path ``p`` fills ``share_p`` of them, i.e. each of its
 documents appears ``r_p = share_p * total / tokens_p`` times (the fractional part: a random subset,
 drawn anew every epoch). Without weights every document appears once per epoch.
+A path with ``<prefix>.loss_from.npy`` (:mod:`data.loss_spans`) trains each of its documents only
+from that token on (e.g. the answers of retrieval documents); the rest is context.
 ``data.split`` is applied per path by document index, as megatron-core does (the validation part is
 the same range of documents, so evaluation tools find the same held-out documents).
 
@@ -99,10 +101,11 @@ class BestFitLoader:
 
     def __init__(self, datasets: list, pieces: Pieces, reps: list[float], seq_length: int, micro_batch_size: int,
                  pad_id: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 1234, fingerprint: dict | None = None,
-                 what: str = "training"):
+                 what: str = "training", loss_from: list | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.datasets, self.pieces, self.reps = datasets, pieces, list(reps)
+        self.loss_from = loss_from or [None] * len(datasets)  # per path: first trained token of each document
         self.S, self.B, self.pad_id = seq_length, micro_batch_size, pad_id
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.epoch, self.consumed_rows = 0, 0
@@ -143,6 +146,14 @@ class BestFitLoader:
         return self.datasets[int(pc.path[i])].get(int(pc.doc[i]), offset=int(pc.offset[i]),
                                                   length=int(pc.length[i])).astype(np.int64)
 
+    def _mask(self, i: int) -> np.ndarray:
+        """Target mask of piece ``i``: 1 from its document's loss start on (all 1 without one)."""
+        pc = self.pieces
+        n, starts = int(pc.length[i]), self.loss_from[int(pc.path[i])]
+        if starts is None:
+            return np.ones(n, dtype=np.uint8)
+        return (np.arange(int(pc.offset[i]), int(pc.offset[i]) + n) >= starts[int(pc.doc[i])]).astype(np.uint8)
+
     def __next__(self) -> dict:
         rows = self._epoch_rows()
         step = self.B * self.dp_size
@@ -150,7 +161,8 @@ class BestFitLoader:
             self.epoch, self.consumed_rows = self.epoch + 1, 0
             rows = self._epoch_rows()
         base = self.consumed_rows + self.dp_rank * self.B
-        out = [assemble_row([self._piece(i) for i in r], None, self.S, self.pad_id) for r in rows[base:base + self.B]]
+        out = [assemble_row([self._piece(i) for i in r], [self._mask(i) for i in r], self.S, self.pad_id)
+               for r in rows[base:base + self.B]]
         self.consumed_rows += step
         return collate(out)
 
@@ -179,8 +191,10 @@ class BestFitLoader:
 def build_best_fit_loaders(cfg, dp_rank: int, dp_size: int, tok) -> tuple[BestFitLoader, BestFitLoader | None]:
     """``(train, valid or None)`` for a validated ``DataConfig`` with ``packing=best_fit``."""
     from data.indexed import read_indexed
+    from data.loss_spans import read_loss_from
 
     datasets = [read_indexed(p) for p in cfg.paths]
+    loss_from = [read_loss_from(p, len(ds.sequence_lengths)) for p, ds in zip(cfg.paths, datasets)]
     pad = tok.pad if tok.pad >= 0 else tok.eod
     fp = {"paths": list(cfg.paths), "weights": cfg.weights, "seq_length": cfg.seq_length, "seed": cfg.seed,
           "split": cfg.split, "packing": cfg.packing}
@@ -188,11 +202,12 @@ def build_best_fit_loaders(cfg, dp_rank: int, dp_size: int, tok) -> tuple[BestFi
     if train_pieces.length.size == 0:
         raise ValueError(f"data.split={cfg.split!r} gives no training documents")
     train = BestFitLoader(datasets, train_pieces, repetitions(train_pieces.tokens, cfg.weights), cfg.seq_length,
-                          cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.seed, fp)
+                          cfg.micro_batch_size, pad, dp_rank, dp_size, cfg.seed, fp, loss_from=loss_from)
     valid_pieces = document_pieces(datasets, "valid", cfg.split, cfg.seq_length)
     valid = None
     n_valid_rows = len(best_fit(valid_pieces.length.tolist(), cfg.seq_length)) if valid_pieces.length.size else 0
     if n_valid_rows >= cfg.micro_batch_size * dp_size:
         valid = BestFitLoader(datasets, valid_pieces, [1.0] * len(datasets), cfg.seq_length, cfg.micro_batch_size,
-                              pad, dp_rank, dp_size, cfg.seed, {**fp, "split_name": "valid"}, what="validation")
+                              pad, dp_rank, dp_size, cfg.seed, {**fp, "split_name": "valid"}, what="validation",
+                              loss_from=loss_from)
     return train, valid

@@ -168,8 +168,13 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
             if v is not None and v <= 0:
                 raise ValueError(f"data.{n}={v} must be > 0 or null (one epoch)")
         if check_files:
+            from data.loss_spans import has_loss_from
+
             for p in cfg.paths:
                 _check_indexed(p)
+                if has_loss_from(p) and cfg.packing != "best_fit":
+                    raise ValueError(f"data.paths entry {p!r} trains only parts of its documents "
+                                     f"({p}.loss_from.npy), which needs data.packing=best_fit")
             _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
     elif isinstance(cfg, SFTConfig):
         what = "sft"

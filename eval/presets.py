@@ -111,14 +111,14 @@ PRESETS: Dict[str, AblationPreset] = {
     "proof_h200": AblationPreset(
         name="proof_h200",
         description="19M-parameter Llama (8 x 384, GQA 6/2, head_dim 64), 4K dense pretraining on the demo "
-                    "corpus + synthetic retrieval documents (65% of the tokens, whole documents), 16K CPT per "
-                    "variant (released NOSA geometry)",
+                    "corpus + synthetic retrieval documents (80% of the tokens, whole documents, loss on their "
+                    "answers), 16K CPT per variant (released NOSA geometry)",
         pretrain=Stage("proof_pretrain", 900),
         cpt=Stage("proof_cpt", 160),
         variants=["ed_dma", "none", "dense", "dma", "s_dma", "locret"],  # the key comparison runs first
-        task_samples=40, retrieval_share=0.65,
-        pretrain_doc_lengths=[512, 1024, 2048, 4095], pretrain_retrieval_tokens=78_000_000,
-        cpt_doc_lengths=[1024, 4096, 8192, 16383], cpt_retrieval_tokens=14_000_000,
+        task_samples=40, retrieval_share=0.8,
+        pretrain_doc_lengths=[256, 512, 1024, 2048, 4095], pretrain_retrieval_tokens=95_000_000,
+        cpt_doc_lengths=[1024, 4096, 8192, 16383], cpt_retrieval_tokens=17_000_000,
         curve_points_pretrain=4, curve_points_cpt=3, curve_samples=12),
 }
 

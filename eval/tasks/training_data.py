@@ -9,8 +9,11 @@ documents (many retrieval events per token) and long ones (long-range evidence) 
 tokens. Documents are drawn with ``seed + TRAIN_SEED_OFFSET`` (never an evaluation sample of
 ``seed``); document ``i`` of a (task, length) depends only on the seed, so the dataset is the same
 for any number of workers. Each document is its full text (prompt and answers) plus EOD, as
-``data.preprocess`` would store it. Written under a temporary prefix and renamed on success, with
-``<prefix>.summary.json`` (tokenizer, mix, documents, tokens).
+``data.preprocess`` would store it. With ``answers_only`` (the default) ``<prefix>.loss_from.npy``
+holds each document's first answer token, so training (``data.packing=best_fit``) learns to answer
+from the evidence rather than to memorise the haystack, whose paragraphs repeat across documents.
+Written under a temporary prefix and renamed on success, with ``<prefix>.summary.json`` (tokenizer,
+mix, documents, tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from data.loss_spans import LOSS_FROM, write_loss_from
 from eval.errors import EvalError
 
 TOKENS_PER_JOB = 1_000_000  # a worker's unit of work (documents of one task and length)
@@ -37,6 +41,7 @@ class RetrievalMix:
     tokens: int
     tasks: list[str] = field(default_factory=list)  # empty: every task
     seed: int = 0
+    answers_only: bool = True  # train on the answers only (<prefix>.loss_from.npy), not on the haystack
 
     def task_names(self) -> list[str]:
         from eval.tasks.ruler import TASKS
@@ -72,7 +77,7 @@ def jobs(mix: RetrievalMix) -> list[tuple[str, int, int, int]]:
 
 
 def _run_job(job: tuple[str, int, int, int, int]):
-    """Token arrays (with EOD) of one job's documents."""
+    """``(tokens with EOD, first answer token)`` of one job's documents."""
     import numpy as np
 
     from eval.tasks import TRAIN_SEED_OFFSET
@@ -83,8 +88,13 @@ def _run_job(job: tuple[str, int, int, int, int]):
     task, length, start, count, seed = job
     w = state()
     samples = generate(task, w["hay"], w["enc"], length, count, seed + TRAIN_SEED_OFFSET, start=start)
-    eod = w["tok"].eod
-    return [np.asarray(w["enc"](s.full_text()) + [eod], dtype=np.int32) for s in samples]
+    eod, enc = w["tok"].eod, w["enc"]
+    out = []
+    for s in samples:
+        ids, prompt = enc(s.full_text()), enc(s.prompt)
+        start = len(prompt) if ids[:len(prompt)] == prompt else 0  # 0: the tokenizer merged across the boundary
+        out.append((np.asarray(ids + [eod], dtype=np.int32), start))
+    return out
 
 
 def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mix: RetrievalMix,
@@ -112,13 +122,15 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{out_prefix}.tmp-{os.getpid()}"
     writer = IndexedWriter(tmp, tok.vocab_size)
+    loss_from: list[int] = []
     t0 = last = time.perf_counter()
     ok = False
     try:
         with job_results(_run_job, todo, corpus, tokenizer_dir, workers) as results:
             for k, docs in enumerate(results):
-                for d in docs:
+                for d, start in docs:
                     writer.add(d)
+                    loss_from.append(start)
                 if time.perf_counter() - last > 10 or k + 1 == len(todo):
                     last = time.perf_counter()
                     log(f"retrieval data: {k + 1}/{len(todo)} jobs, {writer.documents} documents, "
@@ -126,7 +138,9 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
         writer.close()
         summary = {**want, "documents": writer.documents, "tokens": writer.tokens,
                    "seconds": round(time.perf_counter() - t0, 1), "workers": workers}
-        for ext in (".bin", ".idx"):
+        if mix.answers_only:
+            write_loss_from(tmp, loss_from)
+        for ext in (".bin", ".idx") + ((LOSS_FROM,) if mix.answers_only else ()):
             os.replace(tmp + ext, out_prefix + ext)
         tmp_summary = summary_path.with_suffix(f".tmp-{os.getpid()}")
         tmp_summary.write_text(json.dumps(summary, indent=2))
@@ -136,7 +150,7 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
     finally:
         if not ok:
             writer.discard()
-            for ext in (".bin", ".idx"):
+            for ext in (".bin", ".idx", LOSS_FROM):
                 Path(tmp + ext).unlink(missing_ok=True)
 
 

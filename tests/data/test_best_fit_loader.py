@@ -118,3 +118,29 @@ def test_resume_and_data_parallel_shards_are_exact(tmp_path):
         assert np.array_equal(np.concatenate([x0, x1]), whole)
     with pytest.raises(ValueError, match="best_fit"):
         make().load_state_dict({"kind": "pretrain"})
+
+
+def test_loss_starts_limit_the_targets(tmp_path):
+    """A path with loss starts trains each document only from its start on (pieces keep their offset)."""
+    from data.loss_spans import read_loss_from, write_loss_from
+
+    lengths = [10, 20, 90]
+    a = _dataset(tmp_path, "a", lengths, 100)
+    write_loss_from(str(tmp_path / "a"), [4, 0, 70])
+    starts = read_loss_from(str(tmp_path / "a"), 3)
+    b = _dataset(tmp_path, "b", [12], 900)
+    pieces = document_pieces([a, b], "train", "100,0,0", 64)
+    loader = BestFitLoader([a, b], pieces, [1.0, 1.0], 64, 1, EOD, seed=1, loss_from=[starts, None])
+    trained = {}
+    for _ in range(len(loader)):
+        batch = next(loader)
+        cu = row_cu_seqlens(batch, 0).tolist()
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            first = int(batch["tokens"][0, lo])
+            trained.setdefault(first, []).append(int(batch["loss_mask"][0, lo:hi].sum()))
+    # doc 0 (10 tokens, from 4): targets are tokens 4..9 = 6 labels at positions 3..8
+    assert trained[100] == [6] and trained[101] == [19] and trained[900] == [11]
+    # doc 2 (90 tokens) is cut into 64 + 26: only its second piece holds tokens >= 70
+    assert sorted(trained[102]) == [0, 20]
+    with pytest.raises(ValueError, match="loss starts for"):
+        read_loss_from(str(tmp_path / "b"), 1) if write_loss_from(str(tmp_path / "b"), [1, 2]) else None
