@@ -17,10 +17,11 @@ import dataclasses
 import os
 
 from train.config import RunConfig, validate
-from train.memory_model import GIB, estimate_memory, parameter_counts, static_bytes
+from train.memory_model import (GIB, bytes_per_parameter, estimate_memory, layer_bytes, parameter_counts,
+                                variant_counts)
 
 HEADROOM = 0.90  # share of cluster.gpu_memory_gib a layout may plan to use
-LARGEST_GPU_GIB = 288  # the largest GPU memories made (B300, MI355X: 288 GB)
+LARGEST_GPU_GIB = 288  # above the largest GPU memories made (B300, MI355X: 288 GB = 268 GiB)
 
 
 def _world_size(cfg: RunConfig) -> int:
@@ -64,14 +65,14 @@ def refusal(cfg: RunConfig, world_size: int) -> str | None:
     for sizes too broken to count, which the validation names)."""
     try:
         total = parameter_counts(cfg)["total"]
-        need = sum(static_bytes(cfg, total / world_size, world_size).values())
+        need = total * sum(bytes_per_parameter(cfg).values()) / world_size
     except (ArithmeticError, ValueError, TypeError, AttributeError):
         return None
     if need <= LARGEST_GPU_GIB * GIB:
         return None
     return (f"does not fit: no GPU holds this model on {world_size} GPU{'s' if world_size > 1 else ''} "
-            f"({total:.3g} parameters: weights, gradients and optimizer state alone are ~{_gib(need)} GiB per GPU "
-            f"spread over all of them; the largest GPUs hold {LARGEST_GPU_GIB} GB); use more GPUs or a smaller model")
+            f"({total:.2e} parameters: weights, gradients and optimizer state alone are ~{_gib(need)} GiB per GPU "
+            f"spread over all of them; no GPU holds {LARGEST_GPU_GIB} GiB); use more GPUs or a smaller model")
 
 
 def dry_run(cfg: RunConfig) -> int:
@@ -97,6 +98,9 @@ def dry_run(cfg: RunConfig) -> int:
     print(f"  parameters: {counts['total'] / 1e9:.3f} B total ({counts['layers'] / 1e9:.3f} B in layers, "
           f"{counts['eviction']} in eviction heads, embedding {counts['embedding'] / 1e6:.1f} M, "
           f"output {counts['output'] / 1e6:.1f} M)")
+    kept = ", ".join(f"{v} {sum(layer_bytes(cfg, v).values()) / 1024:,.1f} KiB"
+                     for v in variant_counts(cfg, 0, cfg.model.num_layers))
+    print(f"  kept for the backward per layer and token: {kept}")
     for s in stages:
         parts = " + ".join(f"{k} {_gib(v)}" for k, v in s.parts.items() if v)
         print(f"  per GPU, {s.name} stage: {parts} = ~{_gib(s.total)} GiB")

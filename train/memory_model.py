@@ -289,14 +289,21 @@ def backward_working_bytes(cfg: RunConfig, variants) -> float:
     return grads + max(sum(layer_bytes(cfg, v, "none").values()) for v in variants)
 
 
-def static_bytes(cfg: RunConfig, params: float, world_size: int) -> dict:
-    """Weights, gradient buffer and optimizer state of ``params`` parameters on one GPU."""
-    p = cfg.parallel
+def bytes_per_parameter(cfg: RunConfig) -> dict:
+    """Weights, gradient buffer and optimizer state per parameter before any sharding (bytes)."""
     low = cfg.train.precision in ("bf16", "fp16")
+    return {"weights": 2 if low else 4, "grads": 4, "optimizer": (4 if low else 0) + 8}
+
+
+def static_bytes(cfg: RunConfig, params: float, world_size: int) -> dict:
+    """Weights, gradient buffer and optimizer state of ``params`` parameters on one GPU (the optimizer
+    state sharded over DP x CP by the distributed optimizer)."""
+    p = cfg.parallel
     dp = world_size // p.model_parallel_size
     shard = dp * p.context_parallel_size if p.use_distributed_optimizer else 1
-    return {"weights": params * (2 if low else 4), "grads": params * 4,
-            "optimizer": params * ((4 if low else 0) + 8) / shard}
+    per = bytes_per_parameter(cfg)
+    return {"weights": params * per["weights"], "grads": params * per["grads"],
+            "optimizer": params * per["optimizer"] / shard}
 
 
 def estimate_memory(cfg: RunConfig, counts: dict, world_size: int) -> list[StageMemory]:
