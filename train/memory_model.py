@@ -49,8 +49,9 @@ The peak of a step is reached at one of two moments, whichever is larger:
 * the cross entropy's backward on the last stage (:func:`logits_bytes`), every layer's activations
   still kept: ``10 t V/tp`` with ``train.fusions`` in bf16 (megatron-core's compiled fused cross
   entropy: its fp32 softmax, the fp32 buffer its compiled backward writes the gradient into before the
-  bf16 cast, and the bf16 logit gradient), ``6`` unfused in bf16 / fp16 (bf16 logits + fp32 copy in the
-  forward, fp32 softmax + bf16 gradient in the backward), ``4`` in fp32 (the logits are the softmax);
+  bf16 cast, and the bf16 logit gradient), ``6`` in bf16 without the fusions and in fp16 (16-bit logits +
+  fp32 copy in the forward, fp32 softmax + 16-bit gradient in the backward), ``4`` in fp32 (the logits
+  are the softmax);
   plus ``21`` B per token of loss bookkeeping;
 * a layer's backward (:func:`backward_working_bytes`): the MLP's gradient buffers ``a (h/sp + 3 f/tp)``
   (incoming, FC2-input and FC1-output gradients) and, with ``full`` recompute, the recomputed layer's
