@@ -20,7 +20,7 @@ Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s 
 x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
-Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
+Usage: python -m bench.attention --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
        [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep] [--balance-sweep]
        [--selection [--sel-sweep]]
 """
@@ -36,23 +36,19 @@ import time
 
 import torch
 import torch.nn.functional as F
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from triton.testing import do_bench  # noqa: E402
-
-from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
-from nosa_layers.megatron.dense_varlen import causal_varlen_attention  # noqa: E402
-from nosa_layers.ops import SEL_CONFIG, build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
-from nosa_layers.ops.attention_op import CONFIG, arch, hopper_device, launch_config  # noqa: E402
-from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
-from nosa_layers.ops.layout import block_layout  # noqa: E402
-from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
-from train.profiling import PARTS, device_ms_per_call, part_of  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_timing import SLEEP_CYCLES, gpu_ms_back_to_back, host_top, host_us_alone  # noqa: E402
-from nosa_layers.ops import topk as topk_mod  # noqa: E402
-from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
+from bench.host_timing import SLEEP_CYCLES, gpu_ms_back_to_back, host_top, host_us_alone
+from nosa_layers import NOSAConfig, prepare_selection
+from nosa_layers.megatron.dense_varlen import causal_varlen_attention
+from nosa_layers.ops import SEL_CONFIG, build_sparse_index, select_blocks_triton, sparse_attention
+from nosa_layers.ops import topk as topk_mod
+from nosa_layers.ops.attention_op import CONFIG, arch, hopper_device, launch_config
+from nosa_layers.ops.block_selection import block_scores_triton, compress
+from nosa_layers.ops.layout import block_layout
+from nosa_layers.ops.sparse_index import union_inflation
+from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch
+from train.profiling import PARTS, device_ms_per_call, part_of
 
 D, HKV = 128, 2
 DT = torch.bfloat16

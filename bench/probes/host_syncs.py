@@ -15,7 +15,7 @@ shows those as ``cudaMemcpyAsync`` host waits of the phase that issued them.
 The counts are the same on any GPU (they follow the code path, not the timing); a CPU run takes other
 code paths (no Triton kernels, no fused layers) and is refused. Usage::
 
-    python bench/host_syncs.py --out DIR [--from-step 3] [--frames 3] -- recipe=nosa_1b_cpt \
+    python -m bench.probes.host_syncs --out DIR [--from-step 3] [--frames 3] -- recipe=nosa_1b_cpt \
         train.max_steps=5 model.num_layers=4 ...
 
 Writes ``DIR/host_syncs.json`` (``per_step``: sites and counts per optimizer step) and prints a table.
@@ -32,10 +32,9 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def call_site(stack: list, frames: int) -> str:
