@@ -35,21 +35,10 @@ from nosa_layers.config import NOSAConfig
 from nosa_layers.selection import block_window_index, pool_to_blocks, topk_mask
 
 from ._common import UNSPECIALIZED
+from .launch import TOPK_CONFIG
 from .layout import BlockLayout
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
-# Launch parameters: ``TILE`` rows x padded blocks per register tile, ``ROW_SPLITS`` programs per
-# (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows, and ``WARPS`` per program
-# (0: one per 512 tile elements, at least 1). H200 (bench/attention.py
-# --selection --sel-sweep): 256 x 8 took the top-k from 0.75 to 0.56 ms at 32K/32 and from 0.40 to
-# 0.18 ms at 16K/16 against 1024 x 1 (more programs hide the latency of the counting passes); session
-# 26: 256 x 16 with one warp per 512-wide row (the counts summed within a warp, no cross-warp step)
-# 0.57 -> 0.52 ms and 0.18 -> 0.12 ms. The interpreter (CPU tests) runs fewer, longer programs,
-# which it runs faster.
-TOPK_CONFIG = {
-    "cuda": dict(TILE=256, ROW_SPLITS=16, WARPS=0),
-    "interpreter": dict(TILE=1024, ROW_SPLITS=1, WARPS=0),
-}
 
 
 @triton.jit
