@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
+from nosa_layers.config import eviction_head_name
 
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
 from runtime.checkpoint_files import CheckpointError, read_configs, select_checkpoint
@@ -67,7 +68,7 @@ def run_cli(prog: str, fn, *args) -> int:
 
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:
     variants = attn.layer_variants(model.num_layers)
-    head = attn.nosa.eviction_head if "nosa" in variants else "none"
+    head = eviction_head_name(variants, attn.nosa.eviction_head)
     mup = None
     if model.use_mup and fold_mup:
         mup = {"emb": float(model.scale_emb), "residual": float(model.residual_scale),

@@ -48,7 +48,7 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
                     longrope_choice: str | None = None, mup_constants: dict | None = None):
     """HF ``config.json`` dict -> (ModelConfig, AttentionConfig). ``geometry_override`` overrides fields of
     the reference geometry (reference-format checkpoints only); ``longrope_choice``: see the module doc."""
-    from nosa_layers.config import NOSAConfig
+    from nosa_layers.config import NOSAConfig, eviction_head_name
     from nosa_layers.megatron.config import AttentionConfig, ModelConfig
     from nosa_layers.rope.longrope import LongRoPEConfig
 
@@ -127,9 +127,9 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
         if len(variants) != model.num_layers:
             raise ConversionError(f"nosa_config.layer_variants has {len(variants)} entries for "
                                   f"{model.num_layers} layers")
-        # without NOSA layers the head name stays the default (AttentionConfig maps InfLLM-V2 layers to "none")
-        default_head = {} if "nosa" in variants else {"eviction_head": NOSAConfig().eviction_head}
-        nosa = NOSAConfig.from_fields(n, **default_head)
+        # an export without NOSA layers records the head "none"; the trainer's config keeps its default there
+        head = eviction_head_name(variants, n.get("eviction_head"), absent=NOSAConfig().eviction_head)
+        nosa = NOSAConfig.from_fields(n, eviction_head=head)
         same = len(set(variants)) == 1
         attn = AttentionConfig(variant=variants[0] if same else "nosa" if "nosa" in variants else variants[-1],
                                layer_pattern=None if same else variants, nosa=nosa,

@@ -56,6 +56,7 @@ from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modelin
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE
 from checkpoints_convert.mapping import ConversionError, megatron_to_hf
 from checkpoints_convert.reference_format import FORMATS, longrope_factors, to_reference_config
+from nosa_layers.config import eviction_head_name
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -111,7 +112,7 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
         cfg.update(tokens)
     if sparse:
         n = attn.nosa
-        head = n.eviction_head if "nosa" in variants else "none"
+        head = eviction_head_name(variants, n.eviction_head)
         cfg["auto_map"] = dict(AUTO_MAP)
         cfg["nosa_config"] = {"layer_variants": variants, **dataclasses.asdict(n), "eviction_head": head,
                               "eviction_bias": bool(attn.eviction_bias), "backend": "auto"}

@@ -51,7 +51,7 @@ from transformers.models.llama.modeling_llama import (
 
 from .configuration_nosa import NOSALlamaConfig, nosa_settings
 from .nosa_block_cache import LayerSpec, NOSABlockCache
-from .nosa_config import NOSAConfig
+from .nosa_config import NOSAConfig, eviction_head_name
 from .nosa_decode import nosa_decode_step
 from .nosa_decode_graph import DecodeGraph
 from .nosa_dispatch import nosa_attention, resolve_backend
@@ -103,7 +103,7 @@ class NOSAAttention(nn.Module):
         self._head_children: tuple = ()
         object.__setattr__(self, "_evict", None)
         if self.variant in ("nosa", "infllm_v2"):
-            head = s["eviction_head"] if self.variant == "nosa" else "none"
+            head = eviction_head_name([self.variant], s["eviction_head"])
             self.cfg = NOSAConfig.from_fields(s, eviction_head=head).validate()
             self._head_args = dict(name=head, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=d, bias=bool(s.get("eviction_bias", False)))
