@@ -48,6 +48,7 @@ from nosa_layers.ops.block_selection import block_scores_triton, compress
 from nosa_layers.ops.layout import block_layout
 from nosa_layers.ops.sparse_index import union_inflation
 from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch
+from runtime.outputs import write_json
 from train.profiling import PARTS, device_ms_per_call, part_of
 
 D, HKV = 128, 2
@@ -755,16 +756,14 @@ def main():
                 config_sweep("dkdv_sweep", DKDV_CANDIDATES, T, HQ, dense_ms)
             if args.balance_sweep:
                 config_sweep("balance_sweep", BALANCE_CANDIDATES, T, HQ, dense_ms)
-        with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
-            json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+        write_json(os.path.join(args.out, "attention_kernel_sweep.json"), dict(meta=meta, rows=ROWS), indent=1)
         return
     if args.selection:
         for T, HQ in shapes:
             selection_bench(T, HQ, dense_ms, args.sel_sweep)
             torch.cuda.empty_cache()
         meta["wall_s"] = round(time.time() - t_start, 1)
-        with open(os.path.join(args.out, "attention_selection.json"), "w") as fh:
-            json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+        write_json(os.path.join(args.out, "attention_selection.json"), dict(meta=meta, rows=ROWS), indent=1)
         return
     chosen = sweep(*shapes[0], dense_ms) if args.sweep else []
     with under(chosen):
@@ -775,8 +774,7 @@ def main():
             kernel_rows(T, HQ, dense_ms, args, t_start)
             torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
-    with open(os.path.join(args.out, "attention_bench.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+    write_json(os.path.join(args.out, "attention_bench.json"), dict(meta=meta, rows=ROWS), indent=1)
     print(table())
 
 

@@ -37,7 +37,6 @@ import dataclasses
 import gc
 import inspect
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -56,6 +55,7 @@ from checkpoints_convert.random_export import (
 )
 from nosa_layers.config import NOSAConfig, tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+from runtime.outputs import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -464,16 +464,10 @@ class Bench:
                 "dtype": str(self.dtype), "torch": torch.__version__, "quick": self.args.quick,
                 "shape": dataclasses.asdict(self.shape), "geometry": dataclasses.asdict(self.geo),
                 "args": vars(self.args)}
-        _atomic_write(out / "inference.json", json.dumps({"meta": meta, "rows": self.rows}, indent=2) + "\n")
-        _atomic_write(out / "inference.md", markdown(self.rows, meta) + "\n")
+        write_atomic(out / "inference.json", json.dumps({"meta": meta, "rows": self.rows}, indent=2) + "\n")
+        write_atomic(out / "inference.md", markdown(self.rows, meta) + "\n")
         if not quiet:
             log(f"wrote {out / 'inference.json'} and {out / 'inference.md'}")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib",

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from data.demo_corpus import DEFAULT_OUT
-from eval.report import write_json
+from runtime.outputs import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 

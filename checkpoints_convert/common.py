@@ -10,12 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -54,16 +51,6 @@ def read_model_config(ckpt: Path):
         raise ConversionError(f"{Path(ckpt) / MODEL_CONFIG} is missing: the converter needs the model + attention "
                               f"config the trainer writes next to the tensors")
     return got
-
-
-def run_cli(prog: str, fn, *args) -> int:
-    """Run a converter's work; a bad input is one ``<prog>: error: ...`` line on stderr and exit code 2."""
-    try:
-        fn(*args)
-    except (ConversionError, ValueError, FileNotFoundError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:
@@ -137,44 +124,6 @@ def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
         raise ConversionError(f"--out {out} exists and is not an earlier conversion output; choose another "
                               f"--out, remove it first, or pass --overwrite (to_hf) to replace it")
     return out
-
-
-@contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir).
-
-    An existing ``out`` is replaced only when it is empty, an earlier conversion output, or
-    ``overwrite`` is set; anything else (a typo naming a run dir) is refused before any work.
-    The result gets the usual permissions (0777 / 0666 minus the umask), not the temp dir's 0700.
-    """
-    out = check_out_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        _normal_permissions(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    else:
-        os.replace(tmp, out)
-
-
-def _normal_permissions(root: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    for d, _, files in os.walk(root):
-        os.chmod(d, 0o777 & ~umask)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o666 & ~umask)
 
 
 # --- safetensors --------------------------------------------------------------------------------

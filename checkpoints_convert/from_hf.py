@@ -37,10 +37,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir, run_cli, safetensors_names
+from checkpoints_convert.common import DTYPES, check_out_dir, geometry, load_safetensors_dir, safetensors_names
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
 from checkpoints_convert.reference_format import checkpoint_format, longrope_factors, parse_geometry
+from runtime.cli import run_cli
+from runtime.outputs import atomic_dir
 
 
 def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: int | None = None,
@@ -187,7 +189,7 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     tensors = {k: v.to(torch_dtype) for k, v in tensors.items()}
     from checkpoints_convert.megatron_io import save_dist_checkpoint
 
-    with atomic_dir(out) as tmp:
+    with atomic_dir(check_out_dir(out)) as tmp:
         save_dist_checkpoint(tensors, tmp, model, attn, extra={"source": str(src.resolve()), "source_format": fmt,
                                                               "longrope": longrope})
     n_params = sum(t.numel() for t in tensors.values())

@@ -42,14 +42,12 @@ import torch
 
 from checkpoints_convert.common import (
     DTYPES,
-    atomic_dir,
     cast,
     check_out_dir,
     geometry,
     load_megatron_tensors,
     read_model_config,
     resolve_checkpoint,
-    run_cli,
     save_safetensors_sharded,
 )
 from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
@@ -57,6 +55,8 @@ from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE
 from checkpoints_convert.mapping import ConversionError, megatron_to_hf
 from checkpoints_convert.reference_format import FORMATS, longrope_factors, to_reference_config
 from nosa_layers.config import eviction_head_name
+from runtime.cli import run_cli
+from runtime.outputs import atomic_dir
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -179,7 +179,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = 
     cfg = hf_config(model, attn, torch_dtype, extra, tokens, None if fmt == "reference" else longrope)
     if fmt == "reference":
         cfg = to_reference_config(cfg, longrope)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(check_out_dir(out, overwrite)) as tmp:
         files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}

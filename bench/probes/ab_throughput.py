@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eval.report import write_json
+from runtime.outputs import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 

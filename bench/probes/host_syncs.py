@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import traceback
@@ -33,6 +32,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from runtime.outputs import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,9 +128,7 @@ def main() -> int:
     result = {"overrides": a.overrides, "counted_steps": steps["counted"], "from_step": a.from_step,
               "syncs_per_step": round(sum(counter.counts.values()) / n, 2), "per_step": rows,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    tmp = out / "host_syncs.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out / "host_syncs.json")
+    write_json(out / "host_syncs.json", result, indent=1)
     print(f"{result['syncs_per_step']} host syncs per optimizer step over {steps['counted']} steps")
     for r in rows[:30]:
         print(f"{r['per_step']:8.2f}  {r['site']}")

@@ -36,7 +36,7 @@ import torch
 import triton
 
 from bench.host_timing import gpu_ms_back_to_back, host_top, host_us_alone, host_us_back_to_back, run_calls
-from eval.report import write_json
+from runtime.outputs import write_json
 from nosa_layers import NOSAConfig, prepare_selection
 from nosa_layers.ops import build_sparse_index, select_blocks_triton, sparse_attention
 from nosa_layers.ops.gated_score import fused_gated_score

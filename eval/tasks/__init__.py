@@ -74,13 +74,14 @@ def training_documents(hay, tok, lengths: list[int], tasks: list[str], count: in
 
 def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=print, hay=None) -> Path:
     """Generate the task set into ``out`` (written to a temp dir, then renamed)."""
-    from checkpoints_convert.common import atomic_dir
     from eval.tasks import lm_eval_tasks
+    from runtime.outputs import atomic_dir
 
     cfg.validate()
     out = Path(out)
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise EvalError(f"--out {out} exists and is not a task set; give a new directory")
+    if out.exists():
+        what = "is a task set already" if (out / MANIFEST).is_file() else "exists and is not a task set"
+        raise EvalError(f"--out {out} {what}; give a new directory")
     t0 = time.perf_counter()
     hay = hay or load_haystack(corpus, tok)
     enc = encoder(tok)
