@@ -1,5 +1,5 @@
 """Batched decode math of the block KV cache: the reference selection and attention of one new token
-per sequence, for all sequences of a batch at once (pure PyTorch; shipped next to ``modeling_nosa.py``).
+per sequence, for all sequences of a batch at once (pure PyTorch).
 
 Shapes: ``B`` sequences, ``Hkv`` KV heads, ``G`` query heads per KV head, head dim ``D``; ``NW``
 windows (compressed keys) and ``NB`` blocks of capacity per sequence; ``pos [B]`` is each new token's
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .nosa_config import NOSAConfig
-from .nosa_selection import pool_to_blocks, two_stage_blocks
+from nosa_layers.config import NOSAConfig
+from nosa_layers.selection import pool_to_blocks, two_stage_blocks
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
