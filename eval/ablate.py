@@ -49,7 +49,8 @@ from typing import Optional
 
 from eval.errors import EvalError
 from eval.presets import VARIANTS, AblationPreset, get_preset
-from eval.report import fmt, markdown_table, save_plot, write_atomic, write_json
+from eval.report import fmt, markdown_table, save_plot
+from runtime.outputs import write_atomic, write_json
 from eval.suite import RESULT, SuiteConfig
 
 _PORTS = itertools.count(29400, 11)  # rendezvous ports of the single-process trainers, one per job

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from eval.errors import EvalError
-from eval.report import markdown_table, write_atomic, write_json
+from eval.report import markdown_table
+from runtime.outputs import write_atomic, write_json
 
 HARNESSES = ("direct", "lm-eval")
 
@@ -243,7 +244,7 @@ def write_outputs(items: list[ItemResult], out: Path, src, harness: str, extra: 
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.ruler", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from eval.report import write_atomic, write_json
+from runtime.outputs import write_atomic, write_json
 
 RESULT = "result.json"
 
@@ -75,7 +75,7 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.suite", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)

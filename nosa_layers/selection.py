@@ -57,6 +57,29 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
 
 
+def two_stage_blocks(b_qa: Tensor, b_qg: Tensor | None, forced: Tensor, future: Tensor, cfg: NOSAConfig) -> Tensor:
+    """The selection's two stages on pooled block scores: each row's ``K = min(topk, nb)`` blocks, best first.
+
+    ``b_qa [..., nb]``: query-aware block scores, the forced blocks at +inf (as the scoring writes them);
+    ``b_qg [..., nb]``: query-agnostic ones (pooled eviction score), or None (InfLLM-V2: the whole budget is
+    query-aware); ``forced`` / ``future`` bool, broadcastable: the sink and window blocks, and the blocks past
+    the row's own. Stage 1 takes ``min(query_aware_blocks, nb)`` blocks by ``b_qa``; stage 2 ranks the forced
+    and stage-1 blocks first, then the others by ``b_qg``. Ties go to the lower block index (stable sort).
+    Returns long ``[..., K]``; a row with fewer than ``K`` blocks up to its own is padded with future blocks
+    (mask them with ``future``)."""
+    nb = b_qa.shape[-1]
+    ranked = b_qa.masked_fill(future, NEG_INF)
+    if b_qg is not None:
+        query_aware = topk_mask(ranked, min(cfg.query_aware_blocks, nb))
+        ranked = b_qg.masked_fill(forced | query_aware, POS_INF).masked_fill(future, NEG_INF)
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(cfg.topk, nb)]
+
+
+def blocks_mask(blocks: Tensor, nb: int) -> Tensor:
+    """Bool ``[..., nb]`` with the block indices ``blocks [..., K]`` set."""
+    return torch.zeros(*blocks.shape[:-1], nb, dtype=torch.bool, device=blocks.device).scatter_(-1, blocks, True)
+
+
 def compressed_keys(k: Tensor, cfg: NOSAConfig) -> Tensor:
     """Mean of ``k [B, L, Hkv, D]`` over each full window -> ``[B, nw, Hkv, D]``."""
     return k.unfold(1, cfg.kernel_size, cfg.kernel_stride).mean(dim=-1)
@@ -100,20 +123,17 @@ def select_rows(q: Tensor, k: Tensor, score: Tensor | None, pos: Tensor, cfg: NO
     qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
     forced = (blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb))  # [Tq, nb]
     future = blk > qb
-    b_qa = b_qa.masked_fill(forced, POS_INF).masked_fill(future, NEG_INF)
+    b_qa = b_qa.masked_fill(forced, POS_INF)
 
-    if score is None:  # InfLLM-V2: the whole budget is query-aware
-        return topk_mask(b_qa, min(cfg.topk, nb)) & ~future
-
-    qa = topk_mask(b_qa, min(cfg.query_aware_blocks, nb))
-    if nw > 0:
-        s_qg = window_scores(score.to(dtype), cfg)[:, :, None, :].expand(B, Hkv, Tq, nw)
-        s_qg = s_qg.masked_fill(~visible, NEG_INF)  # causal per row (matters only without a window)
-    else:
-        s_qg = torch.empty(B, Hkv, Tq, 0, dtype=dtype, device=q.device)
-    b_qg = pool_to_blocks(s_qg, index)
-    b_qg = b_qg.masked_fill(forced | qa, POS_INF).masked_fill(future, NEG_INF)
-    return topk_mask(b_qg, min(cfg.topk, nb)) & ~future
+    b_qg = None  # InfLLM-V2 (no score): the whole budget is query-aware
+    if score is not None:
+        if nw > 0:
+            s_qg = window_scores(score.to(dtype), cfg)[:, :, None, :].expand(B, Hkv, Tq, nw)
+            s_qg = s_qg.masked_fill(~visible, NEG_INF)  # causal per row (matters only without a window)
+        else:
+            s_qg = torch.empty(B, Hkv, Tq, 0, dtype=dtype, device=q.device)
+        b_qg = pool_to_blocks(s_qg, index)
+    return blocks_mask(two_stage_blocks(b_qa, b_qg, forced, future, cfg), nb) & ~future
 
 
 def check_inputs(q: Tensor, k: Tensor, score: Tensor | None, cu_seqlens: Tensor | None) -> None:

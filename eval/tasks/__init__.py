@@ -92,14 +92,15 @@ def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=pr
                    workers: Optional[int] = None) -> Path:
     """Generate the task set into ``out`` (written to a temp dir, then renamed); samples are made
     by ``workers`` processes (default: every core; one for small sets), the same for any number."""
-    from checkpoints_convert.common import atomic_dir
     from eval.tasks import lm_eval_tasks
     from eval.tasks.workers import default_workers, job_results, init_worker, state
+    from runtime.outputs import atomic_dir
 
     cfg.validate()
     out = Path(out)
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise EvalError(f"--out {out} exists and is not a task set; give a new directory")
+    if out.exists():
+        what = "is a task set already" if (out / MANIFEST).is_file() else "exists and is not a task set"
+        raise EvalError(f"--out {out} {what}; give a new directory")
     t0 = time.perf_counter()
     pairs = [(task, length) for length in cfg.lengths for task in cfg.tasks]
     jobs = [(task, length, s, min(SAMPLES_PER_JOB, cfg.samples - s), cfg.seed)

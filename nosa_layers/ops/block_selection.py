@@ -36,6 +36,7 @@ from nosa_layers.config import NOSAConfig
 from nosa_layers.selection import check_inputs
 
 from ._common import LOG2E, UNSPECIALIZED, check_device
+from .launch import SEL_CONFIG
 from .layout import BlockLayout, block_layout
 from .topk import select_from_block_scores
 
@@ -219,19 +220,6 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
     for m0 in range(n_wide, j + 1, NBT):
         carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
                              s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale, G, NBT, D, BS, KS, ST, R, E, EP, INIT, LOCAL)
-
-
-# Launch parameters of the scoring kernels (LSE: compressed keys per step ``BW`` and query heads per
-# program ``HP``, a divisor of the KV group's G is taken; block scores: windows per step ``NW``, i.e.
-# NW / (block / stride) blocks, and ``NT`` windows per step for a row's last blocks that do not fill
-# an ``NW`` step). Tuned on one H200 for block 64, D 128 (bench/attention.py --selection --sel-sweep;
-# HP 2 against 1 took the scoring from 2.25 to 2.12 ms at 32K/32; with the tail steps and
-# the masks only where needed: HP 4 / 8 warps and NW 128 / NT 64 / 4 warps, the fastest at 32K/32
-# and 16K/16, 1.57 -> 1.49 and 0.25 -> 0.21 ms against HP 2 / NW 256); override for experiments.
-SEL_CONFIG = {
-    "lse": dict(BW=64, HP=4, num_warps=8, num_stages=2),
-    "block": dict(NW=128, NT=64, num_warps=4, num_stages=2),
-}
 
 
 def block_chunks(launch: dict, R: int, E: int, EP: int, on_gpu: bool) -> tuple[int, int]:

@@ -50,6 +50,7 @@ from torch import Tensor
 from nosa_layers.config import NOSAConfig
 
 from ._common import UNSPECIALIZED, check_device
+from .launch import launch_config
 from .layout import BlockLayout, block_layout
 
 
@@ -290,8 +291,6 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration. ``q`` (the
     attention's queries, optional) lets the key groups follow the dK/dV kernel that will run: the
     Hopper kernel's, or the Triton kernel's for a shape the Hopper one does not cover."""
-    from .attention_op import launch_config
-
     check_device(selected)
     B, Hkv, T, nbw = selected.shape
     if T != seq_len:

@@ -21,7 +21,7 @@ register tile, no sort; the search stops once every row's count at ``tau`` is ex
 picks are ``key > tau`` plus the first ``k - #(key > tau)`` columns with ``key == tau``. A row of
 block ``qb`` ranks only a width ``W`` class that holds its ``qb + 1`` blocks (``NBP, NBP / 2, ...``).
 ``select_from_block_scores_torch`` is the plain-PyTorch reference (the reference selection's
-stable-sort ``topk_mask``), also the fallback for ``nb > MAX_BLOCKS``.
+``two_stage_blocks``), also the fallback for ``nb > MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -32,24 +32,13 @@ import triton.language as tl
 from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
-from nosa_layers.selection import block_window_index, pool_to_blocks, topk_mask
+from nosa_layers.selection import block_window_index, blocks_mask, pool_to_blocks, two_stage_blocks
 
 from ._common import UNSPECIALIZED
+from .launch import TOPK_CONFIG
 from .layout import BlockLayout
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
-# Launch parameters: ``TILE`` rows x padded blocks per register tile, ``ROW_SPLITS`` programs per
-# (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows, and ``WARPS`` per program
-# (0: one per 512 tile elements, at least 1). H200, 2026-12 (bench/attention.py
-# --selection --sel-sweep): 256 x 8 took the top-k from 0.75 to 0.56 ms at 32K/32 and from 0.40 to
-# 0.18 ms at 16K/16 against 1024 x 1 (more programs hide the latency of the counting passes); then
-# 256 x 16 with one warp per 512-wide row (the counts summed within a warp, no cross-warp step)
-# 0.57 -> 0.52 ms and 0.18 -> 0.12 ms. The interpreter (CPU tests) runs fewer, longer programs,
-# which it runs faster.
-TOPK_CONFIG = {
-    "cuda": dict(TILE=256, ROW_SPLITS=16, WARPS=0),
-    "interpreter": dict(TILE=1024, ROW_SPLITS=1, WARPS=0),
-}
 
 
 @triton.jit
@@ -253,7 +242,7 @@ def select_from_block_scores_torch(b_qa: Tensor, ws: Tensor | None, layout: Bloc
 
 def stages_torch(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None, cfg: NOSAConfig,
                  row_chunk: int = 2048) -> Tensor:
-    """Both top-k stages of one document in plain PyTorch: two stable-sort top-k per chunk of rows,
+    """Both top-k stages of one document in plain PyTorch (``selection.two_stage_blocks``) per chunk of rows,
     the chunk cut to the blocks its last row can see. ``b_qa [B, Hkv, L, nb]`` (forced +inf),
     ``static [B, Hkv, nb]``, ``prev_part [B, Hkv, L]`` (``agnostic_parts``). Bool ``[B, Hkv, L, nb]``."""
     B, Hkv, L, nb = b_qa.shape
@@ -266,15 +255,12 @@ def stages_torch(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None, 
         blk = torch.arange(w, device=dev)
         qb = (pos // cfg.block_size)[:, None]
         future = blk[None, :] > qb
-        bq = b_qa[:, :, c0:c1, :w].masked_fill(future, float("-inf"))
-        if static is None:
-            out[:, :, c0:c1, :w] = topk_mask(bq, min(cfg.topk, w)) & ~future
-            continue
-        qa = topk_mask(bq, min(cfg.query_aware_blocks, w))
         forced = (blk[None, :] < cfg.init_blocks) | ((blk[None, :] >= qb - cfg.local_blocks) & ~future)
-        agn = static[:, :, None, :w].expand(B, Hkv, c1 - c0, w).clone()
-        rows = torch.nonzero(qb[:, 0] >= 1).squeeze(1)
-        agn[:, :, rows, qb[rows, 0] - 1] = prev_part[:, :, c0:c1][:, :, rows]
-        agn = agn.masked_fill(forced | qa, float("inf")).masked_fill(future, float("-inf"))
-        out[:, :, c0:c1, :w] = topk_mask(agn, min(cfg.topk, w)) & ~future
+        agn = None
+        if static is not None:
+            agn = static[:, :, None, :w].expand(B, Hkv, c1 - c0, w).clone()
+            rows = torch.nonzero(qb[:, 0] >= 1).squeeze(1)
+            agn[:, :, rows, qb[rows, 0] - 1] = prev_part[:, :, c0:c1][:, :, rows]
+        chosen = two_stage_blocks(b_qa[:, :, c0:c1, :w], agn, forced, future, cfg)
+        out[:, :, c0:c1, :w] = blocks_mask(chosen, w) & ~future
     return out

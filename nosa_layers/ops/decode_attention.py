@@ -1,6 +1,7 @@
-"""Triton decode attention over the block KV cache: one new token per sequence attends to its
-selected blocks where they lie (shipped next to ``modeling_nosa.py``; needs ``triton``, absent:
-``available()`` is False and the cache gathers the blocks and runs ``nosa_decode_select.attend``).
+"""Triton decode attention over the block KV cache of ``inference``: one new token per sequence attends to
+its selected blocks where they lie. Shipped into sparse exports (a copy next to ``modeling_nosa.py``, which
+runs without this package): there Triton may be missing, then ``available()`` is False and the cache gathers
+the blocks and runs ``inference.decode_select.attend``.
 
 The PyTorch path gathers every selected block into new ``[B, Hkv, K * bs, D]`` tensors, converts
 them to fp32 and runs two batched matmuls: about 16 bytes of temporary device memory per selected
@@ -27,7 +28,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the export also runs with torch + transformers alone
+except ImportError:  # an export's copy also runs with torch + transformers alone
     triton = None
 
 PER_PROG = 8  # selected blocks per program (the split of the key axis)

@@ -21,7 +21,7 @@ arguments, ``torch.empty`` and a small in-place torch op.
 
 Usage (one CUDA GPU)::
 
-    python bench/layer_host.py --out DIR [--seq 16384] [--heads 16] [--kv-heads 2] [--docs 1] [--n 50]
+    python -m bench.probes.layer_host --out DIR [--seq 16384] [--heads 16] [--kv-heads 2] [--docs 1] [--n 50]
 
 Writes ``DIR/layer_host.json`` and prints a table.
 """
@@ -32,20 +32,16 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
-from nosa_layers.ops import build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
-from nosa_layers.ops.gated_score import fused_gated_score  # noqa: E402
-from nosa_layers.ops.layout import remember_host_values  # noqa: E402
-from eval.report import write_json  # noqa: E402
-from train.host_time import LAUNCH_PREFIXES  # noqa: E402
-from host_timing import gpu_ms_back_to_back, host_top, host_us_alone, host_us_back_to_back, run_calls  # noqa: E402
+from bench.host_timing import gpu_ms_back_to_back, host_top, host_us_alone, host_us_back_to_back, run_calls
+from runtime.outputs import write_json
+from nosa_layers import NOSAConfig, prepare_selection
+from nosa_layers.ops import build_sparse_index, select_blocks_triton, sparse_attention
+from nosa_layers.ops.gated_score import fused_gated_score
+from nosa_layers.ops.layout import remember_host_values
+from train.host_time import LAUNCH_PREFIXES
 
 
 @triton.jit

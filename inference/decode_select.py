@@ -1,5 +1,5 @@
 """Batched decode math of the block KV cache: the reference selection and attention of one new token
-per sequence, for all sequences of a batch at once (pure PyTorch; shipped next to ``modeling_nosa.py``).
+per sequence, for all sequences of a batch at once (pure PyTorch).
 
 Shapes: ``B`` sequences, ``Hkv`` KV heads, ``G`` query heads per KV head, head dim ``D``; ``NW``
 windows (compressed keys) and ``NB`` blocks of capacity per sequence; ``pos [B]`` is each new token's
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .nosa_config import NOSAConfig
-from .nosa_selection import pool_to_blocks, topk_mask
+from nosa_layers.config import NOSAConfig
+from nosa_layers.selection import pool_to_blocks, two_stage_blocks
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -52,16 +52,9 @@ def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor
     logits = logits.masked_fill(hidden[:, :, None], NEG_INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)
-    b_qa = pool_to_blocks(s_qa, index)  # [B, Hkv, NB]
-    b_qa = b_qa.masked_fill(forced, POS_INF).masked_fill(future, NEG_INF)
-    K = min(cfg.topk, NB)
-    if wsc is None:
-        ranked = b_qa
-    else:
-        qa = topk_mask(b_qa, min(cfg.query_aware_blocks, NB))
-        b_qg = pool_to_blocks(wsc.masked_fill(hidden, NEG_INF), index)
-        ranked = b_qg.masked_fill(forced | qa, POS_INF).masked_fill(future, NEG_INF)
-    blocks = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :K]
+    b_qa = pool_to_blocks(s_qa, index).masked_fill(forced, POS_INF)  # [B, Hkv, NB]
+    b_qg = None if wsc is None else pool_to_blocks(wsc.masked_fill(hidden, NEG_INF), index)
+    blocks = two_stage_blocks(b_qa, b_qg, forced, future, cfg)
     return blocks, blocks <= qb[:, :, None]
 
 

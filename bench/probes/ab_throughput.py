@@ -1,4 +1,4 @@
-"""Two versions of the code, or two settings, timed alike on one machine: an A/B of ``bench/train_throughput.py``.
+"""Two versions of the code, or two settings, timed alike on one machine: an A/B of ``bench.train_throughput``.
 
 The machine-to-machine spread of training throughput on one GPU kind (a few percent between two
 starts of the same H200 image: clocks, host CPU) is as large as most changes worth measuring, so a
@@ -10,9 +10,9 @@ baseline is ``--baseline REV`` (exported with ``git archive`` into ``OUT/baselin
 (``--baseline-overrides`` and / or ``--candidate-overrides``, Hydra ``key=value``, added to each run's
 ``--extra``) and no baseline: both sides then run the candidate checkout. Usage::
 
-    python bench/ab_throughput.py --baseline main --out DIR [--repeats 2] [--runs nosa_1gpu_nr] \\
-        [-- any bench/train_throughput.py options: --steps 17 --warmup 5 --layers 28 --seq 16384 ...]
-    python bench/ab_throughput.py --out DIR --baseline-overrides train.step_reads=each_step \\
+    python -m bench.probes.ab_throughput --baseline main --out DIR [--repeats 2] [--runs nosa_1gpu_nr] \\
+        [-- any bench.train_throughput options: --steps 17 --warmup 5 --layers 28 --seq 16384 ...]
+    python -m bench.probes.ab_throughput --out DIR --baseline-overrides train.step_reads=each_step \\
         --candidate-overrides train.step_reads=at_log --runs nosa_1gpu_nr -- --extra train.log_interval=5
 
 Writes ``DIR/ab_throughput.json`` (every run's ``train_throughput`` result and the summary; rewritten after
@@ -35,10 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from runtime.outputs import write_json
 
-from eval.report import write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SIDES = ("baseline", "candidate")
 
@@ -202,12 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     for n, (side, i) in enumerate(order, 1):
         run_out = out / f"{side}_{i + 1}"
         print(f"[{n}/{len(order)}] {side} repeat {i + 1}: {a.runs} ({time.time() - t0:.0f} s)", flush=True)
-        cmd = [sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--out", str(run_out), "--runs", a.runs,
+        cmd = [sys.executable, "-m", "bench.train_throughput", "--out", str(run_out), "--runs", a.runs,
                "--source", str(srcs[side]), *passthrough]
         if overrides[side]:
             cmd += ["--extra", *overrides[side]]  # train_throughput adds up repeated --extra lists
         with open(out / f"{side}_{i + 1}.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         got = run_out / "train_throughput.json"
         run = json.loads(got.read_text()) if rc == 0 and got.exists() else {"results": []}
         failed = [r["run"] for r in run["results"] if "tokens_per_s" not in r and "skipped" not in r]

@@ -1,12 +1,12 @@
-"""CUDA-graph capture of the batched decode step over a GPU-resident ``NOSABlockCache`` (shipped next
-to ``modeling_nosa.py``; used only on CUDA devices)."""
+"""CUDA-graph capture of the batched decode step over a ``NOSABlockCache`` (GPU-resident, or offloaded
+with the direct-access transfers); used only on CUDA devices."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .nosa_block_cache import NOSABlockCache, shared_streams
+from inference.streams import shared_streams
 
 
 class DecodeGraph:
@@ -19,7 +19,7 @@ class DecodeGraph:
     The cache's ``version`` changes when it reallocates (growth, beam reordering): a new graph is made.
     """
 
-    def __init__(self, cache: NOSABlockCache) -> None:
+    def __init__(self, cache) -> None:
         self.version = cache.version
         self.batch = cache.batch
         self.stream = shared_streams(cache.device, "graph", 1)[0]
@@ -28,7 +28,7 @@ class DecodeGraph:
         self.static: dict = {}
         self.out: Tensor | None = None
 
-    def step(self, cache: NOSABlockCache, body, emb: Tensor, cos: Tensor, sin: Tensor, valid_new: Tensor) -> Tensor:
+    def step(self, cache, body, emb: Tensor, cos: Tensor, sin: Tensor, valid_new: Tensor) -> Tensor:
         cur = torch.cuda.current_stream()
         if not self.warm:
             self.stream.wait_stream(cur)

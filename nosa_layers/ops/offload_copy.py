@@ -3,8 +3,9 @@
 With unified virtual addressing, pinned host memory (``torch.empty(..., pin_memory=True)``) is
 addressable from GPU kernels: the offloaded cache's copies then become kernel launches on the
 compute stream, with no host synchronisation and no host-side gather, so a decode step that
-fetches blocks can be captured in a CUDA graph. Shipped with exports; needs ``triton`` (absent:
-``available()`` is False and the cache copies through the host instead).
+fetches blocks can be captured in a CUDA graph (``inference.transfers``). Shipped into sparse exports (a copy
+next to ``modeling_nosa.py``); there Triton may be missing: ``available()`` is False and the cache copies
+through the host instead.
 
 Rows are ``bs * D`` contiguous elements (one KV block of one KV head): ``host [R, bs, D]``,
 ``slots [S, bs, D]``.
@@ -17,7 +18,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the export also runs with torch + transformers alone
+except ImportError:  # an export's copy also runs with torch + transformers alone
     triton = None
 
 _KERNELS: dict = {}

@@ -15,7 +15,7 @@ shows those as ``cudaMemcpyAsync`` host waits of the phase that issued them.
 The counts are the same on any GPU (they follow the code path, not the timing); a CPU run takes other
 code paths (no Triton kernels, no fused layers) and is refused. Usage::
 
-    python bench/host_syncs.py --out DIR [--from-step 3] [--frames 3] -- recipe=nosa_1b_cpt \
+    python -m bench.probes.host_syncs --out DIR [--from-step 3] [--frames 3] -- recipe=nosa_1b_cpt \
         train.max_steps=5 model.num_layers=4 ...
 
 Writes ``DIR/host_syncs.json`` (``per_step``: sites and counts per optimizer step) and prints a table.
@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from runtime.outputs import write_json
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def call_site(stack: list, frames: int) -> str:
@@ -128,9 +128,7 @@ def main() -> int:
     result = {"overrides": a.overrides, "counted_steps": steps["counted"], "from_step": a.from_step,
               "syncs_per_step": round(sum(counter.counts.values()) / n, 2), "per_step": rows,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    tmp = out / "host_syncs.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out / "host_syncs.json")
+    write_json(out / "host_syncs.json", result, indent=1)
     print(f"{result['syncs_per_step']} host syncs per optimizer step over {steps['counted']} steps")
     for r in rows[:30]:
         print(f"{r['per_step']:8.2f}  {r['site']}")
