@@ -313,11 +313,15 @@ def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSACon
 
 @torch.no_grad()
 def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
-                         cu_seqlens: Tensor | None = None, softmax_scale: float | None = None) -> Tensor:
+                         cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
+                         q_chunks=None) -> Tensor:
     """GPU ``select_blocks``: bool ``[B, Hkv, T, nb]``, reference semantics and tie-breaking
     (geometries with ``supports_selection``); a packed batch runs in one launch per kernel."""
     check_device(q, k, evict_score)
-    check_inputs(q, k, evict_score, cu_seqlens)
+    check_inputs(q, k, evict_score, cu_seqlens, q_chunks)
+    if q_chunks is not None:
+        raise NotImplementedError("nosa_layers.ops: query chunks (context parallelism) are not supported by the "
+                                  "Triton kernels yet; use backend='reference'")
     if not supports_selection(cfg, q.shape[-1]):
         raise ValueError(f"nosa_layers.ops: no selection kernel for head dim {q.shape[-1]} and block/stride/kernel "
                          f"{cfg.block_size}/{cfg.kernel_stride}/{cfg.kernel_size}; use the reference selection")

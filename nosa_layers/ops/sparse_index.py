@@ -278,7 +278,7 @@ def chunk_units(work_units: int, device: torch.device) -> int:
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
                        chunk: int | None = None, max_slots: int | None = None, kb: int | None = None,
-                       q: Tensor | None = None) -> SparseIndex:
+                       q: Tensor | None = None, q_chunks=None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
     ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
     heads.
@@ -293,6 +293,9 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     from .attention_op import launch_config
 
     check_device(selected)
+    if q_chunks is not None:
+        raise NotImplementedError("nosa_layers.ops: query chunks (context parallelism) are not supported by the "
+                                  "Triton kernels yet; use backend='reference'")
     B, Hkv, T, nbw = selected.shape
     if T != seq_len:
         raise ValueError(f"selected has {T} rows for a sequence of {seq_len} tokens")
