@@ -90,6 +90,15 @@ def remember_host_values(cu_seqlens: Tensor, values: list[int]) -> None:
     _known(cu_seqlens).host = (cu_seqlens._version, [int(v) for v in values])
 
 
+def host_values(cu_seqlens: Tensor) -> list[int] | None:
+    """The host values handed over for ``cu_seqlens`` (:func:`remember_host_values`), ``None`` if there
+    are none (or the tensor changed in place since)."""
+    known = _KNOWN.get(id(cu_seqlens))
+    if known is None or known.ref() is not cu_seqlens or known.host is None:
+        return None
+    return list(known.host[1]) if known.host[0] == cu_seqlens._version else None
+
+
 def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) -> BlockLayout:
     """The block table of a batch ``[B, T]`` (``cu_seqlens``: packed documents, B = 1)."""
     device = torch.device(device)
