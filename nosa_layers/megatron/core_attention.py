@@ -24,7 +24,12 @@ from torch import Tensor
 
 from nosa_layers import EvictionOutput, NOSAConfig, PreparedSelection, nosa_attention, prepare_selection
 from nosa_layers.megatron.context_parallel import ContextParallelPlan, context_parallel_plan, cp_group_of
-from nosa_layers.megatron.dense_varlen import causal_varlen_attention, chunked_varlen_attention, varlen_supported
+from nosa_layers.megatron.dense_varlen import (
+    causal_varlen_attention,
+    chunked_varlen_attention,
+    pieces_attention,
+    varlen_supported,
+)
 from nosa_layers.megatron.heads import gather_group_queries, tp_head_layout
 from nosa_layers.selection import document_spans
 
@@ -75,19 +80,6 @@ class _CausalCoreAttention(MegatronModule):
         return context_parallel_plan(self.cp_group, query.shape[0], query.device, packed_seq_params, cu)
 
 
-def _pieces_attention(q: Tensor, k: Tensor, v: Tensor, pieces, scale: Optional[float]) -> Tensor:
-    """Causal attention of the query rows of ``pieces`` (``QueryChunks.pieces``) against their documents'
-    keys: q ``[b, h, Tq, D]``, k/v ``[b, hk, T, D]`` -> ``[b, h, Tq, D]`` (one SDPA call per piece)."""
-    outs = []
-    for s, _e, lo, hi, row in pieces:
-        n, nk = hi - lo, hi - s
-        mask = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)  # query i sees keys <= lo + i
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, row:row + n], k[:, :, s:hi], v[:, :, s:hi], attn_mask=mask, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1]))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-
 class DenseCoreAttention(_CausalCoreAttention):
     """Causal softmax attention (PyTorch SDPA, GQA), documents isolated for packed sequences:
     the local-spec stand-in for ``TEDotProductAttention``. Packed documents on a GPU run as one
@@ -115,7 +107,7 @@ class DenseCoreAttention(_CausalCoreAttention):
                     _to_bthd(query, packed), _to_bthd(key, packed), _to_bthd(value, packed), plan,
                     self.softmax_scale), packed)
             q, k, v = (_to_bthd(x, packed).transpose(1, 2) for x in (query, key, value))  # [b, h, s, D]
-            return _from_bthd(_pieces_attention(q, k, v, plan.pieces, self.softmax_scale).transpose(1, 2), packed)
+            return _from_bthd(pieces_attention(q, k, v, plan.pieces, self.softmax_scale).transpose(1, 2), packed)
         if packed and varlen_supported(query, key):
             longest = packed_seq_params.max_seqlen_q  # the trainer's batch carries it (no host sync)
             if longest is None:

@@ -1,13 +1,17 @@
 """Causal dense attention of packed documents in one launch (CUDA): the FlashAttention-2
 variable-length kernels that PyTorch ships, with GQA. No attention across documents, no loop over
 documents, no host sync (the longest document comes with the batch: ``PackedSeqParams.max_seqlen_q``).
-The per-document SDPA loop of ``DenseCoreAttention`` is the reference and the CPU path."""
+The per-document SDPA loop of ``DenseCoreAttention`` is the reference and the CPU path.
+
+Context parallelism: :func:`chunked_varlen_attention` (CUDA) runs a rank's query chunks against the
+gathered keys in one call; :func:`pieces_attention` is its reference and the CPU path."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -48,6 +52,20 @@ def causal_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     cu = cu_seqlens.to(torch.int32)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return _FlashVarlen.apply(q, k, v, cu, int(max_seqlen), softmax_scale)
+
+
+def pieces_attention(q: Tensor, k: Tensor, v: Tensor, pieces, scale: float | None = None) -> Tensor:
+    """Causal attention of the query rows of ``pieces`` (``QueryChunks.pieces``: chunks cut at the documents)
+    against their documents' keys: q ``[b, h, Tq, D]``, k/v ``[b, hk, T, D]`` -> ``[b, h, Tq, D]`` (one SDPA
+    call per piece; query ``i`` of a piece starting at token ``lo`` sees the keys up to ``lo + i``)."""
+    outs = []
+    for s, _e, lo, hi, row in pieces:
+        n, nk = hi - lo, hi - s
+        mask = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, row:row + n], k[:, :, s:hi], v[:, :, s:hi], attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class _FlashChunks(torch.autograd.Function):
