@@ -21,14 +21,16 @@ and rotates q/k itself right after the QKV projection), in two cases:
 
 * packed (THD) sequences: megatron's THD RoPE syncs with the host (``cu_seqlens.tolist()`` /
   ``.item()``) for q and k in every layer; here the angles are taken per token, ``freqs[pos]``
-  (positions computed on the device once per step, cached on the ``PackedSeqParams``);
+  (positions computed on the device once per step, cached on the ``PackedSeqParams``; with context
+  parallelism the positions of this rank's chunks, ``context_parallel.py``: always here, megatron's THD
+  RoPE splits each document instead);
 * ``fused_rope`` (``train.fusions``) on CUDA inputs (or under the Triton interpreter), packed or
   not: one Triton kernel each way (``nosa_layers.ops.rope``) instead of megatron's six elementwise
   passes, with cos / sin tables computed once per forward and shared by the layers
   (:func:`rope_tables_for`).
 
 Either way the math is megatron's unfused ``_apply_rotary_pos_emb_bshd`` per token, so the result
-is bitwise equal. Conditions (else megatron's path): CP=1, megatron's own RoPE fusion off, no
+is bitwise equal. Conditions (else megatron's path): megatron's own RoPE fusion off, no
 inference context, no flash decode; packed: no padded ``cu_seqlens``; fused: non-interleaved RoPE
 over the whole head dim.
 """
