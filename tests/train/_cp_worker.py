@@ -3,7 +3,8 @@ layouts (``train.main.train`` per job, the process group kept between jobs) and 
 
 Jobs (``JOBS``): a tiny model whose layers are dense, InfLLM-V2 and NOSA (``[dense, infllm_v2, nosa, nosa]``,
 the tiny geometry, LongRoPE) at CP=1 (DP=4), TP=2 (sequence parallel, DP=2), CP=2 (DP=2), CP=4, CP=2 x TP=2
-(sequence parallel) and CP=2 x PP=2, and a dense-only model at CP=1, 2 and 4, each 4 steps from the same
+(sequence parallel), CP=2 x PP=2, CP=2 with selective and CP=4 with full recompute, and a dense-only model at
+CP=1 and 4, each 4 steps from the same
 initial weights on packed rows of short documents; then the checkpoint round trip: a NOSA model (every layer
 NOSA: checkpoints stack the layers' tensors, so every layer needs the same parameters) at CP=2 stops at
 step 4 with a checkpoint, copies of that run resume at CP=1, 2 and 4 and train step 5. Each job's run dir keeps
@@ -42,9 +43,11 @@ LAYOUTS = {
     "cp4": ["parallel.context_parallel_size=4"],
     "cp2_tp2": ["parallel.context_parallel_size=2", *TP2],
     "cp2_pp2": ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+    "cp2_selective": ["parallel.context_parallel_size=2", "train.recompute=selective"],
+    "cp4_full": ["parallel.context_parallel_size=4", "train.recompute=full"],
 }
 JOBS = [(f"mixed_{lay}", MIXED + LAYOUTS[lay]) for lay in LAYOUTS] + \
-       [(f"dense_{lay}", DENSE + LAYOUTS[lay]) for lay in ("cp1", "cp2", "cp4")]
+       [(f"dense_{lay}", DENSE + LAYOUTS[lay]) for lay in ("cp1", "cp4")]
 RESUME_LAYOUTS = ("cp1", "cp2", "cp4")
 
 
