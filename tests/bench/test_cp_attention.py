@@ -46,3 +46,5 @@ def test_chunk_by_chunk_equality_and_share_timing_run():
     tol = 1e-5 if device == "cpu" else 5e-3
     assert max(eq[k] for k in ("out", "dq", "dk", "dv", "dbias")) <= tol, eq
     assert rows[1]["ratio"] > 0 and rows[1]["whole_over_cp_ms"] == pytest.approx(rows[0]["total_ms"] / 2)
+    table = m.gpu_table(rows).splitlines()
+    assert table[2].startswith("| 0K | NOSA |") and table[-1].startswith("| 0K | 2 |")  # 128 tokens
