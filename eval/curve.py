@@ -83,7 +83,7 @@ def plot(fig, curves: list[dict], offsets: Optional[dict] = None) -> None:
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.curve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="a training run dir (its checkpoints/ are scored)")

@@ -155,7 +155,7 @@ def build_retrieval_dataset(corpus: str, tokenizer_dir: str, out_prefix: str, mi
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.tasks.training_data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ._common import LOG2E, check_device
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
-from .launch import hopper_device, launch_config, sm90_kernels, sm90_pair_kernels
+from .launch import CONFIG, arch, hopper_device, launch_config, sm90_kernels, sm90_pair_kernels, triton_settings
 from .sparse_index import SparseIndex, largest_divisor
 
 
@@ -19,11 +19,17 @@ def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "
     takes the Triton kernel, which computes the same."""
     if cfg["impl"] not in ("triton", "gluon"):
         raise ValueError(f"nosa_layers.ops: impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
-    if cfg["impl"] != "gluon" or not hopper_device(q.device):
+    if cfg["impl"] != "gluon" or not hopper_device(q.device) or idx.subset:  # query chunks: the Triton kernels
         return False
     if kind == "dkdv":
         return sm90_kernels().supported_dkdv(q, idx.block, hp * idx.qt, idx.kb)
     return sm90_kernels().supported(q, idx.block, hp * idx.qt)
+
+
+def _launch_for(q: Tensor, idx: SparseIndex) -> dict:
+    """The launch settings of an attention call: ``launch_config``'s, the Triton kernels' own for an index
+    of query chunks (the Hopper kernels do not take them)."""
+    return triton_settings(CONFIG[arch(q.device)]) if idx.subset else launch_config(q.device, q, idx.block)
 
 
 POISON_OUTPUTS = False  # tests: fill every output buffer with NaN before the kernels write it
@@ -80,7 +86,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     G = Hq // Hkv
     o = _empty_like(q)
     lse = _empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    cfg = launch_config(q.device, q, idx.block)["fwd"]
+    cfg = _launch_for(q, idx)["fwd"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     grid = (idx.n_tiles * Hkv * (G // hp),)
     kbias = None
@@ -95,11 +101,11 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                                 cfg["regs"], cfg.get("maxnreg"))
     elif grid[0]:
         _fwd_kernel[grid](q, k, v, q if bias is None else bias, o, lse, idx.layout.blocks, idx.fwd_count, idx.fwd_ks,
-                          idx.fwd_word, idx.n_tiles, idx.cap,
+                          idx.fwd_word, *idx.query_args(q.device), idx.n_tiles, idx.cap,
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
                           HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                          SUBSET=idx.subset, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse, kbias
 
 
@@ -119,11 +125,11 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     dq = _empty_like(q)
     dk = _empty_like(k)
     dv = _empty_like(v)
-    db = _empty(B, T, Hkv, dtype=torch.float32, device=q.device) if need_db else None
+    db = _empty(B, k.shape[1], Hkv, dtype=torch.float32, device=q.device) if need_db else None
     if idx.n_tiles == 0:
         return dq, dk, dv, db
     bias_arg = q if bias is None else bias
-    launch = launch_config(q.device, q, idx.block)
+    launch = _launch_for(q, idx)
     cfg = launch["dq"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
     if hopper_kernel(q, idx, hp, cfg):
@@ -135,10 +141,10 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
     else:
         _bwd_dq_kernel[(idx.n_tiles * Hkv * (G // hp),)](
             q, k, v, bias_arg, do, lse, delta, dq, idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word,
-            idx.n_tiles, idx.cap,
+            *idx.query_args(q.device), idx.n_tiles, idx.cap,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
             *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None, SUBSET=idx.subset,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
@@ -156,8 +162,9 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         sm90_kernels().launch_dkdv(args, hp, idx.kb, need_db, bias is not None, idx, cfg["num_stages"])
     else:
         _bwd_dkdv_kernel[(idx.max_pieces,)](
-            *args, HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D, HAS_BIAS=bias is not None, NEED_DB=need_db,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            *args, idx.query_args(q.device)[1], HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D,
+            HAS_BIAS=bias is not None, NEED_DB=need_db, SUBSET=idx.subset, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](
         wdk, wdv, wdb, dk, dv, db_arg, idx.layout.blocks, idx.piece_ptr, idx.slot_ptr, *k.stride()[:3],
         *v.stride()[:3], *dbs, scale, HKV=Hkv, N=N, D=D, NEED_DB=need_db, num_warps=4)
@@ -194,9 +201,14 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, index: SparseIndex, bias: 
     """Block-sparse attention over the selection that ``index`` (``build_sparse_index``) encodes.
 
     q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``, bias ``[B, T, Hkv]`` (additive logit bias per key,
-    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias."""
+    full scale) or ``None``; returns ``[B, T, Hq, D]``, differentiable in q, k, v and bias. An index built
+    with query chunks takes only their rows, ``q [B, Tq, Hq, D]`` (output ``[B, Tq, Hq, D]``)."""
     check_device(q, k, v, bias)
     _check_shapes(q, k, v, index.block)
+    rows = index.num_rows if index.subset else k.shape[1]
+    if q.shape[1] != rows or k.shape[1] != index.layout.seq_len:
+        raise ValueError(f"nosa_layers.ops: q {tuple(q.shape)} / k {tuple(k.shape)} do not fit an index of {rows} "
+                         f"query rows over {index.layout.seq_len} keys")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if bias is not None and bias.dtype != torch.float32 and bias.dtype != q.dtype:
         bias = bias.float()

@@ -25,7 +25,8 @@ from nosa_layers.ops.launch import CONFIG, SEL_CONFIG, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
 FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
-I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
+I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount",
+       "QTiles", "QRow", "QRange", "Live"}
 FLOATS = {"qk_scale", "sm_scale", "eps"}
 INT_ARGS = {"T", "H", "N", "K1", "K2", "NBW", "B"}  # upper-case scalars
 UNIT = {"s_bh", "s_db_h"}  # strides of 1 in a real launch (the bias / db head stride): constants
@@ -53,6 +54,8 @@ def specialise(fn, const: dict, ptr: dict):
     """(signature, constants, attributes) of a real launch: unit strides constant, pointers and the
     other integer arguments marked divisible by 16 (Triton's runtime specialisation)."""
     const = dict(const, **{p.name: 1 for p in fn.params if p.name in UNIT and p.name not in const})
+    if any(p.name == "SUBSET" for p in fn.params):  # the whole-row launch (query chunks: a variant of it)
+        const.setdefault("SUBSET", False)
     sig = signature(fn, const, ptr)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name].startswith("*") or (sig[p.name] == "i32" and p.name not in NOT_DIV16)}
