@@ -158,3 +158,14 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
     if not outs:
         return q.new_zeros(q.shape)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def host_cu_seqlens(cu_seqlens: Tensor) -> list[int]:
+    """Host values of ``cu_seqlens``: those the trainer handed to the kernels' block table when there
+    are some (no device read), else one read."""
+    try:
+        from nosa_layers.ops.layout import host_values
+    except ImportError:  # no Triton: nothing was handed over
+        return cu_seqlens.tolist()
+    values = host_values(cu_seqlens)
+    return values if values is not None else cu_seqlens.tolist()

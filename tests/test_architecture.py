@@ -20,16 +20,17 @@ MAY_IMPORT = {
     "nosa_layers": set(),
     "data": set(),
     "runtime": LIBRARIES,
+    "inference": LIBRARIES,
     "train": {"runtime"} | LIBRARIES,
-    "checkpoints_convert": {"runtime"} | LIBRARIES,
-    "eval": {"checkpoints_convert", "runtime"} | LIBRARIES,
-    "bench": {"eval", "checkpoints_convert", "runtime"} | LIBRARIES,
+    "checkpoints_convert": {"inference", "runtime"} | LIBRARIES,
+    "eval": {"checkpoints_convert", "inference", "runtime"} | LIBRARIES,
+    "bench": {"eval", "checkpoints_convert", "inference", "runtime"} | LIBRARIES,
 }
 
 # inside nosa_layers, lowest floor first; a module belongs to the floor of its longest listed prefix
 NOSA_FLOORS = {
     "references": ("nosa_layers.config", "nosa_layers.reference", "nosa_layers.selection", "nosa_layers.eviction",
-                   "nosa_layers.decode", "nosa_layers.locality", "nosa_layers.rope"),
+                   "nosa_layers.decode", "nosa_layers.locality", "nosa_layers.rope", "nosa_layers.query_chunks"),
     "ops": ("nosa_layers.ops",),
     "dispatch": ("nosa_layers.dispatch", "nosa_layers"),  # the package root is the public API over dispatch
     "layers": ("nosa_layers.megatron", "nosa_layers.reference_layer", "nosa_layers.demo"),
@@ -41,15 +42,11 @@ FUSED_OPS = {"nosa_layers.ops.rms_norm", "nosa_layers.ops.rope", "nosa_layers.op
 # Known exceptions, (importer, imported) -> why. Reported until fixed; see docs/ARCHITECTURE.md.
 KNOWN_FLOOR_BREAKS = {
     ("bench.attention", "train.profiling"): "reuses the profiler's kernel classification and device_ms_per_call",
-    ("bench.eviction_score", "train.profiling"): "reuses the profiler's device_ms_per_call",
-    ("bench.layer_host", "train.host_time"): "reuses the launch-function prefixes of the host-time breakdown",
-    ("bench.host_syncs", "train.main"): "runs the trainer in its own process under CUDA's sync debug mode",
-    ("bench.host_syncs", "train.trainer"): "runs the trainer in its own process under CUDA's sync debug mode",
+    ("bench.probes.layer_host", "train.host_time"): "reuses the launch-function prefixes of the host-time breakdown",
+    ("bench.probes.host_syncs", "train.main"): "runs the trainer in its own process under CUDA's sync debug mode",
+    ("bench.probes.host_syncs", "train.trainer"): "runs the trainer in its own process under CUDA's sync debug mode",
 }
-KNOWN_CYCLES = {
-    frozenset({"nosa_layers.ops.attention_op", "nosa_layers.ops.sparse_index"}):
-        "sparse_index needs attention_op.launch_config (imported inside a function); ops/launch.py as a leaf fixes it",
-}
+KNOWN_CYCLES: dict = {}
 
 
 @dataclass(frozen=True)

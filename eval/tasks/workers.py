@@ -15,10 +15,11 @@ def init_worker(corpus: str, tokenizer_dir: str) -> None:
     if _WORKER.get("key") == (corpus, tokenizer_dir):
         return
     from data.tokenizer import Tokenizer
-    from eval.tasks import encoder, load_haystack
+    from eval.tasks.haystack import build_haystack, corpus_texts
 
     tok = Tokenizer(tokenizer_dir)
-    _WORKER.update(key=(corpus, tokenizer_dir), tok=tok, enc=encoder(tok), hay=load_haystack(corpus, tok))
+    hay = build_haystack(corpus_texts(corpus, tok), tok)
+    _WORKER.update(key=(corpus, tokenizer_dir), tok=tok, enc=lambda text: tok.hf.encode(text), hay=hay)
 
 
 def state() -> dict:

@@ -103,14 +103,9 @@ def cp_group_of(pg_collection) -> Optional[object]:
 
 
 def _host_cu_seqlens(cu_seqlens: Tensor) -> list[int]:
-    """Host values of ``cu_seqlens``: the ones the trainer handed to the kernels' block table when there are
-    some (no device read), else one read."""
-    try:
-        from nosa_layers.ops.layout import host_values
-    except ImportError:
-        host_values = None
-    values = host_values(cu_seqlens) if host_values is not None else None
-    return values if values is not None else cu_seqlens.tolist()
+    from nosa_layers.dispatch import host_cu_seqlens
+
+    return host_cu_seqlens(cu_seqlens)
 
 
 def context_parallel_plan(group, local_len: int, device, packed_seq_params=None,
