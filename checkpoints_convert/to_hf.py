@@ -19,7 +19,8 @@ model is described by the ``nosa_config.json`` the trainer writes next to the te
   ``auto_map`` to ``modeling_llama_nosa``, no ``nosa_config``, bf16 by default, no modeling code: add
   the reference's ``modeling_llama_nosa.py`` and ``cis_pooling.py``, or it loads as a dense Llama; the
   export says so in one line); refused when the geometry is not the reference's;
-* tokenizer files when ``--tokenizer`` is given; ``generation_config.json``. Token ids
+* the tokenizer files of ``--tokenizer`` (a tokenizer dir or a model dir: its config, weights and code
+  are not copied); ``generation_config.json``. Token ids
   (``bos/eos/pad_token_id``) are the tokenizer's, else those of the Hugging Face source a
   ``from_hf`` import recorded.
 
@@ -156,6 +157,15 @@ def tokenizer_ids(tokenizer_dir: Path) -> dict:
     return out
 
 
+MODEL_FILES = ("config.json", "generation_config.json")
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".py", ".index.json")
+
+
+def is_model_file(name: str) -> bool:
+    """A file of a model dir that is not part of its tokenizer (``--tokenizer`` may name a model dir)."""
+    return name in MODEL_FILES or name.endswith(MODEL_SUFFIXES)
+
+
 def token_ids(extra: dict, tokenizer_ids: dict) -> dict:
     """The token ids of the export: those the checkpoint recorded from its Hugging Face source
     (``from_hf``), each replaced by the tokenizer's where the tokenizer defines one."""
@@ -203,7 +213,7 @@ def export(ckpt: str, out: str, dtype: Optional[str] = None, tokenizer: Optional
         shipped = write_modeling_files(tmp) if "auto_map" in cfg and fmt == "nosa" else []
         if tok_dir is not None:
             for f in sorted(tok_dir.iterdir()):
-                if f.is_file():
+                if f.is_file() and not is_model_file(f.name):
                     shutil.copy2(f, tmp / f.name)
     n_params = sum(t.numel() for t in hf.values())
     log(f"exported {ck} ({model.family}, {'/'.join(sorted(set(attn.layer_variants(model.num_layers))))}, "

@@ -10,7 +10,8 @@ checkpoint by ``checkpoints_convert.from_hf`` (the same tensors, bitwise); a ref
 runs LongRoPE as the reference code does (``short_factor`` at every length).
 
 The tokenizer is ``--tokenizer``, else the directory's own files, else the ``data.tokenizer`` (or
-``sft.tokenizer``) of the run's ``config.yaml``; only its tokenizer files are read (never the
+``sft.tokenizer``) of the run's ``config.yaml``, else that of the Hugging Face dir a ``from_hf``
+import came from; only its tokenizer files are read (never the
 model's config or code). lm-evaluation-harness needs a Hugging Face directory that runs with this
 project's modeling code: :func:`lm_eval_dir` gives one for every form.
 """
@@ -75,7 +76,7 @@ def resolve_source(ckpt: str, tokenizer: Optional[str] = None) -> ModelSource:
 
     path = resolve_checkpoint(p)  # ConversionError (a one-line ValueError) when there is none
     model, attn, extra = read_model_config(path)
-    tok = Path(tokenizer) if tokenizer else _run_tokenizer(path)
+    tok = Path(tokenizer) if tokenizer else (_run_tokenizer(path) or _import_tokenizer(extra))
     return ModelSource("megatron", path, model, attn, tok, extra.get("step"))
 
 
@@ -114,13 +115,19 @@ def _run_tokenizer(ckpt: Path) -> Optional[Path]:
     return None
 
 
+def _import_tokenizer(extra: dict) -> Optional[Path]:
+    """The tokenizer of the Hugging Face dir a ``from_hf`` import came from (None if it has none)."""
+    source = extra.get("source")
+    return Path(source) if source and (Path(source) / "tokenizer.json").is_file() else None
+
+
 def load_tokenizer(src: ModelSource):
     """The model's ``data.tokenizer.Tokenizer``; one-line errors when missing or too large."""
     from data.tokenizer import Tokenizer
 
     if src.tokenizer is None:
-        raise EvalError(f"{src.path}: no tokenizer found (none in the export, none in the run's config.yaml); "
-                        f"pass --tokenizer DIR")
+        raise EvalError(f"{src.path}: no tokenizer found (none in the export, the run's config.yaml or an "
+                        f"imported checkpoint's source); pass --tokenizer DIR")
     if not (src.tokenizer / "tokenizer.json").is_file():
         raise EvalError(f"--tokenizer {src.tokenizer}: no tokenizer.json there")
     tok = Tokenizer(str(src.tokenizer))

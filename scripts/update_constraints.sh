@@ -16,7 +16,7 @@ echo "update_constraints: resolving a fresh install in $venv"
 "$venv/bin/python" -m pip install -q -e ".[dev]"
 {
   sed -n '/^#/p' constraints.txt
-  "$venv/bin/python" -m pip freeze --exclude-editable
+  "$venv/bin/python" -m pip freeze --exclude-editable | grep -v "^#"
 } > constraints.txt.tmp
 mv constraints.txt.tmp constraints.txt
 echo "update_constraints: wrote constraints.txt ($(grep -vc '^#' constraints.txt) pins); run bash scripts/test.sh"
