@@ -9,11 +9,10 @@ W&B session; a job whose ``train.max_steps`` was raised resumes, and keeps its W
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 from runtime.checkpoint_files import CheckpointError, find_checkpoint
+from runtime.run_metrics import read_metrics, run_figures
 
 TRAINED, FINISHED, FAILED, NOT_RUN = "trained", "finished earlier: skipped", "failed", "not run"
 
@@ -42,24 +41,6 @@ def finished_step(cfg) -> int | None:
     return step if step >= cfg.train.max_steps else None
 
 
-def run_figures(run_dir: str) -> dict:
-    """``steps``, final ``loss``, last ``val_loss`` and mean ``tokens_per_s`` of the logged intervals
-    (the first, which holds the warm-up, left out when there are more) from ``metrics.jsonl``."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a crash
-    last = lambda key: next((r[key] for r in reversed(rows) if r.get(key) is not None), None)  # noqa: E731
-    speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") is not None]
-    speeds = speeds[1:] if len(speeds) > 1 else speeds
-    return {"steps": last("step"), "loss": last("loss"), "val_loss": last("val_loss"),
-            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None}
-
-
 def _fmt(v, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
@@ -69,7 +50,7 @@ def summary(jobs: list[tuple[str, str, str]]) -> str:
     head = ["job", "status", "steps", "final loss", "val loss", "tokens/s", "run dir"]
     rows = []
     for name, run_dir, status in jobs:
-        f = run_figures(run_dir) if status != NOT_RUN else {}
+        f = run_figures(read_metrics(run_dir)) if status != NOT_RUN else {}
         rows.append([name or "-", status, _fmt(f.get("steps"), "d"), _fmt(f.get("loss"), ".4f"),
                      _fmt(f.get("val_loss"), ".4f"), _fmt(f.get("tokens_per_s"), ",.0f"), run_dir])
     widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(head)]

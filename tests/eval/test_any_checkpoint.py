@@ -39,24 +39,58 @@ def _same_items(direct: Path, lm_eval: Path) -> None:
         assert b[key]["greedy"] == row["greedy"], key
 
 
+@pytest.fixture(scope="module")
+def outputs(forms, tmp_path_factory) -> dict:
+    """Every eval tool on the NOSA export and on the dense export: name -> (return codes, log, output dir)."""
+    out = {}
+    for name in ("nosa", "dense"):
+        root = tmp_path_factory.mktemp(f"tools_{name}")
+        out[name] = (*run_tools(tool_calls(forms, forms[name], root), root / "tools.log"), root)
+    return out
+
+
 @pytest.mark.parametrize("name", ["nosa", "dense"])
-def test_every_eval_tool_on_an_export(forms, name, tmp_path):
-    rcs, text = run_tools(tool_calls(forms, forms[name], tmp_path), tmp_path / "tools.log")
+def test_every_eval_tool_on_an_export(outputs, name):
+    rcs, text, out = outputs[name]
     assert rcs == [0] * 5, text[-6000:]
     assert "Traceback" not in text and "[y/N]" not in text
-    _same_items(tmp_path / "ruler", tmp_path / "ruler_lm_eval")
-    ruler = json.loads((tmp_path / "ruler" / "ruler.json").read_text())
+    _same_items(out / "ruler", out / "ruler_lm_eval")
+    ruler = json.loads((out / "ruler" / "ruler.json").read_text())
     assert ruler["model"]["kind"] == "hf" and ruler["model"]["label"] == ("ed_dma" if name == "nosa" else "dense")
-    ppl = json.loads((tmp_path / "ppl" / "ppl.json").read_text())
+    ppl = json.loads((out / "ppl" / "ppl.json").read_text())
     assert ppl["docs"] == 2 and all(math.isfinite(b["ppl"]) and b["tokens"] > 0 for b in ppl["buckets"])
-    loc = json.loads((tmp_path / "locality" / "locality.json").read_text())
+    loc = json.loads((out / "locality" / "locality.json").read_text())
     if name == "dense":
         assert loc["dense"] and loc["summary"]["note"] == "dense: no selection"
     else:  # 256 tokens, sparse from 96 on: real selections
         assert not loc["dense"] and 0 < loc["summary"]["gamma_min"] <= loc["summary"]["gamma_mean"] <= 1
-    result = json.loads((tmp_path / "suite" / "result.json").read_text())
+    result = json.loads((out / "suite" / "result.json").read_text())
     assert result["ruler"]["items"] == 12 and result["ppl"]["overall"]["ppl"] == pytest.approx(
         ppl["overall"]["ppl"], rel=1e-4)
+
+
+def test_compare_a_nosa_model_with_a_dense_baseline(outputs, tmp_path):
+    """eval.compare on the two models' suite outputs (and each tool's own outputs): every number of the
+    table is the one its file holds; markdown, JSON and PNG are written."""
+    from eval.compare import compare
+
+    nosa, dense = outputs["nosa"][2], outputs["dense"][2]
+    got = compare([f"NOSA={nosa / 'suite'}", f"dense={dense / 'ruler_lm_eval'},{dense / 'ppl'},{dense / 'locality'}"],
+                  str(tmp_path), log=lambda *_: None)
+    table = {(r["section"], r["metric"]): r["values"] for r in got["rows"]}
+    suite = json.loads((nosa / "suite" / "result.json").read_text())
+    ruler = json.loads((dense / "ruler_lm_eval" / "ruler.json").read_text())
+    ppl = json.loads((dense / "ppl" / "ppl.json").read_text())
+    assert table[("RULER", "average")] == [suite["ruler"]["average"], ruler["average"]]
+    assert table[("perplexity", "overall")] == [suite["ppl"]["overall"]["ppl"], ppl["overall"]["ppl"]]
+    assert table[("locality", "gamma mean")][0] == suite["locality"]["gamma_mean"]
+    assert table[("locality", "gamma mean")][1] is None  # the dense model selects nothing
+    loc = json.loads((dense / "locality" / "locality.json").read_text())["summary"]
+    assert table[("locality", "host->device bytes/token")] == [suite["locality"]["bytes_per_token"],
+                                                               loc["bytes_per_token"]]
+    assert "## RULER" in (tmp_path / "compare.md").read_text()
+    assert json.loads((tmp_path / "compare.json").read_text())["columns"][0]["name"] == "NOSA"
+    assert (tmp_path / "compare.png").stat().st_size > 1000
 
 
 def test_megatron_checkpoint_and_reference_dir(forms, tmp_path):
