@@ -56,7 +56,11 @@ def read_model_config(ckpt: Path):
 
 
 def run_cli(prog: str, fn, *args) -> int:
-    """Run a converter's work; a bad input is one ``<prog>: error: ...`` line on stderr and exit code 2."""
+    """Run a converter's work; a bad input is one ``<prog>: error: ...`` line on stderr and exit code 2.
+    Known third-party warnings are one line (``runtime.third_party_noise``)."""
+    from runtime.third_party_noise import quiet_third_party
+
+    quiet_third_party()
     try:
         fn(*args)
     except (ConversionError, ValueError, FileNotFoundError) as e:

@@ -218,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the export's modeling code even if it differs from the code this project ships")
     args = ap.parse_args(argv)
+    from runtime.third_party_noise import quiet_third_party
+
+    quiet_third_party()
     try:
         report = run_checks(args)
     except (ConversionError, FileNotFoundError) as e:

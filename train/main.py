@@ -26,8 +26,11 @@ if __package__ in (None, ""):  # `python train/main.py` / `torchrun train/main.p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.third_party_noise import quiet_third_party
     from train.cli import CliError, help_text, parse_cli
     from train.compose import group_options
+
+    quiet_third_party()  # megatron-core's optional-package and deprecation warnings: one line
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:

@@ -1,0 +1,49 @@
+"""Known third-party startup warnings (optional accelerators missing, megatron-core / torch deprecation
+notices) become one line on rank 0; every other warning is shown as before."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from runtime.third_party_noise import missing_optional, note_line
+from tests.subproc import REPO, child_env
+
+SCRIPT = """
+import logging, warnings
+from runtime.third_party_noise import quiet_third_party
+quiet_third_party()
+quiet_third_party()  # idempotent
+warnings.warn("Transformer Engine and Apex are not installed. Falling back to local implementations of x")
+warnings.warn("Apex is not installed. Falling back to Torch Norm")
+warnings.warn("full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.")
+logging.getLogger("megatron.core.models.gpt.gpt_model").warning("GPTModel IS DEPRECATED. GPTModel is only ...")
+logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").warning("MCore's async save is deprecated.")
+warnings.warn("a warning of our own that must stay", UserWarning)
+logging.getLogger("megatron.core.models.gpt.gpt_model").warning("another megatron warning")
+"""
+
+
+def _stderr(script: str, **env) -> list[str]:
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(**env), capture_output=True,
+                       text=True, timeout=120, check=True)
+    return [ln for ln in p.stderr.splitlines() if ln.strip()]
+
+
+def test_known_warnings_become_one_line_and_others_stay():
+    err = _stderr(SCRIPT)
+    assert err[0] == note_line() and "Transformer Engine" in err[0] and "Apex" in err[0]
+    rest = "\n".join(err[1:])
+    assert "a warning of our own that must stay" in rest and "another megatron warning" in rest
+    assert not any(k in rest for k in ("not installed", "deprecated", "DEPRECATED"))
+    assert not any(note_line() == ln for ln in _stderr(SCRIPT, RANK="1"))  # other ranks: no note
+    every = "\n".join(_stderr(SCRIPT, NOSA_THIRD_PARTY_WARNINGS="1"))
+    assert "GPTModel IS DEPRECATED" in every and "Falling back to Torch Norm" in every and "note:" not in every
+
+
+def test_a_dry_run_prints_one_line_before_its_result():
+    p = subprocess.run([sys.executable, str(REPO / "train" / "main.py"), "recipe=tiny_cpt", "dry_run=true"],
+                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == ([note_line()] if missing_optional() else [])
+    assert p.stdout.startswith("dry run of tiny_cpt")
