@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from runtime.third_party_noise import quiet_third_party
 
-    quiet_third_party()
+    quiet_third_party(note_stream=sys.stderr)  # stdout is the JSON report
     try:
         report = run_checks(args)
     except (ConversionError, FileNotFoundError) as e:

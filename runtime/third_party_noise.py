@@ -6,7 +6,8 @@ Torch Norm"), and megatron-core, torch and torch.distributed.checkpoint add depr
 their own internals (``GPTModel IS DEPRECATED``, "MCore's async save is deprecated", "full scope is
 deprecated", ShardedTensor, ``dcp.load``'s argument order, single-process loading). None of them
 asks the user to do anything. :func:`quiet_third_party` drops them and prints, once and on rank 0
-only, one line naming the optional packages that are missing::
+only, one line naming the optional packages that are missing (on stdout with the program's other
+progress lines, so stderr keeps only errors)::
 
     note: optional packages not installed: Transformer Engine, Apex (megatron-core runs its PyTorch fallbacks)
 
@@ -39,7 +40,7 @@ LOGGED = {
 }
 OPTIONAL = {"transformer_engine": "Transformer Engine", "apex": "Apex"}
 
-_state = {"installed": False, "noted": False}
+_state = {"installed": False, "noted": False, "stream": None}
 
 
 def missing_optional() -> list[str]:
@@ -58,7 +59,7 @@ def _note_once() -> None:
         return
     _state["noted"] = True
     if int(os.environ.get("RANK", "0")) == 0:
-        print(note_line(), file=sys.stderr, flush=True)
+        print(note_line(), file=_state["stream"] or sys.stdout, flush=True)
 
 
 class _DropKnown(logging.Filter):
@@ -70,8 +71,10 @@ class _DropKnown(logging.Filter):
         return not self.pattern.search(record.getMessage())
 
 
-def quiet_third_party() -> None:
-    """Install the filters (idempotent; a no-op with ``NOSA_THIRD_PARTY_WARNINGS=1``)."""
+def quiet_third_party(note_stream=None) -> None:
+    """Install the filters (idempotent; a no-op with ``NOSA_THIRD_PARTY_WARNINGS=1``); the note goes to
+    ``note_stream`` (default stdout; a program whose stdout is data, e.g. JSON, passes ``sys.stderr``)."""
+    _state["stream"] = note_stream
     if _state["installed"] or os.environ.get(ENV_SHOW_ALL, "") not in ("", "0"):
         return
     _state["installed"] = True

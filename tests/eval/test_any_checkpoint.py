@@ -54,6 +54,7 @@ def test_every_eval_tool_on_an_export(outputs, name):
     rcs, text, out = outputs[name]
     assert rcs == [0] * 5, text[-6000:]
     assert "Traceback" not in text and "[y/N]" not in text
+    assert "IS DEPRECATED" not in text and "Falling back" not in text  # third-party notices: one line at most
     _same_items(out / "ruler", out / "ruler_lm_eval")
     ruler = json.loads((out / "ruler" / "ruler.json").read_text())
     assert ruler["model"]["kind"] == "hf" and ruler["model"]["label"] == ("ed_dma" if name == "nosa" else "dense")
