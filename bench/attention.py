@@ -20,7 +20,7 @@ Per row: ms (median of ``triton.testing.do_bench``, L2 flushed), useful TFLOP/s 
 x sum over rows of visible keys, bwd = 2.5 x fwd), density = useful / dense causal FLOPs, and
 "x ideal" = time / (density x dense cuDNN time of the same run).
 
-Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
+Usage: python -m bench.attention --out DIR [--shapes 32768x32,16384x32,...] [--sweep] [--profile] [--packed]
        [--no-flex] [--tiles64] [--dkdv-sweep] [--fwd-sweep] [--tile-sweep] [--balance-sweep]
        [--selection [--sel-sweep]]
 """
@@ -28,6 +28,7 @@ Usage: python bench/attention.py --out DIR [--shapes 32768x32,16384x32,...] [--s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -36,23 +37,19 @@ import time
 
 import torch
 import torch.nn.functional as F
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from triton.testing import do_bench  # noqa: E402
-
-from nosa_layers import NOSAConfig, prepare_selection  # noqa: E402
-from nosa_layers.megatron.dense_varlen import causal_varlen_attention  # noqa: E402
-from nosa_layers.ops import SEL_CONFIG, build_sparse_index, select_blocks_triton, sparse_attention  # noqa: E402
-from nosa_layers.ops.attention_op import CONFIG, arch, hopper_device, launch_config  # noqa: E402
-from nosa_layers.ops.block_selection import block_scores_triton, compress  # noqa: E402
-from nosa_layers.ops.layout import block_layout  # noqa: E402
-from nosa_layers.ops.sparse_index import union_inflation  # noqa: E402
-from train.profiling import PARTS, device_ms_per_call, part_of  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_timing import SLEEP_CYCLES, gpu_ms_back_to_back, host_top, host_us_alone  # noqa: E402
-from nosa_layers.ops import topk as topk_mod  # noqa: E402
-from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch  # noqa: E402
+from bench.host_timing import SLEEP_CYCLES, gpu_ms_back_to_back, host_top, host_us_alone
+from nosa_layers import NOSAConfig, prepare_selection
+from nosa_layers.megatron.dense_varlen import causal_varlen_attention
+from nosa_layers.ops import build_sparse_index, select_blocks_triton, sparse_attention
+from nosa_layers.ops.launch import CONFIG, SEL_CONFIG, TOPK_CONFIG, arch, hopper_device, launch_config, overrides
+from nosa_layers.ops.block_selection import block_scores_triton, compress
+from nosa_layers.ops.layout import block_layout
+from nosa_layers.ops.sparse_index import union_inflation
+from nosa_layers.ops.topk import select_from_block_scores, select_from_block_scores_torch
+from runtime.outputs import write_json
+from train.profiling import PARTS, device_ms_per_call, part_of
 
 D, HKV = 128, 2
 DT = torch.bfloat16
@@ -60,9 +57,18 @@ DEV = "cuda"
 ROWS: list[dict] = []
 
 
-def config() -> dict:
-    """The launch configuration table of this GPU's architecture (mutated in place by the sweeps)."""
+def attention_table():
+    """The attention kernels' launch table of this GPU's architecture."""
     return CONFIG[arch(torch.device(DEV))]
+
+
+def under(chosen: list) -> contextlib.ExitStack:
+    """A ``with`` block that runs under the launch settings ``chosen`` by the sweeps: ``[(table, {entry:
+    settings})]``, later ones over earlier ones (``launch.overrides``; the tables themselves stay as they are)."""
+    stack = contextlib.ExitStack()
+    for table, entries in chosen:
+        stack.enter_context(overrides(table, **entries))
+    return stack
 
 
 def index_for(sel, cfg, T, HQ, qt=None, cu=None):
@@ -245,28 +251,29 @@ def p1_case(T, HQ):
     return sel, keys, cfg, index_for(sel, cfg, T, HQ), leaves, torch.randn_like(q)
 
 
-def _try_configs(kernel, cands, run):
-    """Time ``run()`` under each launch config of ``kernel``; keep the fastest in the live config."""
-    live = config()
+def _try_configs(kernel, cands, run, chosen: list) -> None:
+    """Time ``run()`` with each candidate (settings over ``kernel``'s entry of the attention table), on top of
+    the settings ``chosen`` so far; the fastest joins ``chosen``."""
+    table = attention_table()
     best = None
-    for c in cands:
-        old = live[kernel]
-        live[kernel] = dict(old, **c)
-        try:
-            t = run()
-            emit(kind="sweep", kernel=kernel, cfg=c, ms=t)
-            if best is None or t < best[0]:
-                best = (t, live[kernel])
-        except Exception as e:  # noqa: BLE001
-            emit(kind="sweep", kernel=kernel, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
-        live[kernel] = old
+    with under(chosen):
+        for c in cands:
+            entry = dict(table[kernel], **c)
+            try:
+                with overrides(table, **{kernel: entry}):
+                    t = run()
+                emit(kind="sweep", kernel=kernel, cfg=c, ms=t)
+                if best is None or t < best[0]:
+                    best = (t, entry)
+            except Exception as e:  # noqa: BLE001
+                emit(kind="sweep", kernel=kernel, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
     if best:
-        live[kernel] = best[1]
+        chosen.append((table, {kernel: best[1]}))
 
 
-def sweep(T, HQ, dense_ms):
-    """Pick the fastest launch config of each kernel at one shape (others fixed): real NOSA lists
-    (iid inputs, the union-inflation worst case) at the default query tile."""
+def sweep(T, HQ, dense_ms) -> list:
+    """The fastest launch config of each kernel at one shape (others fixed): real NOSA lists (iid inputs,
+    the union-inflation worst case) at the default query tile. Returns them for ``under``."""
     cfg = NOSAConfig()
     q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
     sel = select_blocks_triton(q, k, bias, cfg)
@@ -282,18 +289,21 @@ def sweep(T, HQ, dense_ms):
         o = sparse_attention(qg, kg, vg, idx, bias=bg)
         return bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
 
+    chosen = []
     _try_configs("fwd", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
-                         ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))], fwd)
+                         ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))], fwd, chosen)
     _try_configs("dq", [dict(num_warps=w, num_stages=s, rows=r) for r, w, s in
-                        ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))], bwd)
+                        ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))], bwd, chosen)
     # dK/dV: the key-group size is part of each candidate (inherited, two-block groups spill at 4 warps)
     _try_configs("dkdv", [dict(num_warps=w, num_stages=s, rows=r, blocks=b) for b, r, w, s in
-                          ((1, 64, 4, 2), (1, 64, 4, 3), (1, 64, 8, 2), (1, 128, 8, 2), (2, 32, 8, 4))], bwd)
-    _try_configs("dkdv", [dict(CHUNK=c) for c in (256, 1024, 4096)], bwd)
-    _try_configs("tile", [dict(rows=r) for r in (64, 128, 256)], lambda: fwd() + bwd())
-    sweep_selection(T, HQ)
-    emit(kind="config", config={k: dict(v) for k, v in launch_config(torch.device(DEV)).items()},
-         selection={k: dict(v) for k, v in SEL_CONFIG.items()})
+                          ((1, 64, 4, 2), (1, 64, 4, 3), (1, 64, 8, 2), (1, 128, 8, 2), (2, 32, 8, 4))], bwd, chosen)
+    _try_configs("dkdv", [dict(CHUNK=c) for c in (256, 1024, 4096)], bwd, chosen)
+    _try_configs("tile", [dict(rows=r) for r in (64, 128, 256)], lambda: fwd() + bwd(), chosen)
+    chosen += sweep_selection(T, HQ)
+    with under(chosen):
+        emit(kind="config", config={k: dict(v) for k, v in launch_config(torch.device(DEV)).items()},
+             selection={k: dict(v) for k, v in SEL_CONFIG.items()})
+    return chosen
 
 
 # dK/dV: the Triton kernel (two- and one-block groups, 8 warps) against the warp-specialised Hopper
@@ -307,10 +317,10 @@ DKDV_CANDIDATES = [dict(dkdv=dict(impl=i, blocks=b, rows=r, num_warps=8, num_sta
 # forward / dQ: the Triton kernels against the hand-scheduled Hopper kernels (attention_sm90) at 2 or 3
 # K/V ring slots each, dQ's A operands Q / dO in registers or shared memory; dK/dV is the same in every
 # candidate (``triton={}``: the candidate's stages hold where the Hopper kernels cannot run too)
-# (session 21: two forward slots with registers capped at 168 per thread, three programs per SM instead of
+# (two forward slots with registers capped at 168 per thread, three programs per SM instead of
 # two, against the default three slots at 220 registers); the one-entry-per-step forward (``keys_per_step``
-# 64) against the default two entries per step (128). Session 22 also measured, at commit c565288 of this
-# sweep: two warpgroups taking turns (ping-pong) and two 64-key products per pair, both slower.
+# 64) against the default two entries per step (128). Also measured on an H200 in 2026-12, at commit c565288
+# of this sweep: two warpgroups taking turns (ping-pong) and two 64-key products per pair, both slower.
 FWD_CANDIDATES = [dict(fwd=dict(impl=i, num_stages=fs, regs=True, triton={}, maxnreg=mr, keys_per_step=64),
                        dq=dict(impl=i, num_stages=qs, regs=qr))
                   for i, fs, qs, qr, mr in (("triton", 2, 2, True, None), ("gluon", 2, 2, True, None),
@@ -365,23 +375,22 @@ def config_sweep(kind, candidates, T, HQ, dense_ms):
     on the P1 lists and real NOSA selections, and the largest output / gradient difference against
     the first candidate (same inputs, same dO)."""
     cfg, cases = _sweep_cases(T, HQ)
-    live = config()
+    table = attention_table()
     for name, sel, keys, (q, k, v, bias) in cases:
         qg, kg, vg, bg = (x.clone().requires_grad_(True) for x in (q, k, v, bias))
         do = torch.randn_like(q)
         ref = None
-        old = {kernel: live[kernel] for kernel in candidates[0]}
         dens = 4.0 * HQ * keys * D / (2.0 * HQ * T * T * D)
         for cand in candidates:
-            live.update({kernel: dict(old[kernel], **over) for kernel, over in cand.items()})
             try:
-                idx = index_for(sel, cfg, T, HQ)
-                o = sparse_attention(qg, kg, vg, idx, bias=bg)
-                outs = (o, *torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
-                ref = outs if ref is None else ref
-                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
-                tf = bench(lambda: sparse_attention(qg, kg, vg, idx, bias=bg))[0]
-                tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
+                with overrides(table, **{kernel: dict(table[kernel], **over) for kernel, over in cand.items()}):
+                    idx = index_for(sel, cfg, T, HQ)
+                    o = sparse_attention(qg, kg, vg, idx, bias=bg)
+                    outs = (o, *torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))
+                    ref = outs if ref is None else ref
+                    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
+                    tf = bench(lambda: sparse_attention(qg, kg, vg, idx, bias=bg))[0]
+                    tb = bench(lambda: torch.autograd.grad(o, (qg, kg, vg, bg), do, retain_graph=True))[0]
                 emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, hopper_kernels=hopper_device(qg.device),
                      fwd_ms=tf, bwd_ms=tb,
                      fwd_x_ideal=tf / (dens * dense_ms[(T, HQ)][0]), bwd_x_ideal=tb / (dens * dense_ms[(T, HQ)][1]),
@@ -390,12 +399,11 @@ def config_sweep(kind, candidates, T, HQ, dense_ms):
                      dkdv_workspace_mib=_workspace_mib(idx), max_diff_vs_first=diff)
             except Exception as e:  # noqa: BLE001
                 emit(kind=kind, case=name, T=T, HQ=HQ, cfg=cand, error=(type(e).__name__ + ": " + str(e))[:300])
-        live.update(old)
 
 
-def sweep_selection(T, HQ):
-    """Pick the fastest launch config of each selection scoring kernel (block_scores_triton time) and
-    of the top-k kernel (register tile x row splits), on iid inputs."""
+def sweep_selection(T, HQ) -> list:
+    """The fastest launch config of each selection scoring kernel (block_scores_triton time) and of the
+    top-k kernel (register tile x row splits), on iid inputs; returned for ``under``."""
     q, k, _, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=0)
     cfg = NOSAConfig()
     layout = block_layout(1, T, None, cfg.block_size, q.device)
@@ -408,36 +416,37 @@ def sweep_selection(T, HQ):
                   ((256, 64, 8, 2), (256, 256, 8, 2), (256, 128, 8, 2), (256, 32, 8, 2), (128, 64, 8, 2),
                    (128, 64, 4, 2), (64, 64, 4, 2), (256, 64, 8, 1))],
     }
+    chosen = []
     for kern, cands in space.items():
         best = None
-        for c in cands:
-            old = SEL_CONFIG[kern]
-            SEL_CONFIG[kern] = c
-            try:
-                t = bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0]
-                emit(kind="sweep", kernel="sel_" + kern, cfg=c, T=T, HQ=HQ, ms=t)
-                if best is None or t < best[0]:
-                    best = (t, c)
-            except Exception as e:  # noqa: BLE001
-                emit(kind="sweep", kernel="sel_" + kern, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
-            SEL_CONFIG[kern] = old
+        with under(chosen):
+            for c in cands:
+                try:
+                    with overrides(SEL_CONFIG, **{kern: c}):
+                        t = bench(lambda: block_scores_triton(q, kc, layout, cfg, covered=cfg.topk))[0]
+                    emit(kind="sweep", kernel="sel_" + kern, cfg=c, T=T, HQ=HQ, ms=t)
+                    if best is None or t < best[0]:
+                        best = (t, c)
+                except Exception as e:  # noqa: BLE001
+                    emit(kind="sweep", kernel="sel_" + kern, cfg=c, error=(type(e).__name__ + ": " + str(e))[:300])
         if best:
-            SEL_CONFIG[kern] = best[1]
+            chosen.append((SEL_CONFIG, {kern: best[1]}))
     # top-k: elements per register tile (rows per step = TILE / width class) x programs per (KV block, KV head)
     # x warps per program (0: the default rule)
-    bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
-    _, ws = compress(k, bias, layout, cfg, q.dtype)
-    live = topk_mod.TOPK_CONFIG["cuda"]
+    with under(chosen):
+        bq = block_scores_triton(q, kc, layout, cfg, covered=cfg.topk)
+        _, ws = compress(k, bias, layout, cfg, q.dtype)
     best = None
     for tile in (256, 512, 1024, 2048):
         for splits in (1, 2, 4, 8, 16):
             for warps in (0, 1, 4):
-                live.update(TILE=tile, ROW_SPLITS=splits, WARPS=warps)
-                t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
-                emit(kind="sweep", kernel="topk", cfg=dict(live), T=T, HQ=HQ, ms=t)
+                c = dict(TILE=tile, ROW_SPLITS=splits, WARPS=warps)
+                with overrides(TOPK_CONFIG, cuda=c):
+                    t = bench(lambda: select_from_block_scores(bq, ws, layout, cfg))[0]
+                emit(kind="sweep", kernel="topk", cfg=c, T=T, HQ=HQ, ms=t)
                 if best is None or t < best[0]:
-                    best = (t, dict(live))
-    live.update(best[1])
+                    best = (t, c)
+    return chosen + [(TOPK_CONFIG, {"cuda": best[1]})]
 
 
 def selection_bench(T, HQ, dense_ms, sweep_first: bool):
@@ -448,15 +457,14 @@ def selection_bench(T, HQ, dense_ms, sweep_first: bool):
     ours(T, HQ, sel, keys, dense_ms, "ours_p1_db", cfg, make_inputs(T, HQ))
     del sel
     fwd_ms = ROWS[-1]["fwd_ms"]
-    if sweep_first:
-        sweep_selection(T, HQ)
-    for smooth in (0, 1):
-        q, k, _, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
-        t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
-        # (getattr: the same script also times older trees, which had no TOPK_CONFIG)
-        selection_breakdown(q, k, bias, cfg, t_sel, case="smooth" if smooth else "iid",
-                            selection_over_p1_forward=round(t_sel / fwd_ms, 3), lse_config=dict(SEL_CONFIG["lse"]),
-                            topk_config=dict(getattr(topk_mod, "TOPK_CONFIG", {}).get("cuda", {})))
+    chosen = sweep_selection(T, HQ) if sweep_first else []
+    with under(chosen):
+        for smooth in (0, 1):
+            q, k, _, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
+            t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
+            selection_breakdown(q, k, bias, cfg, t_sel, case="smooth" if smooth else "iid",
+                                selection_over_p1_forward=round(t_sel / fwd_ms, 3),
+                                lse_config=dict(SEL_CONFIG["lse"]), topk_config=dict(TOPK_CONFIG["cuda"]))
 
 
 def scored_columns(bq, cfg, covered):
@@ -657,6 +665,31 @@ def index_host_check(T, HQ, builds=56):
             si._slot_count_ring = ring
 
 
+def kernel_rows(T, HQ, dense_ms, args, t_start):
+    """The default table's rows at one shape: P1 lists (ours, Flex), real NOSA selections (iid, smooth)."""
+    cfg = NOSAConfig()
+    pieces, sel, keys = p1_lists(T, seed=1)
+    inputs = make_inputs(T, HQ)
+    out = ours(T, HQ, sel, keys, dense_ms, "ours_p1_db", cfg, inputs)
+    if not args.no_flex and time.time() - t_start < args.budget_s:
+        flex(T, HQ, pieces, keys, dense_ms, inputs, out)
+    del sel
+    for smooth in (0, 1):
+        q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
+        sel = select_blocks_triton(q, k, bias, cfg)
+        t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
+        if smooth == 0:
+            selection_breakdown(q, k, bias, cfg, t_sel)
+        keys_n = useful_keys(sel, cfg.block_size)
+        name = f"ours_nosa_{'smooth' if smooth else 'iid'}_db"
+        ours(T, HQ, sel, keys_n, dense_ms, name, cfg, (q, k, v, bias), extra=dict(select_ms=t_sel))
+        if args.tiles64:
+            ours(T, HQ, sel, keys_n, dense_ms, name + "_tiles64", cfg, (q, k, v, bias), qt=cfg.block_size)
+        del sel
+    if args.packed:
+        packed_documents(T, HQ)
+
+
 def table():
     lines = ["| case | T | HQ | density | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd x ideal | bwd x ideal "
              "| notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -723,48 +756,25 @@ def main():
                 config_sweep("dkdv_sweep", DKDV_CANDIDATES, T, HQ, dense_ms)
             if args.balance_sweep:
                 config_sweep("balance_sweep", BALANCE_CANDIDATES, T, HQ, dense_ms)
-        with open(os.path.join(args.out, "attention_kernel_sweep.json"), "w") as fh:
-            json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+        write_json(os.path.join(args.out, "attention_kernel_sweep.json"), dict(meta=meta, rows=ROWS), indent=1)
         return
     if args.selection:
         for T, HQ in shapes:
             selection_bench(T, HQ, dense_ms, args.sel_sweep)
             torch.cuda.empty_cache()
         meta["wall_s"] = round(time.time() - t_start, 1)
-        with open(os.path.join(args.out, "attention_selection.json"), "w") as fh:
-            json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+        write_json(os.path.join(args.out, "attention_selection.json"), dict(meta=meta, rows=ROWS), indent=1)
         return
-    if args.sweep:
-        sweep(*shapes[0], dense_ms)
-    if args.profile:
-        profile_kernels(*shapes[0])
-        call_overhead(*shapes[0])
-    cfg = NOSAConfig()
-    for T, HQ in shapes:
-        pieces, sel, keys = p1_lists(T, seed=1)
-        inputs = make_inputs(T, HQ)
-        out = ours(T, HQ, sel, keys, dense_ms, "ours_p1_db", cfg, inputs)
-        if not args.no_flex and time.time() - t_start < args.budget_s:
-            flex(T, HQ, pieces, keys, dense_ms, inputs, out)
-        del sel
-        for smooth in (0, 1):
-            q, k, v, bias = synthetic_nosa_inputs(T, HQ, seed=2, smooth=smooth)
-            sel = select_blocks_triton(q, k, bias, cfg)
-            t_sel = bench(lambda: select_blocks_triton(q, k, bias, cfg))[0]
-            if smooth == 0:
-                selection_breakdown(q, k, bias, cfg, t_sel)
-            keys_n = useful_keys(sel, cfg.block_size)
-            name = f"ours_nosa_{'smooth' if smooth else 'iid'}_db"
-            ours(T, HQ, sel, keys_n, dense_ms, name, cfg, (q, k, v, bias), extra=dict(select_ms=t_sel))
-            if args.tiles64:
-                ours(T, HQ, sel, keys_n, dense_ms, name + "_tiles64", cfg, (q, k, v, bias), qt=cfg.block_size)
-            del sel
-        if args.packed:
-            packed_documents(T, HQ)
-        torch.cuda.empty_cache()
+    chosen = sweep(*shapes[0], dense_ms) if args.sweep else []
+    with under(chosen):
+        if args.profile:
+            profile_kernels(*shapes[0])
+            call_overhead(*shapes[0])
+        for T, HQ in shapes:
+            kernel_rows(T, HQ, dense_ms, args, t_start)
+            torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
-    with open(os.path.join(args.out, "attention_bench.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=ROWS), fh, indent=1)
+    write_json(os.path.join(args.out, "attention_bench.json"), dict(meta=meta, rows=ROWS), indent=1)
     print(table())
 
 

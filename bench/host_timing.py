@@ -1,4 +1,4 @@
-"""Host and GPU time of a GPU call, shared by the benchmarks (``attention.py --call-overhead``, ``layer_host.py``).
+"""Host and GPU time of a GPU call, shared by ``bench.attention --profile`` and ``bench.probes.layer_host``.
 
 A call's host time (Python, argument binding, launches) hides behind the GPU when work is queued ahead of
 it and shows as GPU idle time when nothing is. These helpers time the host alone: the GPU is kept busy by a

@@ -23,7 +23,7 @@ score equal). Rows:
 Every row records its error instead of stopping the table. Writes ``inference.json`` and
 ``inference.md`` into ``--out`` (temp name, then rename).
 
-Usage: python bench/inference.py --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
+Usage: python -m bench.inference --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
        [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--part-fetch-grid N]
        [--profile] [--memory-profile]
@@ -37,7 +37,6 @@ import dataclasses
 import gc
 import inspect
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -48,17 +47,17 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
+from bench import memory_trace
 from checkpoints_convert.random_export import (
     load_random_model,
     stock_llama,
     write_random_export,
 )
-from bench import memory_trace
 from nosa_layers.config import NOSAConfig, tiny_geometry
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+from runtime.outputs import write_atomic
+
+REPO = Path(__file__).resolve().parent.parent
 
 GIB = 1 << 30
 
@@ -420,7 +419,7 @@ class Bench:
     @torch.no_grad()
     def step_memory(self, model, batch: int, offload: bool, mode: str) -> dict:
         """Device memory at the peak of two decode steps (warm-up and capture) at ``batch``: the
-        blocks live then, by the Python line that allocated them (``bench/memory_trace.py``). The
+        blocks live then, by the Python line that allocated them (``bench.memory_trace``). The
         history starts before the cache is built, so what the prefill and the batch repeat leave
         behind is listed next to the cache itself; ``step_*`` is what the steps add on top."""
         self.free()
@@ -465,16 +464,10 @@ class Bench:
                 "dtype": str(self.dtype), "torch": torch.__version__, "quick": self.args.quick,
                 "shape": dataclasses.asdict(self.shape), "geometry": dataclasses.asdict(self.geo),
                 "args": vars(self.args)}
-        _atomic_write(out / "inference.json", json.dumps({"meta": meta, "rows": self.rows}, indent=2) + "\n")
-        _atomic_write(out / "inference.md", markdown(self.rows, meta) + "\n")
+        write_atomic(out / "inference.json", json.dumps({"meta": meta, "rows": self.rows}, indent=2) + "\n")
+        write_atomic(out / "inference.md", markdown(self.rows, meta) + "\n")
         if not quiet:
             log(f"wrote {out / 'inference.json'} and {out / 'inference.md'}")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib",

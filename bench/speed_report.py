@@ -8,13 +8,13 @@ memory. Each row says the target, the measured value and whether it is met.
 
 Either from files already measured (any of them; each file gives the rows it can)::
 
-    python bench/speed_report.py --out DIR --attention A.json [A2.json ...] [--selection S.json ...] \\
+    python -m bench.speed_report --out DIR --attention A.json [A2.json ...] [--selection S.json ...] \\
         [--train-16k T16.json] [--train-32k T32.json] [--strict]
 
-(``A``: ``bench/attention.py`` default mode, ``S``: its ``--selection`` mode, ``T``: ``bench/train_throughput.py``
+(``A``: ``bench.attention`` default mode, ``S``: its ``--selection`` mode, ``T``: ``bench.train_throughput``
 with one NOSA and one dense run), or measuring first on one GPU (about 10 minutes on an H200)::
 
-    python bench/speed_report.py --out DIR --run [--strict]
+    python -m bench.speed_report --out DIR --run [--strict]
 
 Writes ``DIR/speed_report.json`` and prints the table; ``--strict`` exits 1 when a target is not met.
 """
@@ -28,27 +28,26 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from data.demo_corpus import DEFAULT_OUT
+from runtime.outputs import write_json
 
-from data.demo_corpus import DEFAULT_OUT  # noqa: E402
-from eval.report import write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 FWD_X_IDEAL, BWD_X_IDEAL, SMOOTH_OVER_P1 = 1.35, 1.8, 1.3
 SELECTION_SHARE, SELECTION_SHAPE, INDEX_GPU_MS = 0.20, (32768, 32), 0.3
 E2E = {"16K": (1.1, 1.25), "32K": (1.4, 1.7)}  # NOSA / dense tokens/s: target, stretch
 P90_OVER_MEDIAN = 1.10
 
-DEMO_CORPUS = Path(DEFAULT_OUT) / "corpus_text_document"  # bench/train_throughput.py's default data
-# what --run measures (bench/ scripts, relative output folders)
+DEMO_CORPUS = Path(DEFAULT_OUT) / "corpus_text_document"  # bench.train_throughput's default data
+# what --run measures (python's arguments, run in this checkout; relative output folders)
 RUN_STEPS = [
-    ("attention", ["bench/attention.py", "--shapes", "32768x32,16384x16"], "attention_bench.json"),
-    ("selection", ["bench/attention.py", "--shapes", "32768x32,16384x16", "--selection", "--no-flex"],
+    ("attention", ["-m", "bench.attention", "--shapes", "32768x32,16384x16"], "attention_bench.json"),
+    ("selection", ["-m", "bench.attention", "--shapes", "32768x32,16384x16", "--selection", "--no-flex"],
      "attention_selection.json"),
-    ("train_16k", ["bench/train_throughput.py", "--steps", "25", "--warmup", "5", "--runs",
+    ("train_16k", ["-m", "bench.train_throughput", "--steps", "25", "--warmup", "5", "--runs",
                    "nosa_1gpu_nr,dense_doc_1gpu_nr", "--extra", "train.log_interval=5"], "train_throughput.json"),
-    ("train_32k", ["bench/train_throughput.py", "--global-batch", "8", "--steps", "9", "--warmup", "3", "--layers",
-                   "14", "--seq", "32768", "--runs", "dense_1gpu_nr,nosa_1gpu_nr", "--extra",
+    ("train_32k", ["-m", "bench.train_throughput", "--global-batch", "8", "--steps", "9", "--warmup", "3",
+                   "--layers", "14", "--seq", "32768", "--runs", "dense_1gpu_nr,nosa_1gpu_nr", "--extra",
                    "model.max_position_embeddings=32768"], "train_throughput.json"),
 ]
 
@@ -178,9 +177,9 @@ def measure(out: Path) -> dict[str, Path]:
     t0 = time.time()
     for name, cmd, result in RUN_STEPS:
         folder = out / name
-        print(f"[{name}] {' '.join(cmd)} ({time.time() - t0:.0f} s)", flush=True)
+        print(f"[{name}] python {' '.join(cmd)} ({time.time() - t0:.0f} s)", flush=True)
         with open(out / f"{name}.log", "w") as log:
-            rc = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:], "--out", str(folder)], cwd=ROOT,
+            rc = subprocess.run([sys.executable, *cmd, "--out", str(folder)], cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         if rc != 0 or not (folder / result).exists():
             raise RuntimeError(f"{name} failed (rc {rc}); see {out / f'{name}.log'}")

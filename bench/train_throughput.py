@@ -15,7 +15,7 @@ Runs, each as its own train/main.py process on the demo data, and prints / write
 
 Per run, over the steps after ``--warmup``: tokens/s as total tokens / total wall time (what users pay) and as
 the median step, the p90 / median step-time ratio (steadiness), MFU (dense bf16 peak of the GPU), peak memory,
-the GPUs' SM clock, power and slowdown reasons within the measured steps (``bench/gpu_clocks.py``: whether both
+the GPUs' SM clock, power and slowdown reasons within the measured steps (``bench.gpu_clocks``: whether both
 runs ran at the same clocks), per-step losses and gradient norms (whether a loss spike followed a growing
 gradient), per-step times with each step's attention work (the trainer's ``attention_work``: sum of squared
 document lengths / S^2) and the line fitted through them (how much of the step-to-step variation the documents
@@ -26,14 +26,14 @@ largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pa
 ``train.fusions`` (on by default; ``--extra train.fusions=false`` for the unfused layers). The two
 profiled steps are left out of the measured steps (``tokens_per_s_with_profiled_steps`` keeps them). Usage::
 
-    python bench/train_throughput.py --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
+    python -m bench.train_throughput --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
         [--seq 16384] [--global-batch 2] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
         [--profile-step N] [--extra key=value ...] [--source CHECKOUT]
 
 Runs log every step (``train.log_interval=1``); with ``--extra train.log_interval=N`` each row's interval
 means count for the N steps it covers (e.g. to time ``train.step_reads=at_log``, whose host reads wait for the
 GPU only at logged steps). ``--source`` runs another checkout's ``train/main.py`` under this harness
-(``bench/ab_throughput.py`` uses it to time two versions of the code alike). Relative paths are taken from
+(``bench.probes.ab_throughput`` uses it to time two versions of the code alike). Relative paths are taken from
 the current directory; the default data is this repository's ``.cache/demo_data``.
 
 The demo corpus is mostly short files (46% of its tokens are in documents shorter than 16K), so
@@ -55,11 +55,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.gpu_clocks import GpuSampler, summarize
+from data.demo_corpus import DEFAULT_OUT
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from data.demo_corpus import DEFAULT_OUT  # noqa: E402
-from gpu_clocks import GpuSampler, summarize  # noqa: E402
 
 
 def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:

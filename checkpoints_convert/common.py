@@ -1,8 +1,7 @@
 """Shared pieces of the converters: trainer-checkpoint discovery, typed configs, tensor I/O.
 
-Layering: this package imports ``nosa_layers`` (configs, megatron builders) and never ``train/``;
-the checkpoint layout conventions (``latest`` pointer, ``nosa_config.json`` next to the tensors) come
-from ``runtime.checkpoint_files``, shared with the trainer.
+Layering: docs/ARCHITECTURE.md. The checkpoint layout conventions (``latest`` pointer, ``nosa_config.json``
+next to the tensors) come from ``runtime.checkpoint_files``, shared with the trainer.
 """
 
 from __future__ import annotations
@@ -10,17 +9,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
+from nosa_layers.config import eviction_head_name
 
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
 from runtime.checkpoint_files import CheckpointError, read_configs, select_checkpoint
@@ -55,23 +52,9 @@ def read_model_config(ckpt: Path):
     return got
 
 
-def run_cli(prog: str, fn, *args) -> int:
-    """Run a converter's work; a bad input is one ``<prog>: error: ...`` line on stderr and exit code 2.
-    Known third-party warnings are one line (``runtime.third_party_noise``)."""
-    from runtime.third_party_noise import quiet_third_party
-
-    quiet_third_party()
-    try:
-        fn(*args)
-    except (ConversionError, ValueError, FileNotFoundError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:
     variants = attn.layer_variants(model.num_layers)
-    head = attn.nosa.eviction_head if "nosa" in variants else "none"
+    head = eviction_head_name(variants, attn.nosa.eviction_head)
     mup = None
     if model.use_mup and fold_mup:
         mup = {"emb": float(model.scale_emb), "residual": float(model.residual_scale),
@@ -140,44 +123,6 @@ def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
         raise ConversionError(f"--out {out} exists and is not an earlier conversion output; choose another "
                               f"--out, remove it first, or pass --overwrite (to_hf) to replace it")
     return out
-
-
-@contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir).
-
-    An existing ``out`` is replaced only when it is empty, an earlier conversion output, or
-    ``overwrite`` is set; anything else (a typo naming a run dir) is refused before any work.
-    The result gets the usual permissions (0777 / 0666 minus the umask), not the temp dir's 0700.
-    """
-    out = check_out_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        _normal_permissions(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    else:
-        os.replace(tmp, out)
-
-
-def _normal_permissions(root: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    for d, _, files in os.walk(root):
-        os.chmod(d, 0o777 & ~umask)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o666 & ~umask)
 
 
 # --- safetensors --------------------------------------------------------------------------------

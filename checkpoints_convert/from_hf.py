@@ -37,10 +37,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_convert.common import DTYPES, atomic_dir, geometry, load_safetensors_dir, run_cli, safetensors_names
+from checkpoints_convert.common import DTYPES, check_out_dir, geometry, load_safetensors_dir, safetensors_names
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, REFERENCE_ARCHITECTURE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
 from checkpoints_convert.reference_format import TOKEN_ID_KEYS, checkpoint_format, longrope_factors, parse_geometry
+from runtime.cli import run_cli
+from runtime.outputs import atomic_dir
 
 
 def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: int | None = None,
@@ -48,7 +50,7 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
                     longrope_choice: str | None = None, mup_constants: dict | None = None):
     """HF ``config.json`` dict -> (ModelConfig, AttentionConfig). ``geometry_override`` overrides fields of
     the reference geometry (reference-format checkpoints only); ``longrope_choice``: see the module doc."""
-    from nosa_layers.config import NOSAConfig
+    from nosa_layers.config import NOSAConfig, eviction_head_name
     from nosa_layers.megatron.config import AttentionConfig, ModelConfig
     from nosa_layers.rope.longrope import LongRoPEConfig
 
@@ -127,9 +129,9 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
         if len(variants) != model.num_layers:
             raise ConversionError(f"nosa_config.layer_variants has {len(variants)} entries for "
                                   f"{model.num_layers} layers")
-        # without NOSA layers the head name stays the default (AttentionConfig maps InfLLM-V2 layers to "none")
-        default_head = {} if "nosa" in variants else {"eviction_head": NOSAConfig().eviction_head}
-        nosa = NOSAConfig.from_fields(n, **default_head)
+        # an export without NOSA layers records the head "none"; the trainer's config keeps its default there
+        head = eviction_head_name(variants, n.get("eviction_head"), absent=NOSAConfig().eviction_head)
+        nosa = NOSAConfig.from_fields(n, eviction_head=head)
         same = len(set(variants)) == 1
         attn = AttentionConfig(variant=variants[0] if same else "nosa" if "nosa" in variants else variants[-1],
                                layer_pattern=None if same else variants, nosa=nosa,
@@ -224,7 +226,7 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     tensors = {k: v.to(torch_dtype) for k, v in tensors.items()}
     from checkpoints_convert.megatron_io import save_dist_checkpoint
 
-    with atomic_dir(out) as tmp:
+    with atomic_dir(check_out_dir(out)) as tmp:
         save_dist_checkpoint(tensors, tmp, model, attn, extra={
             "source": str(src.resolve()), "source_format": fmt, "longrope": longrope,
             "token_ids": {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}})

@@ -46,20 +46,21 @@ import torch
 
 from checkpoints_convert.common import (
     DTYPES,
-    atomic_dir,
     cast,
     check_out_dir,
     geometry,
     load_megatron_tensors,
     read_model_config,
     resolve_checkpoint,
-    run_cli,
     save_safetensors_sharded,
 )
 from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE
 from checkpoints_convert.mapping import ConversionError, megatron_to_hf
 from checkpoints_convert.reference_format import FORMATS, TOKEN_ID_KEYS, longrope_factors, to_reference_config
+from nosa_layers.config import eviction_head_name
+from runtime.cli import run_cli
+from runtime.outputs import atomic_dir
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -120,7 +121,7 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
         cfg["rope_scaling"]["rope_theta"] = cfg.pop("rope_theta")
     if sparse:
         n = attn.nosa
-        head = n.eviction_head if "nosa" in variants else "none"
+        head = eviction_head_name(variants, n.eviction_head)
         cfg["auto_map"] = dict(AUTO_MAP)
         cfg["nosa_config"] = {"layer_variants": variants, **dataclasses.asdict(n), "eviction_head": head,
                               "eviction_bias": bool(attn.eviction_bias), "backend": "auto"}
@@ -205,7 +206,7 @@ def export(ckpt: str, out: str, dtype: Optional[str] = None, tokenizer: Optional
     cfg = hf_config(model, attn, torch_dtype, extra, tokens, None if fmt == "reference" else longrope)
     if fmt == "reference":
         cfg = to_reference_config(cfg, longrope)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(check_out_dir(out, overwrite)) as tmp:
         files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-PACKING_MODES = ("document", "eod")
+PACKING_MODES = ("document", "eod", "best_fit")
 CHAT_TEMPLATES = ("chatml", "tokenizer")
 OVERLONG_POLICIES = ("truncate", "drop")
 BAD_EXAMPLE_POLICIES = ("count", "error")
@@ -24,7 +24,9 @@ class DataConfig:
     split: train,valid,test weights as in Megatron (e.g. "98,2,0"), applied per prefix.
     seq_length: tokens per sample S (4096 pretraining, 16384 CPT).
     packing: "document" emits ``cu_seqlens`` and per-document ``position_ids`` (NOSA);
-             "eod" is plain concatenation with EOD separators and running positions (dense).
+             "eod" is plain concatenation with EOD separators and running positions (dense);
+             "best_fit" keeps documents whole (best-fit packed rows with ``cu_seqlens``; weights are
+             token shares; see :mod:`data.best_fit_loader`).
     eod_mask_loss: zero the loss where the *input* token is EOD (its label would be the first
              token of the next, unrelated document).
     train_samples / valid_samples: samples to index (None = one epoch); loaders wrap around.
@@ -150,9 +152,9 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
                 raise ValueError(f"data.weights={cfg.weights} must be non-negative with a positive sum")
         if cfg.packing not in PACKING_MODES:
             raise ValueError(f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
-        if cfg.packing == "document" and not cfg.eod_mask_loss:
-            raise ValueError("data.eod_mask_loss=false with packing=document would train labels across documents: "
-                             "set it true")
+        if cfg.packing in ("document", "best_fit") and not cfg.eod_mask_loss:
+            raise ValueError(f"data.eod_mask_loss=false with packing={cfg.packing} would train labels across "
+                             "documents: set it true")
         parts = [p for p in cfg.split.replace(" ", "").split(",") if p]
         try:
             nums = [float(p) for p in parts]
@@ -166,8 +168,13 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
             if v is not None and v <= 0:
                 raise ValueError(f"data.{n}={v} must be > 0 or null (one epoch)")
         if check_files:
+            from data.loss_spans import has_loss_from
+
             for p in cfg.paths:
                 _check_indexed(p)
+                if has_loss_from(p) and cfg.packing != "best_fit":
+                    raise ValueError(f"data.paths entry {p!r} trains only parts of its documents "
+                                     f"({p}.loss_from.npy), which needs data.packing=best_fit")
             _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
     elif isinstance(cfg, SFTConfig):
         what = "sft"

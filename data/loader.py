@@ -97,6 +97,10 @@ def build_pretrain_loaders(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, 
     validate(cfg, dp_size)
     tok = tokenizer or Tokenizer(cfg.tokenizer)
     tok.check_model_vocab(cfg.model_vocab_size)
+    if cfg.packing == "best_fit":
+        from data.best_fit_loader import build_best_fit_loaders
+
+        return build_best_fit_loaders(cfg, dp_rank, dp_size, tok)
     train, valid, _ = build_gpt_splits(cfg, tok)
     fp = {"paths": list(cfg.paths), "weights": cfg.weights, "seq_length": cfg.seq_length, "seed": cfg.seed,
           "split": cfg.split, "packing": cfg.packing}

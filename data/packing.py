@@ -14,6 +14,7 @@ of valid entries per row; ``max_seqlen`` is a python int over the batch. Use
 from __future__ import annotations
 
 import bisect
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -22,23 +23,40 @@ import torch
 
 def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Best-fit bin packing in input order: each item goes to the open bin with the least room
-    that still fits it, else a new bin. Returns lists of item indices (order kept within a bin).
-    Items longer than ``capacity`` are the caller's job (truncate/drop before)."""
+    that still fits it (the lowest bin id among equals), else a new bin. Returns lists of item
+    indices (order kept within a bin). Items longer than ``capacity`` are the caller's job
+    (truncate/drop before). O(n log n): bins are kept by their remaining room (``room -> heap of
+    bin ids``), with the sorted distinct rooms searched by bisection."""
     bins: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # sorted (remaining, bin_id)
+    rooms: list[int] = []  # sorted distinct remaining rooms of open bins
+    at: dict[int, list[int]] = {}  # room -> min-heap of the bin ids with that room
+
+    def open_bin(room: int, b: int) -> None:
+        if room <= 0:
+            return
+        heap = at.get(room)
+        if heap is None:
+            at[room] = [b]
+            bisect.insort(rooms, room)
+        else:
+            heapq.heappush(heap, b)
+
     for i, n in enumerate(lengths):
         if n > capacity:
             raise ValueError(f"item {i} has length {n} > capacity {capacity}: truncate or drop it first")
-        k = bisect.bisect_left(room, (n, -1))
-        if k < len(room):
-            rem, b = room.pop(k)
+        k = bisect.bisect_left(rooms, n)
+        if k < len(rooms):
+            room = rooms[k]
+            heap = at[room]
+            b = heapq.heappop(heap)
+            if not heap:
+                del at[room]
+                del rooms[k]
             bins[b].append(i)
-            if rem - n > 0:
-                bisect.insort(room, (rem - n, b))
+            open_bin(room - n, b)
         else:
             bins.append([i])
-            if capacity - n > 0:
-                bisect.insort(room, (capacity - n, len(bins) - 1))
+            open_bin(capacity - n, len(bins) - 1)
     return bins
 
 

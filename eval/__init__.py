@@ -10,6 +10,5 @@ Commands (each ``--help``s itself; see eval/README.md)::
     python -m eval.ablate   --preset tiny | proof_h200 --out DIR [--devices 0,1,2,3]
     python -m eval.compare  [NAME=]DIR[,DIR...] ... [--out DIR]   # runs and eval outputs side by side
 
-Layering: upper floor (imports ``nosa_layers``, ``data``, ``runtime``, ``checkpoints_convert``;
-never ``train``, which it runs as a subprocess).
+Layering: docs/ARCHITECTURE.md (``train`` runs as a subprocess, never imported).
 """

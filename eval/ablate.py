@@ -1,24 +1,34 @@
 """Eviction-head ablation from one command: data, dense pretraining, CPT per variant, evaluation,
-and one table + plot + JSON.
+and one table + plots + JSON.
 
     python -m eval.ablate --preset tiny --out runs/ablate_tiny                    # CPU, minutes
     python -m eval.ablate --preset proof_h200 --out runs/proof --devices 0,1,2,3  # one process per GPU
     python -m eval.ablate --preset proof_h200 --out runs/proof --variants ed_dma,none,dense --scale 0.5
 
+In stages, for machines that cannot run it whole (each step hands the next only small files):
+
+    python -m eval.ablate --preset proof_h200 --out runs/proof --stage pretrain --export runs/pretrained
+    python -m eval.ablate --preset proof_h200 --out runs/proof --init runs/pretrained --variants dense,ed_dma
+
 Steps (each skipped when its output is complete, so a re-run resumes and a finished variant is
 never re-run):
 
 1. data: the offline demo corpus (``data.demo_corpus``), the evaluation task set (``<out>/tasks``)
-   and synthetic retrieval training documents of the same tasks (another seed), tokenized into
-   indexed datasets blended with the corpus;
-2. dense pretraining (``<out>/pretrain``; data parallel over every ``--devices`` GPU);
+   and, per stage, synthetic retrieval training documents of the same tasks (another seed;
+   ``eval.tasks.training_data``) blended with the corpus (``data.packing=best_fit``);
+2. dense pretraining (``<out>/pretrain``; data parallel over every ``--devices`` GPU), its learning
+   curve (``<out>/curves/pretrain.json``) and, with ``--export DIR``, its weights as a bf16 Hugging
+   Face export in files of at most 16 MiB (config, weights, tokenizer: what ``--init`` needs);
+   ``--init DIR`` imports such an export instead of pretraining;
 3. for each variant (``ed_dma, dma, s_dma, locret, none`` = InfLLM-V2, ``dense``): CPT from the
-   pretrained checkpoint (``<out>/cpt/<variant>``), then ``eval.suite`` (``<out>/eval/<variant>``):
-   locality + offload simulation, RULER-style tasks, perplexity by position. With several
-   devices the variants run concurrently, one training process per GPU (``CUDA_VISIBLE_DEVICES``);
-   on CPU one after another;
-4. ``ablation.md``, ``ablation.json``, ``ablation.png`` under ``--out`` (written even when a
-   variant failed; its row says where its log is). Exit status 1 if any variant failed.
+   pretrained weights (``<out>/cpt/<variant>``), its learning curve, then ``eval.suite``
+   (``<out>/eval/<variant>``): locality + offload simulation, RULER-style tasks, perplexity by
+   position. With several devices the variants run concurrently, one training process per GPU
+   (``CUDA_VISIBLE_DEVICES``); on CPU one after another;
+4. ``ablation.md``, ``ablation.json``, ``ablation.png`` and ``learning_curve.{json,png}`` under
+   ``--out`` (written even when a variant failed; its row says where its log is). Variants already
+   evaluated under ``--out`` (e.g. copied from an earlier machine) join the table. Exit status 1 if
+   any variant failed.
 """
 
 from __future__ import annotations
@@ -39,12 +49,17 @@ from typing import Optional
 
 from eval.errors import EvalError
 from eval.presets import VARIANTS, AblationPreset, get_preset
-from eval.report import fmt, markdown_table, save_plot, write_atomic, write_json
+from eval.report import fmt, markdown_table, save_plot
+from runtime.outputs import write_atomic, write_json
 from eval.suite import RESULT, SuiteConfig
 
 _PORTS = itertools.count(29400, 11)  # rendezvous ports of the single-process trainers, one per job
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+HANDOFF_SHARD_BYTES = 16 << 20  # --export: weight files of at most 16 MiB
+HANDOFF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass
@@ -53,6 +68,7 @@ class DataPaths:
     corpus_prefix: str  # held-out documents come from its validation part
     pretrain_paths: list[str]
     cpt_paths: list[str]
+    weights: list[float]  # token shares of (retrieval documents, corpus) in both stages
     tasks: str
 
 
@@ -75,6 +91,9 @@ class Ablation:
     variants: list[str]
     devices: list[Optional[str]]  # GPU ids, or [None] for the CPU
     progress_s: float = 30.0
+    stage: str = "all"  # all | pretrain (data, pretraining, curve, --export; no variant)
+    init: Optional[Path] = None  # an --export of pretrained weights to start CPT from (no pretraining)
+    export: Optional[Path] = None
     jobs: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)
     log_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -114,47 +133,52 @@ class Ablation:
                 pass
 
     # ------------------------------------------------------------------ 1. data
-    def prepare_data(self) -> DataPaths:
+    def prepare_data(self, stages: tuple[str, ...]) -> DataPaths:
+        """The corpus, the task set and the retrieval documents of ``stages`` (``pretrain``, ``cpt``)."""
         from data.demo_corpus import DEFAULT_OUT, SMALL, DemoSpec, build_demo
-        from data.preprocess import preprocess
-        from data.sources import write_jsonl
+        from eval.tasks import TaskSetConfig, build_task_set, load_haystack, tokenizer_hash
+        from eval.tasks.training_data import RetrievalMix, build_retrieval_dataset
         from data.tokenizer import Tokenizer
-        from eval.tasks import TaskSetConfig, build_task_set, load_haystack, training_documents
 
         p = self.preset
         demo_dir = DEFAULT_OUT if p.demo == "full" else str(self.out / "data" / "demo")
         self.say(f"data: demo corpus ({p.demo}) in {demo_dir}")
         man = build_demo(demo_dir, DemoSpec() if p.demo == "full" else SMALL, log=self.say)
-        tok = Tokenizer(man["tokenizer"])
+        tokenizer = man["tokenizer"]
+        if self.init is not None:  # the pretrained weights came with their tokenizer: the corpus must match it
+            if tokenizer_hash(self.init) != tokenizer_hash(tokenizer):
+                raise EvalError(f"--init {self.init}: its tokenizer differs from the demo corpus' ({tokenizer}); "
+                                f"the corpus was tokenized for another model")
+        tok = Tokenizer(tokenizer)
         tasks_dir, data_dir = self.out / "tasks", self.out / "data"
-        merged = {name: str(data_dir / f"train_{name}_text_document") for name in ("pretrain", "cpt")}
-        todo = [n for n, pre in merged.items() if not Path(pre + ".idx").is_file()]
-        if not (tasks_dir / "tasks.json").is_file() or todo:
-            hay = load_haystack(man["corpus"], tok)
-            if not (tasks_dir / "tasks.json").is_file():
-                self.say(f"data: evaluation task set at {p.task_lengths} ({p.task_samples} samples per task)")
-                build_task_set(man["corpus"], tok, tasks_dir,
-                               TaskSetConfig(lengths=p.task_lengths, samples=p.task_samples), log=self.say, hay=hay)
-            for name in todo:
-                lengths = p.pretrain_doc_lengths if name == "pretrain" else p.cpt_doc_lengths
-                docs = training_documents(hay, tok, lengths, _task_names(), p.train_docs, 0)
-                data_dir.mkdir(parents=True, exist_ok=True)
-                jsonl, retrieval = (data_dir / f"retrieval_{name}.jsonl",
-                                    str(data_dir / f"retrieval_{name}_text_document"))
-                write_jsonl(str(jsonl), docs)
-                preprocess(str(jsonl), man["tokenizer"], retrieval, progress=False)
-                n_docs, n_tok = merge_indexed(merged[name], [retrieval, man["indexed_prefix"]], tok.vocab_size)
-                self.say(f"data: {name} = {len(docs)} retrieval documents at {lengths} + the corpus "
-                         f"({n_docs} documents, {n_tok} tokens)")
-        # Both stages hold the same number of documents, so the validation part of the split (the
-        # last documents: corpus documents) is the same held-out set in both.
-        return DataPaths(man["tokenizer"], merged["cpt"], [merged["pretrain"]], [merged["cpt"]], str(tasks_dir))
+        if not (tasks_dir / "tasks.json").is_file():
+            self.say(f"data: evaluation task set at {p.task_lengths} ({p.task_samples} samples per task)")
+            build_task_set(man["corpus"], tok, tasks_dir, TaskSetConfig(lengths=p.task_lengths, samples=p.task_samples),
+                           log=self.say, hay=load_haystack(man["corpus"], tok))
+        mixes = {"pretrain": RetrievalMix(p.pretrain_doc_lengths, p.pretrain_retrieval_tokens),
+                 "cpt": RetrievalMix(p.cpt_doc_lengths, p.cpt_retrieval_tokens)}
+        paths = {}
+        for name, mix in mixes.items():
+            prefix = str(data_dir / f"retrieval_{name}_text_document")
+            paths[name] = [prefix, man["indexed_prefix"]]
+            if name in stages:
+                t0 = time.time()
+                sm = build_retrieval_dataset(man["corpus"], tokenizer, prefix, mix, log=self.say)
+                self.say(f"data: {name} = {sm['documents']} retrieval documents at {mix.lengths} "
+                         f"({sm['tokens'] / 1e6:.1f}M tokens, {time.time() - t0:.0f} s) + the corpus, "
+                         f"{p.retrieval_share:.0%} / {1 - p.retrieval_share:.0%} of the tokens")
+        return DataPaths(tokenizer, man["indexed_prefix"], paths["pretrain"], paths["cpt"],
+                         [p.retrieval_share, round(1 - p.retrieval_share, 6)], str(tasks_dir))
 
     # ------------------------------------------------------------------ 2./3. training
-    def train_args(self, stage, run_dir: Path, paths: list[str], tokenizer: str) -> list[str]:
-        return [f"recipe={stage.recipe}", f"run.dir={run_dir}", f"train.max_steps={stage.steps}",
-                f"data.paths=[{','.join(paths)}]", f"data.tokenizer={tokenizer}", f"data.split='{self.preset.split}'",
-                *stage.overrides]
+    def train_args(self, stage, run_dir: Path, paths: list[str], data: DataPaths, curve_points: int = 0) -> list[str]:
+        args = [f"recipe={stage.recipe}", f"run.dir={run_dir}", f"train.max_steps={stage.steps}",
+                f"data.paths=[{','.join(paths)}]", f"data.weights=[{','.join(map(str, data.weights))}]",
+                f"data.packing={self.preset.packing}", f"data.tokenizer={data.tokenizer}",
+                f"data.split='{self.preset.split}'", *stage.overrides]
+        if curve_points > 0:  # checkpoints along the stage, all kept, for the learning curve
+            args += [f"checkpoint.interval={max(1, stage.steps // curve_points)}", "checkpoint.keep_last=0"]
+        return args
 
     @staticmethod
     def trained_steps(run_dir: Path) -> int:
@@ -173,7 +197,7 @@ class Ablation:
         if self.trained_steps(run_dir) >= steps:
             self.say(f"{key}: already trained ({run_dir})")
             return
-        gpus = [d for d in devices if d is not None]
+        gpus = list(dict.fromkeys(d for d in devices if d is not None))  # a repeated id is one GPU
         nproc = _data_parallel(args, len(gpus))
         main = str(REPO_ROOT / "train" / "main.py")
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", main]
@@ -183,8 +207,7 @@ class Ablation:
             raise RuntimeError(f"training exited with {rc}; see {run_dir.parent / f'{run_dir.name}.log'}")
 
     def pretrain(self, data: DataPaths) -> None:
-        stage = self.preset.pretrain
-        run_dir = self.out / "pretrain"
+        stage, run_dir = self.preset.pretrain, self.out / "pretrain"
         self.say(f"pretrain: {stage.recipe}, {stage.steps} steps -> {run_dir}")
         t0 = time.time()
         stop = threading.Event()
@@ -192,11 +215,63 @@ class Ablation:
                                    daemon=True)
         watcher.start()
         try:
-            self.train("pretrain", self.train_args(stage, run_dir, data.pretrain_paths, data.tokenizer), run_dir,
+            self.train("pretrain", self.train_args(stage, run_dir, data.pretrain_paths, data,
+                                                   self.preset.curve_points_pretrain), run_dir,
                        stage.steps, self.devices)
         finally:
             stop.set()
         self.say(f"pretrain: done ({time.time() - t0:.0f} s)")
+        if self.preset.curve_points_pretrain:
+            self.curve("pretrain", run_dir, data, self.preset.curve_length_pretrain, self.devices[0])
+
+    def pretrained(self) -> Path:
+        """What CPT starts from: ``<out>/pretrain``, or the ``--init`` export imported once."""
+        if self.init is None:
+            return self.out / "pretrain"
+        from checkpoints_convert.from_hf import import_hf
+
+        dst = self.out / "pretrain_import"
+        if not (dst / "latest").is_file():
+            self.say(f"init: importing {self.init} -> {dst}")
+            import_hf(str(self.init), str(dst), log=self.say)
+        return dst
+
+    def export_pretrained(self, data: DataPaths) -> None:
+        """``--export``: the pretrained weights as a bf16 HF export in files of at most 16 MiB, with
+        only what ``--init`` reads (config, weights, tokenizer files; no modeling code)."""
+        import shutil
+
+        from checkpoints_convert.to_hf import export
+
+        if (self.export / "config.json").is_file():
+            self.say(f"export: {self.export} exists")
+            return
+        full = self.out / "pretrain_hf"
+        if not (full / "config.json").is_file():
+            export(str(self.out / "pretrain"), str(full), dtype="bf16", tokenizer=data.tokenizer,
+                   max_shard_bytes=HANDOFF_SHARD_BYTES, log=self.say, overwrite=True)
+        keep = [f for f in sorted(full.iterdir())
+                if f.name in HANDOFF_FILES or f.suffix == ".safetensors" or f.name.endswith(".index.json")]
+        tmp = self.export.with_name(self.export.name + f".tmp-{os.getpid()}")
+        tmp.mkdir(parents=True)
+        for f in keep:
+            shutil.copy2(f, tmp / f.name)
+        os.replace(tmp, self.export)
+        sizes = [f.stat().st_size / 2**20 for f in keep]
+        self.say(f"export: {len(keep)} files, {sum(sizes):.1f} MiB (largest {max(sizes):.1f} MiB) -> {self.export}")
+
+    def curve(self, name: str, run_dir: Path, data: DataPaths, length: int, device: Optional[str]) -> None:
+        """``eval.curve`` over ``run_dir``'s checkpoints -> ``<out>/curves/<name>.json`` (skipped when done)."""
+        out = self.out / "curves" / f"{name}.json"
+        if out.is_file():
+            done = json.loads(out.read_text())
+            if len(done.get("points", [])) >= len(list((run_dir / "checkpoints").glob("iter_*"))):
+                return
+        cmd = [sys.executable, "-m", "eval.curve", "--run", str(run_dir), "--tasks", data.tasks,
+               "--lengths", str(length), "--limit", str(self.preset.curve_samples), "--label", name, "--out", str(out)]
+        t0 = time.time()
+        rc = self.run_logged(f"{name}-curve", cmd, self.out / "curves" / f"{name}.log", device)
+        self.say(f"{name}: learning curve {'done' if rc == 0 else f'FAILED (exit {rc})'} ({time.time() - t0:.0f} s)")
 
     # ------------------------------------------------------------------ variants
     def run_variant(self, job: Job, device: Optional[str], data: DataPaths) -> None:
@@ -204,9 +279,12 @@ class Ablation:
         cpt_dir, eval_dir = self.out / "cpt" / v, self.out / "eval" / v
         job.device, job.started, job.status = device, time.time(), "training"
         job.log = str(self.out / "cpt" / f"{v}.log")
-        args = self.train_args(stage, cpt_dir, data.cpt_paths, data.tokenizer) + [
-            f"attention={VARIANTS[v]}", f"init_from={self.out / 'pretrain'}"]
+        args = self.train_args(stage, cpt_dir, data.cpt_paths, data, self.preset.curve_points_cpt) + [
+            f"attention={VARIANTS[v]}", f"init_from={self.pretrained()}"]
         self.train(v, args, cpt_dir, stage.steps, [device])
+        if self.preset.curve_points_cpt:
+            job.status = "curve"
+            self.curve(v, cpt_dir, data, self.preset.curve_length_cpt, device)
         job.status = "evaluating"
         cfg = self.suite_config()
         if device is None:  # CPU: in this process (one megatron import for every variant), output on the console
@@ -286,9 +364,15 @@ class Ablation:
             self.say(f"{name}: {self._train_progress(run_dir, steps)} ({time.time() - t0:.0f} s)")
 
     # ------------------------------------------------------------------ 4. table
+    def listed(self) -> list[str]:
+        """The table's variants: those asked for, and any other already evaluated under ``--out``."""
+        asked = [] if self.stage == "pretrain" else self.variants
+        done = [v for v in VARIANTS if (self.out / "eval" / v / RESULT).is_file()]
+        return asked + [v for v in done if v not in asked]
+
     def collect(self) -> dict:
         rows = {}
-        for v in self.variants:
+        for v in self.listed():
             job = self.jobs.get(v) or Job(v)
             res_path = self.out / "eval" / v / RESULT
             result = json.loads(res_path.read_text()) if res_path.is_file() else None
@@ -303,17 +387,34 @@ class Ablation:
     def write_outputs(self, table: dict) -> list[Path]:
         files = [write_json(self.out / "ablation.json", table),
                  write_atomic(self.out / "ablation.md", ablation_markdown(table))]
-        p = save_plot(self.out / "ablation.png", lambda fig: ablation_plot(fig, table), figsize=(12, 4))
-        return files + ([p] if p else [])
+        p = save_plot(self.out / "ablation.png", lambda fig: ablation_plot(fig, table), figsize=(14, 4))
+        files += [p] if p else []
+        curves = [json.loads(f.read_text()) for f in sorted((self.out / "curves").glob("*.json"))]
+        if curves:
+            from eval.curve import plot
+
+            pre = [c for c in curves if c["label"] == "pretrain"]
+            offset = pre[0]["points"][-1]["tokens"] if pre and pre[0]["points"] else 0
+            offsets = {c["label"]: 0 if c["label"] == "pretrain" else offset for c in curves}
+            files.append(write_json(self.out / "learning_curve.json", {"curves": curves, "offsets": offsets}))
+            p = save_plot(self.out / "learning_curve.png", lambda fig: plot(fig, curves, offsets), figsize=(9, 5))
+            files += [p] if p else []
+        return files
 
     # ------------------------------------------------------------------ all
     def run(self) -> int:
         t0 = time.time()
         self.out.mkdir(parents=True, exist_ok=True)
+        table = None
         try:
-            data = self.prepare_data()
-            self.pretrain(data)
-            self.run_variants(data)
+            stages = ("pretrain",) if self.stage == "pretrain" else (("cpt",) if self.init else ("pretrain", "cpt"))
+            data = self.prepare_data(stages)
+            if self.init is None:
+                self.pretrain(data)
+            if self.export is not None:
+                self.export_pretrained(data)
+            if self.stage == "all":
+                self.run_variants(data)
         except KeyboardInterrupt:
             self.stop_all()
             raise
@@ -324,29 +425,10 @@ class Ablation:
             files = self.write_outputs(table)
             print("\n" + ablation_markdown(table), flush=True)
             self.say(f"wrote {', '.join(str(f) for f in files)} ({time.time() - t0:.0f} s)")
+        if self.stage == "pretrain":
+            return 0 if (self.out / "pretrain" / "checkpoints").is_dir() and self.trained_steps(
+                self.out / "pretrain") >= self.preset.pretrain.steps else 1
         return 0 if all(r["status"] == "done" for r in table["variants"].values()) else 1
-
-
-def merge_indexed(out_prefix: str, prefixes: list[str], vocab_size: int) -> tuple[int, int]:
-    """One indexed dataset with the documents of ``prefixes`` in order (EODs kept), through a temp
-    prefix renamed at the end; returns ``(documents, tokens)``."""
-    from data.indexed import IndexedWriter, read_indexed
-
-    tmp = f"{out_prefix}.tmp-{os.getpid()}"
-    w = IndexedWriter(tmp, vocab_size)
-    for prefix in prefixes:
-        ds = read_indexed(prefix)
-        for i in range(len(ds.sequence_lengths)):
-            w.add(ds[i])
-        del ds
-    w.close()
-    summary = (json.loads(Path(prefixes[-1] + ".summary.json").read_text())
-               if Path(prefixes[-1] + ".summary.json").is_file() else {})
-    write_json(Path(out_prefix + ".summary.json"), {"tokenizer": summary.get("tokenizer"), "sources": prefixes,
-                                                     "documents": w.documents, "tokens": w.tokens})
-    os.replace(tmp + ".bin", out_prefix + ".bin")
-    os.replace(tmp + ".idx", out_prefix + ".idx")
-    return w.documents, w.tokens
 
 
 def _data_parallel(args: list[str], gpus: int) -> int:
@@ -360,12 +442,6 @@ def _data_parallel(args: list[str], gpus: int) -> int:
     while n > 1 and gbs % (mbs * n):
         n -= 1
     return n
-
-
-def _task_names() -> list[str]:
-    from eval.tasks import TASKS
-
-    return list(TASKS)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -385,42 +461,88 @@ def _row_numbers(row: dict) -> dict:
     """The numbers of one variant's table row (None where not measured)."""
     r = row["result"] or {}
     loc, ppl, ruler = r.get("locality") or {}, (r.get("ppl") or {}).get("buckets") or [], r.get("ruler") or {}
+    by_len = ruler.get("by_length_detail") or {}
     return {"train_loss": row["train_loss"], "val_loss": row["val_loss"],
-            **{f"ppl {b['range']}": b["ppl"] for b in ppl}, "ruler": ruler.get("average"),
-            "gamma_mean": loc.get("gamma_mean"), "gamma_min": loc.get("gamma_min"),
+            **{f"ppl {b['range']}": b["ppl"] for b in ppl},
+            **{f"RULER {int(n) // 1024}K": _pm(d) for n, d in by_len.items()},
+            "ruler": ruler.get("average"), "ruler_se": ruler.get("average_stderr"),
+            "needles": (ruler.get("needles") or {}).get("score"),
+            "token_match": (ruler.get("graded") or {}).get("token_match"),
+            "gamma_mean": loc.get("gamma_mean"), "gamma_p5": loc.get("gamma_p5"), "gamma_min": loc.get("gamma_min"),
             "fetched": loc.get("fetched_per_step"),
             "mb_per_token": None if loc.get("bytes_per_token") is None else loc["bytes_per_token"] / 1e6,
             "tok_s": loc.get("decode_tokens_per_s"), "vs_dense": loc.get("throughput_ratio_vs_dense")}
 
 
+def _pm(d: dict) -> Optional[str]:
+    return None if d.get("score") is None else f"{d['score']:.1f} ± {d['stderr']:.1f}"
+
+
+def verdicts(table: dict) -> list[str]:
+    """The proof run's targets, judged from the table: ed_dma's RULER average within two standard
+    errors of dense's and not below none's by more than two; its locality above none's."""
+    n = {v: _row_numbers(row) for v, row in table["variants"].items() if row["result"]}
+    out = []
+
+    def diff(a: str, b: str):
+        x, y = n[a], n[b]
+        return x["ruler"] - y["ruler"], 2 * ((x["ruler_se"] or 0) ** 2 + (y["ruler_se"] or 0) ** 2) ** 0.5
+
+    if "ed_dma" in n and "dense" in n and n["ed_dma"]["ruler"] is not None and n["dense"]["ruler"] is not None:
+        d, two = diff("ed_dma", "dense")
+        out.append(f"ed_dma - dense RULER average: {d:+.1f} (two standard errors of the difference: {two:.1f}): "
+                   f"{'within' if abs(d) <= two else 'NOT within'} two standard errors")
+    if "ed_dma" in n and "none" in n and n["ed_dma"]["ruler"] is not None and n["none"]["ruler"] is not None:
+        d, two = diff("ed_dma", "none")
+        out.append(f"ed_dma - none RULER average: {d:+.1f} (two standard errors: {two:.1f}): "
+                   f"{'not below by more than two standard errors' if d >= -two else 'BELOW by more than two'}")
+        if n["ed_dma"]["gamma_mean"] is not None and n["none"]["gamma_mean"] is not None:
+            better = n["ed_dma"]["gamma_mean"] > n["none"]["gamma_mean"]
+            out.append(f"locality: gamma mean {n['ed_dma']['gamma_mean']:.3f} (ed_dma) vs "
+                       f"{n['none']['gamma_mean']:.3f} (none): {'above' if better else 'NOT above'} none's")
+    return out
+
+
 def ablation_markdown(table: dict) -> str:
     p = table["preset"]
     variants = table["variants"]
-    buckets = sorted({k for row in variants.values() for k in _row_numbers(row) if k.startswith("ppl ")},
+    nums = {v: _row_numbers(row) for v, row in variants.items()}
+    keys = list(dict.fromkeys(k for n in nums.values() for k in n))
+    buckets = sorted((k for k in keys if k.startswith("ppl ")),
                      key=lambda k: int(k.split()[1].split("-")[0].rstrip("K") or 0))
-    head = ["variant", "status", "train loss", "val loss", *buckets, "RULER avg", "gamma mean", "gamma min",
-            "fetched blocks/step", "MB/token H2D", "decode tok/s (PCIe)", "x dense"]
+    lengths = [k for k in keys if k.startswith("RULER ") and k.endswith("K")]
+    head = ["variant", "status", "train loss", "val loss", *buckets, *lengths, "RULER avg", "needles",
+            "answer tokens matched", "gamma mean", "gamma p5", "gamma min", "fetched blocks/step", "MB/token H2D",
+            "decode tok/s (PCIe)", "x dense"]
     rows = []
     for v, row in variants.items():
-        n = _row_numbers(row)
+        n = nums[v]
         status = row["status"] if row["status"] != "failed" else f"failed ({row['log'] or row['error']})"
+        avg = None if n["ruler"] is None else f"{n['ruler']:.1f} ± {n['ruler_se'] or 0:.1f}"
         rows.append([_variant_label(v), status, n["train_loss"], n["val_loss"], *[n.get(b) for b in buckets],
-                     n["ruler"], n["gamma_mean"], n["gamma_min"], n["fetched"], n["mb_per_token"], n["tok_s"],
-                     n["vs_dense"]])
+                     *[n.get(k) for k in lengths], avg, n["needles"], n["token_match"], n["gamma_mean"],
+                     n["gamma_p5"], n["gamma_min"], n["fetched"], n["mb_per_token"], n["tok_s"], n["vs_dense"]])
     lines = [f"# Eviction-head ablation: preset {p['name']}", "", p["description"], "",
              f"Pretraining {p['pretrain']['recipe']} ({p['pretrain']['steps']} steps), CPT {p['cpt']['recipe']} "
              f"({p['cpt']['steps']} steps per variant); evaluation on held-out documents of {p['eval_length']} "
              f"tokens (validation part of split {p['split']}), RULER-style tasks at {p['task_lengths']} "
-             f"({p['task_samples']} samples per task and length). Locality and offload numbers over the sparse "
+             f"({p['task_samples']} samples per task and length, another seed than the training documents; "
+             f"strict score ± standard error). Locality and offload numbers over the sparse "
              f"decode steps; bytes and throughput for bf16 KV blocks over PCIe at 55 GB/s.", "",
              markdown_table(head, rows)]
     tasks = sorted({t for row in variants.values()
                     for t in ((row["result"] or {}).get("ruler") or {}).get("by_task", {})})
     if tasks:
-        lines += ["", "RULER-style task scores (mean over lengths):", "", markdown_table(
-            ["variant", *tasks],
-            [[_variant_label(v), *[((row["result"] or {}).get("ruler") or {}).get("by_task", {}).get(t)
-                                   for t in tasks]] for v, row in variants.items()])]
+        def task_cell(row, t):
+            d = (((row["result"] or {}).get("ruler") or {}).get("by_task_detail") or {}).get(t)
+            return _pm(d) if d else ((row["result"] or {}).get("ruler") or {}).get("by_task", {}).get(t)
+
+        lines += ["", "RULER-style task scores (mean over lengths ± standard error):", "", markdown_table(
+            ["variant", *tasks], [[_variant_label(v), *[task_cell(row, t) for t in tasks]]
+                                  for v, row in variants.items()])]
+    judged = verdicts(table)
+    if judged:
+        lines += ["", "Targets:", ""] + [f"- {x}" for x in judged]
     return "\n".join(lines) + "\n"
 
 
@@ -432,11 +554,12 @@ def ablation_plot(fig, table: dict) -> None:
     names = list(table["variants"])
     nums = [_row_numbers(table["variants"][v]) for v in names]
     panels = [("RULER average", "ruler"), ("gamma mean (sparse steps)", "gamma_mean"),
-              ("decode throughput vs dense (PCIe bound)", "vs_dense")]
+              ("fetched blocks / step / KV head", "fetched"), ("decode throughput vs dense (PCIe bound)", "vs_dense")]
     for i, (title, key) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
         vals = [n[key] if n[key] is not None else 0.0 for n in nums]
-        ax.bar(range(len(names)), vals, color=["C0" if n[key] is not None else "lightgray" for n in nums])
+        errs = [n["ruler_se"] or 0 for n in nums] if key == "ruler" else None
+        ax.bar(range(len(names)), vals, yerr=errs, color=["C0" if n[key] is not None else "lightgray" for n in nums])
         ax.set_xticks(range(len(names)), names, rotation=30)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
@@ -446,7 +569,9 @@ def ablation_plot(fig, table: dict) -> None:
 
 
 def parse_devices(spec: Optional[str]) -> list[Optional[str]]:
-    """``0,1,2,3`` -> GPU ids; ``cpu`` or no GPU -> ``[None]`` (the CPU); default: every visible GPU."""
+    """``0,1,2,3`` -> GPU ids; ``cpu`` or no GPU -> ``[None]`` (the CPU); default: every visible GPU. An id
+    may repeat (``0,0,0``): that many variants train at once on that GPU (small models leave most of a
+    GPU idle); data-parallel pretraining uses each GPU once."""
     if spec == "cpu":
         return [None]
     if spec:
@@ -465,8 +590,13 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny", help="tiny | proof_h200")
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
-    ap.add_argument("--devices", default=None, help="GPU ids (one training process each) or 'cpu'; default all GPUs")
+    ap.add_argument("--devices", default=None,
+                    help="GPU ids (one variant at a time on each; repeat an id to share it) or 'cpu'; default all GPUs")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the training steps of both stages")
+    ap.add_argument("--stage", default="all", choices=["all", "pretrain"],
+                    help="pretrain: stop after the pretraining (and --export)")
+    ap.add_argument("--export", default=None, help="write the pretrained weights here (bf16, files <= 16 MiB)")
+    ap.add_argument("--init", default=None, help="start CPT from an --export of another run (no pretraining)")
     ap.add_argument("--progress", type=float, default=None, help="seconds between progress lines")
     a = ap.parse_args(argv)
     try:
@@ -474,12 +604,19 @@ def main(argv=None) -> int:
         variants = a.variants.split(",") if a.variants else list(preset.variants)
         preset.validate(variants)
         devices = parse_devices(a.devices)
+        if a.init and a.stage == "pretrain":
+            raise EvalError("--init skips the pretraining; --stage pretrain has nothing to do with it")
+        if a.init and not (Path(a.init) / "config.json").is_file():
+            raise EvalError(f"--init {a.init}: no export there (config.json missing); give an --export directory")
+        if a.export and Path(a.export).exists() and not (Path(a.export) / "config.json").is_file():
+            raise EvalError(f"--export {a.export} exists and is not an export; give a new directory")
     except EvalError as e:
         print(f"eval.ablate: error: {e}", file=sys.stderr)
         return 2
     progress = a.progress if a.progress is not None else (10.0 if devices == [None] else 30.0)
     try:
-        return Ablation(preset, Path(a.out), variants, devices, progress).run()
+        return Ablation(preset, Path(a.out), variants, devices, progress, a.stage,
+                        Path(a.init) if a.init else None, Path(a.export) if a.export else None).run()
     except EvalError as e:
         print(f"eval.ablate: error: {e}", file=sys.stderr)
         return 2

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 from eval.errors import EvalError
-from eval.report import fmt, save_plot, write_atomic, write_json
+from eval.report import fmt, save_plot
+from runtime.outputs import write_atomic, write_json
 from runtime.run_metrics import METRICS, read_metrics, run_figures
 
 FILES = (METRICS, "ruler.json", "ppl.json", "locality.json", "result.json")
@@ -212,7 +213,7 @@ def compare(args: list[str], out: Optional[str] = None, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.compare", description=__doc__.split("\n\n")[0],
                                  epilog="each DIR: a run dir (metrics.jsonl) and / or an eval output dir")

@@ -1,5 +1,5 @@
 """One-line errors of the eval commands. A bad input raises :class:`EvalError` whose message names
-the fix; the CLIs run through ``checkpoints_convert.common.run_cli``, which prints
+the fix; the CLIs run through ``runtime.cli.run_cli``, which prints
 ``<prog>: error: <message>`` and exits with status 2 (no traceback)."""
 
 from __future__ import annotations

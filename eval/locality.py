@@ -28,7 +28,8 @@ from typing import Optional
 import numpy as np
 
 from eval import offload_sim as sim
-from eval.report import fmt, markdown_table, save_plot, write_atomic, write_json
+from eval.report import fmt, markdown_table, save_plot
+from runtime.outputs import write_atomic, write_json
 
 DEFAULT_BANDWIDTH_GB_S = 55.0  # pinned host->device copies of an H200 host (PCIe 5 x16), measured
 
@@ -291,7 +292,7 @@ def run(ckpt: str, data: str, out: str, length: int, docs: int = 4, split: Optio
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.locality", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from eval.report import markdown_table, write_atomic, write_json
+from eval.report import markdown_table
+from runtime.outputs import write_atomic, write_json
 
 
 def bucket_edges(length: int) -> list[tuple[int, int]]:
@@ -75,7 +76,7 @@ def run(ckpt: str, data: str, out: str, length: int, docs: int = 8, split: Optio
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.ppl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)

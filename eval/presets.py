@@ -35,18 +35,35 @@ class Stage:
 
 @dataclass
 class AblationPreset:
+    """The data, both stages and the evaluation of one ablation.
+
+    Training data per stage: the demo corpus blended with synthetic retrieval documents of the
+    RULER-style tasks (``eval.tasks.training_data``: ``*_retrieval_tokens`` tokens, the same share for
+    every task and length of ``*_doc_lengths``, drawn with another seed than the evaluation set),
+    ``retrieval_share`` of the tokens, packed with ``packing`` (``best_fit`` keeps documents whole).
+    Learning curves: ``curve_points_*`` checkpoints along each stage scored on ``curve_samples``
+    samples per task (pretraining at ``curve_length_pretrain``, CPT at ``curve_length_cpt``)."""
+
     name: str
     description: str
     pretrain: Stage
     cpt: Stage
     variants: List[str]
     demo: str = "full"  # demo corpus spec: full (cached under .cache/demo_data) | small (under <out>/data)
-    split: str = "95,5,0"  # data.split of both stages: its validation documents are the held-out set
+    split: str = "95,5,0"  # data.split of both stages: the corpus' validation documents are the held-out set
     task_lengths: List[int] = field(default_factory=lambda: [4096, 8192, 16384])
     task_samples: int = 20
-    pretrain_doc_lengths: List[int] = field(default_factory=lambda: [1024, 2048, 3584])
-    cpt_doc_lengths: List[int] = field(default_factory=lambda: [4096, 8192, 14336])
-    train_docs: int = 40  # synthetic retrieval documents per (task, length) in the training data
+    packing: str = "best_fit"
+    retrieval_share: float = 0.6  # token share of the retrieval documents in each stage's blend
+    pretrain_doc_lengths: List[int] = field(default_factory=lambda: [512, 1024, 2048, 4095])
+    pretrain_retrieval_tokens: int = 1_000_000
+    cpt_doc_lengths: List[int] = field(default_factory=lambda: [1024, 4096, 8192, 16383])
+    cpt_retrieval_tokens: int = 1_000_000
+    curve_points_pretrain: int = 0
+    curve_points_cpt: int = 0
+    curve_samples: int = 8
+    curve_length_pretrain: int = 4096
+    curve_length_cpt: int = 16384
     eval_length: int = 16384  # tokens of the locality and perplexity documents
     locality_docs: int = 4
     ppl_docs: int = 8
@@ -55,18 +72,20 @@ class AblationPreset:
         bad = [v for v in variants if v not in VARIANTS]
         if bad:
             raise EvalError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}")
-        if len(self.pretrain_doc_lengths) != len(self.cpt_doc_lengths):
-            raise EvalError(f"preset {self.name}: pretrain_doc_lengths and cpt_doc_lengths need as many entries "
-                            f"(both stages must hold the same number of documents: the same held-out set)")
         if self.demo not in ("full", "small"):
             raise EvalError(f"preset {self.name}: demo={self.demo!r}; use full or small")
+        if not 0 < self.retrieval_share < 1:
+            raise EvalError(f"preset {self.name}: retrieval_share={self.retrieval_share} must be in (0, 1)")
 
     def scaled(self, factor: float) -> "AblationPreset":
-        """Step counts multiplied by ``factor`` (at least 2 steps each)."""
+        """Step counts (and the retrieval tokens generated for them) multiplied by ``factor`` (at least
+        2 steps each)."""
         if factor <= 0:
             raise EvalError(f"--scale {factor}: give a positive factor")
         step = lambda s: replace(s, steps=max(2, round(s.steps * factor)))  # noqa: E731
-        return replace(self, pretrain=step(self.pretrain), cpt=step(self.cpt))
+        return replace(self, pretrain=step(self.pretrain), cpt=step(self.cpt),
+                       pretrain_retrieval_tokens=max(1, round(self.pretrain_retrieval_tokens * factor)),
+                       cpt_retrieval_tokens=max(1, round(self.cpt_retrieval_tokens * factor)))
 
 
 _QUIET = ["train.eval_interval=0", "checkpoint.interval=0", "logging.plot=true"]
@@ -84,16 +103,23 @@ PRESETS: Dict[str, AblationPreset] = {
         cpt=Stage("tiny_cpt", 4, ["train.global_batch_size=2", "train.locality_interval=0", *_QUIET,
                                   "optim.warmup_steps=1", *_TINY_GEOMETRY]),
         variants=["ed_dma", "none", "dense"], demo="small", split="90,10,0", task_lengths=[512], task_samples=2,
-        pretrain_doc_lengths=[512], cpt_doc_lengths=[512], train_docs=1, eval_length=512, locality_docs=2,
-        ppl_docs=2),
-    # The H200 proof run: a 32M-parameter model, 4K dense pretraining, 16K CPT per variant.
+        retrieval_share=0.5, pretrain_doc_lengths=[384, 512], pretrain_retrieval_tokens=20_000,
+        cpt_doc_lengths=[512], cpt_retrieval_tokens=20_000, curve_points_pretrain=2, curve_samples=1,
+        curve_length_pretrain=512, curve_length_cpt=512, eval_length=512, locality_docs=2, ppl_docs=2),
+    # The H200 proof run: a 19M-parameter model, 4K dense pretraining, 16K CPT per variant; every
+    # stage is one command of at most ~9 minutes on one H200 (docs/RESULTS.md).
     "proof_h200": AblationPreset(
         name="proof_h200",
-        description="32M-parameter Llama (8 x 512, GQA 8/2, head_dim 64), 4K dense pretraining on the demo "
-                    "corpus + synthetic retrieval documents, 16K NOSA CPT per variant (released geometry)",
-        pretrain=Stage("proof_pretrain", 500, ["train.global_batch_size=16", "train.micro_batch_size=4"]),
-        cpt=Stage("proof_cpt", 80, []),
-        variants=["ed_dma", "none", "dense", "dma", "s_dma", "locret"]),  # the key comparison runs first
+        description="19M-parameter Llama (8 x 384, GQA 6/2, head_dim 64), 4K dense pretraining on the demo "
+                    "corpus + synthetic retrieval documents (80% of the tokens, whole documents, loss on their "
+                    "answers), 16K CPT per variant (released NOSA geometry)",
+        pretrain=Stage("proof_pretrain", 900),
+        cpt=Stage("proof_cpt", 160),
+        variants=["ed_dma", "none", "dense", "dma", "s_dma", "locret"],  # the key comparison runs first
+        task_samples=40, retrieval_share=0.8,
+        pretrain_doc_lengths=[256, 512, 1024, 2048, 4095], pretrain_retrieval_tokens=95_000_000,
+        cpt_doc_lengths=[1024, 4096, 8192, 16383], cpt_retrieval_tokens=17_000_000,
+        curve_points_pretrain=4, curve_points_cpt=3, curve_samples=12),
 }
 
 

@@ -23,19 +23,26 @@ from pathlib import Path
 from typing import Optional
 
 from eval.errors import EvalError
-from eval.report import markdown_table, write_atomic, write_json
+from eval.report import markdown_table
+from runtime.outputs import write_atomic, write_json
 
 HARNESSES = ("direct", "lm-eval")
 
 
 @dataclass
 class ItemResult:
+    """One answer item: ``loglik`` (sum over its ``tokens`` answer tokens), ``greedy`` (every token is
+    the greedy choice: the strict score) and ``matched`` (answer tokens that are the greedy choice;
+    None where the harness does not report it, as lm-eval)."""
+
     task: str
     length: int
     sample: int
     item: int
     loglik: float
     greedy: bool
+    tokens: int = 0
+    matched: Optional[int] = None
 
 
 def score_direct(model, tok, ts, lengths: list[int], tasks: list[str], limit: Optional[int] = None,
@@ -58,15 +65,17 @@ def score_direct(model, tok, ts, lengths: list[int], tasks: list[str], limit: Op
                 lp, greedy = model.token_logprobs(torch.tensor(ids))
                 target = torch.tensor(ids[1:])
                 for j, (a, b) in enumerate(row["item_spans"]):
+                    hit = greedy[a - 1:b - 1] == target[a - 1:b - 1]
                     out.append(ItemResult(task, length, row["index"], j, float(lp[a - 1:b - 1].double().sum()),
-                                          bool((greedy[a - 1:b - 1] == target[a - 1:b - 1]).all())))
+                                          bool(hit.all()), b - a, int(hit.sum())))
             log(f"  {task} @ {length}: {len(rows)} samples ({time.perf_counter() - t0:.1f} s)")
     return out
 
 
-def score_lm_eval(hf_dir: str, ts, lengths: list[int], tasks: list[str], limit: Optional[int] = None,
-                  device: Optional[str] = None, dtype: str = "auto", log=print) -> list[ItemResult]:
-    """The same items through lm-evaluation-harness on the HF export ``hf_dir``."""
+def score_lm_eval(hf_dir: Optional[str], ts, lengths: list[int], tasks: list[str], limit: Optional[int] = None,
+                  device: Optional[str] = None, dtype: str = "auto", log=print, lm=None) -> list[ItemResult]:
+    """The same items through lm-evaluation-harness on the HF export ``hf_dir`` (or on ``lm``, an
+    ``lm_eval.api.model.LM`` instance, instead of lm-eval's Hugging Face model)."""
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -85,16 +94,19 @@ def score_lm_eval(hf_dir: str, ts, lengths: list[int], tasks: list[str], limit: 
             items = [json_line for json_line in (ts.root / f"{t}_{n}.items.jsonl").read_text().splitlines()
                      if json_line]
             picked[name] = [i for i, line in enumerate(items) if _sample_of(line) < limit]
+    model_args = {"pretrained": str(hf_dir), "trust_remote_code": True, "dtype": dtype, "device": device}
     res = simple_evaluate(
-        model="hf", model_args={"pretrained": str(hf_dir), "trust_remote_code": True, "dtype": dtype,
-                                "device": device},
+        model=lm if lm is not None else "hf", model_args=None if lm is not None else model_args,
         tasks=list(names), task_manager=TaskManager(include_path=str(ts.root), include_defaults=False),
         batch_size=1, log_samples=True, samples=picked, bootstrap_iters=0)
     out = []
     for name, (t, n) in names.items():
+        spans = {row["index"]: row["item_spans"] for row in ts.samples(t, n)}
         for s in res["samples"][name]:
             ll, is_greedy = _loglik_response(s)
-            out.append(ItemResult(t, n, int(s["doc"]["sample"]), int(s["doc"]["item"]), ll, is_greedy))
+            sample, item = int(s["doc"]["sample"]), int(s["doc"]["item"])
+            a, b = spans[sample][item]
+            out.append(ItemResult(t, n, sample, item, ll, is_greedy, b - a))
     out.sort(key=lambda r: (lengths.index(r.length), tasks.index(r.task), r.sample, r.item))
     log(f"  lm-eval: {len(out)} items over {len(names)} task(s)")
     return out
@@ -114,8 +126,20 @@ def _loglik_response(s: dict) -> tuple[float, bool]:
     return float(resp[0]), bool(resp[1])
 
 
+def _graded(rs: list[ItemResult]) -> dict:
+    """The graded signals of some items: mean log-likelihood per answer token (nats) and the share of
+    answer tokens that are the greedy choice (None when the harness does not report tokens)."""
+    toks = sum(r.tokens for r in rs)
+    known = [r for r in rs if r.matched is not None]
+    return {"loglik_per_token": sum(r.loglik for r in rs) / toks if toks else None,
+            "token_match": sum(r.matched for r in known) / sum(r.tokens for r in known)
+            if known and sum(r.tokens for r in known) else None}
+
+
 def summarize(items: list[ItemResult]) -> dict:
-    """Per (task, length): score = 100 x mean greedy match, its standard error, counts; averages."""
+    """Per (task, length): score = 100 x mean greedy match (RULER's strict score), its standard error,
+    counts, and the graded signals (:func:`_graded`); the same by task, by length and over all cells
+    (averages of cells; the standard error of an average assumes independent cells)."""
     groups: dict[tuple[str, int], list[ItemResult]] = {}
     for r in items:
         groups.setdefault((r.task, r.length), []).append(r)
@@ -124,21 +148,55 @@ def summarize(items: list[ItemResult]) -> dict:
         p = sum(r.greedy for r in rs) / len(rs)
         cells.append({"task": task, "length": length, "score": 100 * p,
                       "stderr": 100 * math.sqrt(p * (1 - p) / len(rs)), "items": len(rs),
-                      "samples": len({r.sample for r in rs}), "mean_loglik": sum(r.loglik for r in rs) / len(rs)})
+                      "samples": len({r.sample for r in rs}), "mean_loglik": sum(r.loglik for r in rs) / len(rs),
+                      **_graded(rs)})
     tasks = list(dict.fromkeys(c["task"] for c in cells))
     lengths = sorted({c["length"] for c in cells})
-    avg = lambda cs: sum(c["score"] for c in cs) / len(cs) if cs else None  # noqa: E731
+
+    def avg(cs: list[dict], key: str = "score"):
+        vals = [c[key] for c in cs if c[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def stderr(cs: list[dict]):
+        return math.sqrt(sum(c["stderr"] ** 2 for c in cs)) / len(cs) if cs else None
+
+    def block(cs: list[dict]) -> dict:
+        return {"score": avg(cs), "stderr": stderr(cs), "token_match": avg(cs, "token_match"),
+                "loglik_per_token": avg(cs, "loglik_per_token")}
+
+    by_task = {t: [c for c in cells if c["task"] == t] for t in tasks}
+    by_length = {str(n): [c for c in cells if c["length"] == n] for n in lengths}
     return {"cells": cells, "tasks": tasks, "lengths": lengths,
-            "by_task": {t: avg([c for c in cells if c["task"] == t]) for t in tasks},
-            "by_length": {str(n): avg([c for c in cells if c["length"] == n]) for n in lengths},
-            "average": avg(cells)}
+            "by_task": {t: avg(cs) for t, cs in by_task.items()},
+            "by_length": {n: avg(cs) for n, cs in by_length.items()},
+            "average": avg(cells), "average_stderr": stderr(cells),
+            "graded": {"token_match": avg(cells, "token_match"), "loglik_per_token": avg(cells, "loglik_per_token")},
+            "by_task_detail": {t: block(cs) for t, cs in by_task.items()},
+            "by_length_detail": {n: block(cs) for n, cs in by_length.items()},
+            "needles": block([c for c in cells if c["task"].startswith("niah_")])}
+
+
+def _pm(score, se) -> str:
+    return "-" if score is None else f"{score:.1f} ± {se:.1f}"
 
 
 def markdown(summary: dict, title: str) -> str:
-    cell = {(c["task"], c["length"]): c["score"] for c in summary["cells"]}
-    rows = [[t] + [cell.get((t, n)) for n in summary["lengths"]] + [summary["by_task"][t]] for t in summary["tasks"]]
-    rows.append(["**average**"] + [summary["by_length"][str(n)] for n in summary["lengths"]] + [summary["average"]])
-    return f"# {title}\n\n" + markdown_table(["task"] + [str(n) for n in summary["lengths"]] + ["mean"], rows) + "\n"
+    """Strict scores (± standard error) by task and length, then the graded signals by length."""
+    cell = {(c["task"], c["length"]): c for c in summary["cells"]}
+    lengths, detail = summary["lengths"], summary.get("by_task_detail", {})
+    rows = [[t] + [_pm(cell[(t, n)]["score"], cell[(t, n)]["stderr"]) if (t, n) in cell else "-" for n in lengths]
+            + [_pm(detail[t]["score"], detail[t]["stderr"]) if t in detail else summary["by_task"][t]]
+            for t in summary["tasks"]]
+    by_len = summary.get("by_length_detail", {})
+    rows.append(["**average**"] + [_pm(by_len[str(n)]["score"], by_len[str(n)]["stderr"]) for n in lengths]
+                + [_pm(summary["average"], summary["average_stderr"])])
+    graded = [[name] + [by_len[str(n)][key] for n in lengths] + [summary["graded"][key]]
+              for name, key in (("answer tokens matched (share)", "token_match"),
+                                ("log-likelihood per answer token", "loglik_per_token"))]
+    head = ["task"] + [str(n) for n in lengths] + ["mean"]
+    return (f"# {title}\n\nStrict score (100 x share of answer items whose every token is the greedy choice, "
+            f"± standard error):\n\n" + markdown_table(head, rows) + "\n\nGraded signals (every task):\n\n"
+            + markdown_table(["signal"] + head[1:], graded) + "\n")
 
 
 def run(ckpt: str, tasks_dir: str, out: str, lengths: Optional[list[int]] = None, harness: str = "direct",
@@ -160,8 +218,15 @@ def run(ckpt: str, tasks_dir: str, out: str, lengths: Optional[list[int]] = None
         with lm_eval_dir(src, log) as hf_dir:
             items = score_lm_eval(str(hf_dir), ts, chosen, ts.tasks, limit, dtype=dtype, log=log)
     result = write_outputs(items, Path(out), src, harness, {"tasks_dir": str(ts.root), "limit": limit})
-    log(f"RULER average {result['average']:.1f} over {len(result['cells'])} (task, length) cell(s); wrote {out}")
+    g = result["graded"]
+    log(f"RULER average {result['average']:.1f} ± {result['average_stderr']:.1f} over {len(result['cells'])} "
+        f"(task, length) cell(s); answer tokens matched {_share(g['token_match'])}, log-likelihood per answer "
+        f"token {g['loglik_per_token']:.3f}; wrote {out}")
     return result
+
+
+def _share(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def write_outputs(items: list[ItemResult], out: Path, src, harness: str, extra: Optional[dict] = None) -> dict:
@@ -178,7 +243,7 @@ def write_outputs(items: list[ItemResult], out: Path, src, harness: str, extra: 
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.ruler", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)

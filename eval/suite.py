@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from eval.report import write_atomic, write_json
+from runtime.outputs import write_atomic, write_json
 
 RESULT = "result.json"
 
@@ -65,8 +65,8 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
     write_json(out_dir / "ppl.json", pp)
     write_atomic(out_dir / "ppl.md", ppl.markdown(pp, f"Perplexity by position: {src.label}"))
     result = {"model": loc["model"], "config": asdict(cfg), "locality": loc["summary"], "dense": loc["dense"],
-              "ruler": {"average": rs["average"], "by_task": rs["by_task"], "by_length": rs["by_length"],
-                        "items": len(items)},
+              "ruler": {k: rs[k] for k in ("average", "average_stderr", "by_task", "by_length", "by_task_detail",
+                                           "by_length_detail", "needles", "graded")} | {"items": len(items)},
               "ppl": pp, "seconds": time.perf_counter() - t0}
     write_json(out_dir / RESULT, result)
     log(f"[{src.label}] {locality.summary_line(loc)}; RULER {rs['average']:.1f}; "
@@ -75,7 +75,7 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.suite", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # ``attn_bias`` / ``bias_cache`` default of the attention entry points: the bias is the eviction
 # score itself (ED-DMA); pass a tensor for another bias, or ``None`` for none.
@@ -96,6 +96,13 @@ class NOSAConfig:
         need(self.eviction_head in EVICTION_HEADS,
              f"unknown eviction_head {self.eviction_head!r}; choose one of {sorted(EVICTION_HEADS)}")
         return self
+
+
+def eviction_head_name(layer_variants: Sequence[str], head: str, absent: str = "none") -> str:
+    """The eviction head of a model whose layers run ``layer_variants`` (``dense`` / ``infllm_v2`` / ``nosa``)
+    and whose NOSA layers run ``head``: ``head`` where a layer is NOSA, else ``absent`` (dense and InfLLM-V2
+    layers run none). One layer of ``variant``: ``eviction_head_name([variant], head)``."""
+    return head if "nosa" in layer_variants else absent
 
 
 def tiny_geometry(**overrides) -> NOSAConfig:

@@ -3,7 +3,7 @@
 Backends: ``reference`` (pure PyTorch in ``selection.py`` / ``reference.py``, CPU/GPU, fp32/fp64, the
 ground truth), ``triton`` (the kernels in ``nosa_layers.ops``), ``auto`` (Triton on CUDA when
 available, else reference). The environment variable ``NOSA_ATTN_BACKEND`` overrides ``auto`` for
-debugging. Layers: references <- kernels (``ops``) <- this module <- layers (``layer.py``, megatron).
+debugging. Its place between the kernels and the layers: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from nosa_layers.config import BIAS_FROM_SCORE, NOSAConfig
+from nosa_layers.query_chunks import QueryChunks, full_chunks
 from nosa_layers.reference import block_sparse_attention
 from nosa_layers.selection import check_inputs, document_spans, select_blocks_reference
 
@@ -48,18 +49,20 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int | None = N
 @torch.no_grad()
 def select_blocks(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                   cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
-                  backend: str = "reference") -> Tensor:
+                  backend: str = "reference", q_chunks: QueryChunks | None = None) -> Tensor:
     """Causal NOSA block selection of every query token: bool ``[B, Hkv, T, nb]``.
 
     Shapes and semantics: ``selection.select_blocks_reference``. ``backend="triton"`` runs the GPU
     kernels (same semantics and tie-breaking; block scores from tensor-core products, so rows whose
     block scores are within rounding of a tie may differ); geometries the kernels do not cover
-    fall back to the reference.
+    fall back to the reference. ``q_chunks``: q holds only those query rows of the ``T``-token row
+    (context parallelism); the result is ``[B, Hkv, Tq, nb]``, each row as in the full-row call.
     """
-    check_inputs(q, k, evict_score, cu_seqlens)
+    check_inputs(q, k, evict_score, cu_seqlens, q_chunks)
     if resolve_backend(backend, q.device) == "triton" and ops.supports_selection(cfg, q.shape[-1]):
-        return ops.select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
-    return select_blocks_reference(q, k, evict_score, cfg, cu_seqlens, softmax_scale)
+        return ops.select_blocks_triton(q, k, evict_score, cfg, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
+                                        q_chunks=q_chunks)
+    return select_blocks_reference(q, k, evict_score, cfg, cu_seqlens, softmax_scale, q_chunks=q_chunks)
 
 
 @dataclass
@@ -76,7 +79,7 @@ class PreparedSelection:
 def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                       cu_seqlens: Tensor | None = None, backend: str = "reference",
                       softmax_scale: float | None = None, selected: Tensor | None = None,
-                      attn_heads: int | None = None) -> PreparedSelection:
+                      attn_heads: int | None = None, q_chunks: QueryChunks | None = None) -> PreparedSelection:
     """Selection (``select_blocks``, or the given ``selected``) plus the backend's index built from it,
     for ``nosa_attention(..., selected=<this>)``. Shapes as in ``nosa_attention``; ``q`` may hold
     more query heads than the attention call (a whole KV group gathered over tensor parallelism):
@@ -85,11 +88,12 @@ def prepare_selection(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOS
     score = None if evict_score is None else evict_score.detach()
     given = selected is not None  # a caller's selection may exceed the topk budget per row
     if selected is None:
-        selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale, backend=backend)
+        selected = select_blocks(q.detach(), k.detach(), score, cfg, cu_seqlens, softmax_scale, backend=backend,
+                                 q_chunks=q_chunks)
     if backend != "triton":
         return PreparedSelection(selected)
-    index = ops.build_sparse_index(selected, cfg, q.shape[1], cu_seqlens, num_q_heads=attn_heads or q.shape[2],
-                                   row_budget=None if given else cfg.topk, q=q)
+    index = ops.build_sparse_index(selected, cfg, k.shape[1], cu_seqlens, num_q_heads=attn_heads or q.shape[2],
+                                   row_budget=None if given else cfg.topk, q=q, q_chunks=q_chunks)
     return PreparedSelection(selected, index)
 
 
@@ -97,7 +101,8 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
                    cu_seqlens: Tensor | None = None, backend: str = "reference",
                    attn_bias: Tensor | None | str = BIAS_FROM_SCORE,
                    softmax_scale: float | None = None,
-                   selected: Tensor | PreparedSelection | None = None) -> Tensor:
+                   selected: Tensor | PreparedSelection | None = None,
+                   q_chunks: QueryChunks | None = None) -> Tensor:
     """NOSA sparse attention (training / prefill path).
 
     Args:
@@ -115,11 +120,14 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         selected: optional precomputed ``select_blocks`` result ``[B, Hkv, T, nb]`` (e.g. selected
             once for a KV group whose query heads span tensor-parallel ranks), or a
             ``prepare_selection`` result (the selection plus the backend's index); skips selection.
+        q_chunks: q holds only the query rows of these chunks of the ``T``-token row (context
+            parallelism: k, v, scores and ``cu_seqlens`` are the whole row); positions, causality and
+            documents follow the global token index, so every output row equals the full-row call's.
 
-    Returns ``[B, T, Hq, D]`` in q's dtype; differentiable in q, k, v and the bias. The selection
-    itself is not differentiable (it runs on detached tensors).
+    Returns ``[B, Tq, Hq, D]`` in q's dtype (``Tq = T`` without ``q_chunks``); differentiable in q, k, v
+    and the bias. The selection itself is not differentiable (it runs on detached tensors).
     """
-    check_inputs(q, k, evict_score, cu_seqlens)
+    check_inputs(q, k, evict_score, cu_seqlens, q_chunks)
     if v.shape != k.shape:
         raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
     bias = evict_score if isinstance(attn_bias, str) and attn_bias == BIAS_FROM_SCORE else attn_bias
@@ -130,19 +138,23 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
         if selected is not None and selected.shape[:3] != (q.shape[0], k.shape[2], q.shape[1]):
             raise ValueError(f"selected must be [B, Hkv, T, nb] with B, Hkv, T = "
                              f"{(q.shape[0], k.shape[2], q.shape[1])}, got {tuple(selected.shape)}")
-        selected = prepare_selection(q, k, evict_score, cfg, cu_seqlens, backend, softmax_scale, selected)
+        selected = prepare_selection(q, k, evict_score, cfg, cu_seqlens, backend, softmax_scale, selected,
+                                     q_chunks=q_chunks)
 
     if backend == "triton":
         index = selected.index
         if index is None:  # a reference-backend preparation handed to the Triton backend
-            index = ops.build_sparse_index(selected.selected, cfg, q.shape[1], cu_seqlens, num_q_heads=q.shape[2],
-                                           q=q)
+            index = ops.build_sparse_index(selected.selected, cfg, k.shape[1], cu_seqlens, num_q_heads=q.shape[2],
+                                           q=q, q_chunks=q_chunks)
         return ops.sparse_attention(q, k, v, index, bias=bias, softmax_scale=softmax_scale)
 
     sel = selected.selected
     outs = []
-    for s, e in document_spans(cu_seqlens, q.shape[1]):
+    for s, e, lo, hi, row in (q_chunks or full_chunks(k.shape[1])).pieces(document_spans(cu_seqlens, k.shape[1])):
+        rows = slice(row, row + hi - lo)
         outs.append(block_sparse_attention(
-            q[:, s:e], k[:, s:e], v[:, s:e], sel[:, :, s:e], cfg.block_size,
-            bias=None if bias is None else bias[:, s:e], softmax_scale=softmax_scale))
+            q[:, rows], k[:, s:hi], v[:, s:hi], sel[:, :, rows], cfg.block_size,
+            bias=None if bias is None else bias[:, s:hi], softmax_scale=softmax_scale, q_offset=lo - s))
+    if not outs:
+        return q.new_zeros(q.shape)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

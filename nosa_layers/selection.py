@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
+from nosa_layers.query_chunks import QueryChunks, full_chunks
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -55,6 +56,29 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
     """Bool mask of the ``k`` largest entries along the last dim; ties go to the lower index."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
+
+
+def two_stage_blocks(b_qa: Tensor, b_qg: Tensor | None, forced: Tensor, future: Tensor, cfg: NOSAConfig) -> Tensor:
+    """The selection's two stages on pooled block scores: each row's ``K = min(topk, nb)`` blocks, best first.
+
+    ``b_qa [..., nb]``: query-aware block scores, the forced blocks at +inf (as the scoring writes them);
+    ``b_qg [..., nb]``: query-agnostic ones (pooled eviction score), or None (InfLLM-V2: the whole budget is
+    query-aware); ``forced`` / ``future`` bool, broadcastable: the sink and window blocks, and the blocks past
+    the row's own. Stage 1 takes ``min(query_aware_blocks, nb)`` blocks by ``b_qa``; stage 2 ranks the forced
+    and stage-1 blocks first, then the others by ``b_qg``. Ties go to the lower block index (stable sort).
+    Returns long ``[..., K]``; a row with fewer than ``K`` blocks up to its own is padded with future blocks
+    (mask them with ``future``)."""
+    nb = b_qa.shape[-1]
+    ranked = b_qa.masked_fill(future, NEG_INF)
+    if b_qg is not None:
+        query_aware = topk_mask(ranked, min(cfg.query_aware_blocks, nb))
+        ranked = b_qg.masked_fill(forced | query_aware, POS_INF).masked_fill(future, NEG_INF)
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(cfg.topk, nb)]
+
+
+def blocks_mask(blocks: Tensor, nb: int) -> Tensor:
+    """Bool ``[..., nb]`` with the block indices ``blocks [..., K]`` set."""
+    return torch.zeros(*blocks.shape[:-1], nb, dtype=torch.bool, device=blocks.device).scatter_(-1, blocks, True)
 
 
 def compressed_keys(k: Tensor, cfg: NOSAConfig) -> Tensor:
@@ -100,30 +124,35 @@ def select_rows(q: Tensor, k: Tensor, score: Tensor | None, pos: Tensor, cfg: NO
     qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
     forced = (blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb))  # [Tq, nb]
     future = blk > qb
-    b_qa = b_qa.masked_fill(forced, POS_INF).masked_fill(future, NEG_INF)
+    b_qa = b_qa.masked_fill(forced, POS_INF)
 
-    if score is None:  # InfLLM-V2: the whole budget is query-aware
-        return topk_mask(b_qa, min(cfg.topk, nb)) & ~future
-
-    qa = topk_mask(b_qa, min(cfg.query_aware_blocks, nb))
-    if nw > 0:
-        s_qg = window_scores(score.to(dtype), cfg)[:, :, None, :].expand(B, Hkv, Tq, nw)
-        s_qg = s_qg.masked_fill(~visible, NEG_INF)  # causal per row (matters only without a window)
-    else:
-        s_qg = torch.empty(B, Hkv, Tq, 0, dtype=dtype, device=q.device)
-    b_qg = pool_to_blocks(s_qg, index)
-    b_qg = b_qg.masked_fill(forced | qa, POS_INF).masked_fill(future, NEG_INF)
-    return topk_mask(b_qg, min(cfg.topk, nb)) & ~future
+    b_qg = None  # InfLLM-V2 (no score): the whole budget is query-aware
+    if score is not None:
+        if nw > 0:
+            s_qg = window_scores(score.to(dtype), cfg)[:, :, None, :].expand(B, Hkv, Tq, nw)
+            s_qg = s_qg.masked_fill(~visible, NEG_INF)  # causal per row (matters only without a window)
+        else:
+            s_qg = torch.empty(B, Hkv, Tq, 0, dtype=dtype, device=q.device)
+        b_qg = pool_to_blocks(s_qg, index)
+    return blocks_mask(two_stage_blocks(b_qa, b_qg, forced, future, cfg), nb) & ~future
 
 
-def check_inputs(q: Tensor, k: Tensor, score: Tensor | None, cu_seqlens: Tensor | None) -> None:
+def check_inputs(q: Tensor, k: Tensor, score: Tensor | None, cu_seqlens: Tensor | None,
+                 q_chunks: QueryChunks | None = None) -> None:
     """One-line ``ValueError`` unless q ``[B, T, Hq, D]``, k ``[B, T, Hkv, D]``, score ``[B, T, Hkv]`` and
-    ``cu_seqlens`` (B = 1, rising from 0 to T) fit together."""
+    ``cu_seqlens`` (B = 1, rising from 0 to T) fit together; with ``q_chunks`` q holds only the chunks'
+    ``Tq`` rows of the ``T``-token row."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
+    B, Tq, Hq, D = q.shape
+    T = k.shape[1]
+    if q_chunks is not None:
+        q_chunks.check(Tq, T)
+    elif Tq != T:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in T (pass q_chunks for a query "
+                         f"subset)")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B or D")
     if Hq % k.shape[2]:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k.shape[2]})")
     if score is not None and tuple(score.shape) != (B, T, k.shape[2]):
@@ -153,26 +182,29 @@ def document_spans(cu_seqlens: Tensor | None, seq_len: int) -> list[tuple[int, i
 @torch.no_grad()
 def select_blocks_reference(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
                             cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
-                            chunk_size: int = 1024) -> Tensor:
+                            chunk_size: int = 1024, q_chunks: QueryChunks | None = None) -> Tensor:
     """Causal NOSA block selection for every query token (parallel / training path), pure PyTorch.
 
     q ``[B, T, Hq, D]`` and k ``[B, T, Hkv, D]`` post-RoPE, evict_score ``[B, T, Hkv]`` or ``None``
     (query-aware only, InfLLM-V2). With ``cu_seqlens`` (B = 1) block indices restart at every
     document. Returns bool ``[B, Hkv, T, nb]`` with ``nb = ceil(longest document / block_size)``;
-    ``True`` means the KV block is selected for that query token. Query rows are processed in
-    chunks of ``chunk_size`` to bound memory (O(chunk * T / kernel_stride)).
+    ``True`` means the KV block is selected for that query token. ``q_chunks``: q holds only the
+    chunks' ``Tq`` query rows (global positions from the chunks), the result is ``[B, Hkv, Tq, nb]``.
+    Query rows are processed in pieces of ``chunk_size`` to bound memory (O(chunk * T / kernel_stride)).
     """
-    check_inputs(q, k, evict_score, cu_seqlens)
-    B, T, _, _ = q.shape
+    check_inputs(q, k, evict_score, cu_seqlens, q_chunks)
+    B, Tq = q.shape[:2]
+    T = k.shape[1]
     spans = document_spans(cu_seqlens, T)
     nb_max = max((cfg.num_blocks(e - s) for s, e in spans), default=0)
-    out = torch.zeros(B, k.shape[2], T, nb_max, dtype=torch.bool, device=q.device)
-    for s, e in spans:
+    out = torch.zeros(B, k.shape[2], Tq, nb_max, dtype=torch.bool, device=q.device)
+    for s, e, lo, hi, row in (q_chunks or full_chunks(T)).pieces(spans):
         kd = k[:, s:e]
         sd = None if evict_score is None else evict_score[:, s:e]
         nb = cfg.num_blocks(e - s)
-        for c in range(0, e - s, chunk_size):
-            pos = torch.arange(c, min(c + chunk_size, e - s), device=q.device)
-            rows = select_rows(q[:, s + c:s + c + len(pos)], kd, sd, pos, cfg, softmax_scale)
-            out[:, :, s + c:s + c + len(pos), :nb] = rows
+        for c in range(lo, hi, chunk_size):
+            n = min(chunk_size, hi - c)
+            pos = torch.arange(c - s, c - s + n, device=q.device)
+            r = row + c - lo
+            out[:, :, r:r + n, :nb] = select_rows(q[:, r:r + n], kd, sd, pos, cfg, softmax_scale)
     return out

@@ -75,7 +75,8 @@ TESTS = Path(__file__).resolve().parent
 # out in collection order, so the long ones start early and the short ones fill the end of the run
 # (its default order, by number of tests, started the longest file of tests/train last). Groups not
 # listed follow, in their own order.
-SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "eval", "train/test_layout_init.py",
+SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "train/test_context_parallel.py", "eval",
+               "train/test_layout_init.py",
                "train/test_reliability.py", "train/test_preemption.py", "train/test_sft_run.py",
                "train/test_ab_throughput_run.py",
                "train/test_config_recipes.py", "nosa", "train/test_hydra_cli.py", "train/test_sizing.py"]

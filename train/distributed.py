@@ -31,6 +31,7 @@ class DistEnv:
     tp_rank: int
     pp_rank: int
     is_last_stage: bool
+    cp: tuple = (1, 0)  # (size, rank) of this rank's context-parallel group
 
     @property
     def is_main(self) -> bool:
@@ -38,8 +39,8 @@ class DistEnv:
 
     @property
     def owns_loss(self) -> bool:
-        """The rank that reports metrics: last pipeline stage, first TP and DP rank."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        """The rank that reports metrics: last pipeline stage, first TP, DP and CP rank."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp[1] == 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,7 +104,8 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                    device=device, dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                    tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                   is_last_stage=ps.is_pipeline_last_stage())
+                   is_last_stage=ps.is_pipeline_last_stage(),
+                   cp=(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()))
 
 
 def seed_everything(seed: int) -> None:

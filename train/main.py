@@ -140,6 +140,7 @@ def train(cfg, last: bool = True) -> int:
 
     from data.sources import BadInputError
     from runtime.checkpoint_files import CheckpointError
+    from runtime.outputs import write_atomic
     from train.compose import to_yaml
     from train.config import config_changes
     from train.distributed import init_distributed, shutdown
@@ -162,7 +163,7 @@ def train(cfg, last: bool = True) -> int:
             changed = sum(config_changes(cfg), [])
             if changed and (Path(cfg.run_dir) / "checkpoints").is_dir():
                 print(f"resuming with changed settings: {'; '.join(changed)}", flush=True)
-            _write_atomic(Path(cfg.run_dir) / "config.yaml", to_yaml(cfg))
+            write_atomic(Path(cfg.run_dir) / "config.yaml", to_yaml(cfg))
         dist.barrier()
         Trainer(cfg, env).run()
     except (NonFiniteError, CheckpointError, RunDirLocked, BadInputError) as e:
@@ -180,12 +181,6 @@ def train(cfg, last: bool = True) -> int:
                 ps.destroy_model_parallel()
             dist.barrier()
     return 0
-
-
-def _write_atomic(path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+from runtime.outputs import write_atomic
 
 # Dense bf16 peak TFLOP/s of common training GPUs (tensor cores, no sparsity).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A800": 312.0, "A100": 312.0, "L40S": 362.0}
@@ -157,10 +158,7 @@ def wandb_run_id(run_dir: str, name: str, resumed: bool) -> str:
         if rid:
             return rid
     rid = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)[:48]}-{secrets.token_hex(4)}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{WANDB_ID_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(rid + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, rid + "\n")
     return rid
 
 

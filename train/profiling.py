@@ -12,11 +12,11 @@ shorten, which bounds the NOSA / dense ratio a faster attention can reach.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from runtime.outputs import atomic_path, write_atomic
 from train.gpu_idle import PHASES, summarize, trace_events
 from train.host_time import host_work
 
@@ -144,10 +144,8 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.out / f".trace.json.tmp-{os.getpid()}"
-        self.prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, self.out / "trace.json")
+        with atomic_path(self.out / "trace.json") as tmp:
+            self.prof.export_chrome_trace(str(tmp))
         events = self.prof.key_averages()
         summary = {"steps": [self.start, step], "gpu_ms_per_step": breakdown(events, self.n),
                    "everything_else_top": top_other_kernels(events, self.n)}
@@ -158,9 +156,7 @@ class StepProfiler:
             trace = trace_events(json.loads((self.out / "trace.json").read_text()))
             summary["gpu_idle"] = summarize(trace, self.n)
             summary["host"] = host_work(trace, self.n)
-        tmp = self.out / f".summary.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.out / "summary.json")
+        write_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         log(f"profile of steps {self.start}-{step}: {self.out / 'summary.json'} "
             f"(GPU ms/step: {summary['gpu_ms_per_step']}; idle ms/step: "
             f"{summary.get('gpu_idle', {}).get('gpu_idle_ms_per_step', '-')}; allocator: {summary.get('allocator')})")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from runtime.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
+from train.context_parallel import locality_positions, split_microbatch
 from train.device_step import step_on_device, supports_device_step
 from train.distributed import DistEnv
 from train.finite import grads_nonfinite_flag, weights_nonfinite
@@ -46,8 +47,9 @@ def log0(env: DistEnv, msg: str) -> None:
         print(msg, flush=True)
 
 
-def to_microbatch(batch: dict, device: torch.device) -> dict:
-    """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens.
+def to_microbatch(batch: dict, device: torch.device, cp: tuple[int, int] = (1, 0)) -> dict:
+    """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens. ``cp``:
+    ``(size, rank)`` of the context-parallel group: this rank keeps its chunks (``train.context_parallel``).
 
     On a GPU every tensor goes through pinned memory: a copy from pageable memory (beyond a few KiB, e.g.
     a 16K-token row) waits for the GPU's whole queue (the previous step's backward and update), a copy
@@ -64,7 +66,7 @@ def to_microbatch(batch: dict, device: torch.device) -> dict:
         out["cu_seqlens"] = to_device(cu)
         _hand_over_cu_seqlens(out["cu_seqlens"], cu.tolist())
         out["max_seqlen"] = int(batch["max_seqlen"])
-    return out
+    return split_microbatch(out, *cp)
 
 
 def _hand_over_cu_seqlens(device_cu: torch.Tensor, values: list) -> None:
@@ -167,7 +169,8 @@ class Trainer:
         log0(env, f"model: {cfg.model.family}_{cfg.model.size}, attention={cfg.attention.variant}"
                   f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
                   f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
-                  f"PP={ps.get_pipeline_model_parallel_world_size()} DP={env.dp_size}), precision={self.precision}, "
+                  f"PP={ps.get_pipeline_model_parallel_world_size()} CP={env.cp[0]} DP={env.dp_size}), "
+                  f"precision={self.precision}, "
                   f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
                   f"{'on' if fusions else 'off'}, initial weights {init}")
         self._build_data()
@@ -230,14 +233,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _microbatches(self, loader) -> list[dict]:
-        return [to_microbatch(next(loader), self.env.device) for _ in range(self.micro_batches)]
+        return [to_microbatch(next(loader), self.env.device, self.env.cp) for _ in range(self.micro_batches)]
 
     def _forward_backward(self, mbs: list[dict], forward_only: bool) -> torch.Tensor | None:
-        """Run megatron's schedule; returns [loss_sum, tokens] summed over DP on the last stage."""
+        """Run megatron's schedule; returns [loss_sum, tokens] summed over DP x CP on the last stage."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        seq = mbs[0]["tokens"].shape[1]
+        seq = mbs[0]["tokens"].shape[1] * self.env.cp[0]  # megatron's schedules divide by CP
         mbsz = mbs[0]["tokens"].shape[0]
         iters = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
         out = get_forward_backward_func()(
@@ -246,7 +249,7 @@ class Trainer:
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None
         total = torch.stack([o["lm loss"] for o in out]).sum(0)
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         return total
 
     def _loss_tensor_on_all_ranks(self, total: torch.Tensor | None) -> torch.Tensor:
@@ -292,7 +295,7 @@ class Trainer:
             if m.last_selection is not None:
                 sels.append((m.last_selection, m.cfg.block_size))
                 m.last_selection = None
-        return packed_locality_summary(sels, mb["position_ids"])
+        return packed_locality_summary(sels, locality_positions(mb))
 
     def train_step(self) -> dict:
         # the phases are profiler ranges: train.gpu_idle splits the GPU's idle time among them
@@ -302,7 +305,7 @@ class Trainer:
             self.optimizer.zero_grad()
             batches = self.train_batches.take()
             work = causal_attention_work(batches)
-            mbs = [to_microbatch(b, self.env.device) for b in batches]
+            mbs = [to_microbatch(b, self.env.device, self.env.cp) for b in batches]
             mbs[0]["first"] = True
         every = self.cfg.train.locality_interval
         record = bool(every) and (self.step + 1) % every == 0

@@ -1,13 +1,14 @@
 """The modeling code shipped into NOSA / InfLLM-V2 exports.
 
-``write_modeling_files(out_dir)`` writes ``modeling_nosa.py`` and ``configuration_nosa.py`` (this
-folder; the config class gives sparse exports their own ``model_type``) and COPIES of the
-reference modules of ``nosa_layers`` it uses, renamed ``nosa_<module>.py`` with their package
-imports made relative, so the export runs with only torch + transformers installed. Imports of
-optional framework parts (the Triton kernels in ``nosa_layers.ops``) become lazy
-``importlib`` calls, which the guarded code paths only reach when the framework is installed.
-Eviction heads registered from outside ``nosa_layers/eviction.py`` travel as copies of their
-class source appended to ``nosa_eviction.py`` (:func:`extra_eviction_heads`).
+``write_modeling_files(out_dir)`` writes ``modeling_nosa.py`` and ``configuration_nosa.py`` (this folder; the
+config class gives sparse exports their own ``model_type``) and COPIES of the modules they use: the NOSA
+reference of ``nosa_layers`` (the single source of the NOSA math), the decode kernels of ``nosa_layers.ops``
+and the decode engine of ``inference`` (``SHIPPED``), each as ``nosa_<module>.py`` next to the modeling file
+(transformers loads remote code from one flat folder), with its imports of shipped modules made relative, so
+the export runs with only torch + transformers installed. Imports of other framework parts (the training
+kernels in ``nosa_layers.ops``) become lazy ``importlib`` calls, which the guarded code paths only reach when
+the framework is installed. Eviction heads registered from outside ``nosa_layers/eviction.py`` travel as
+copies of their class source appended to ``nosa_eviction.py`` (:func:`extra_eviction_heads`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dis
+import importlib.util
 import inspect
 import re
 import textwrap
@@ -27,24 +29,38 @@ CONFIG_FILE = "configuration_nosa.py"
 MODEL_CLASS = "NOSALlamaForCausalLM"
 CONFIG_CLASS = "NOSALlamaConfig"
 AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
-# modules of this folder shipped with the modeling file (they import the reference copies relatively)
-MODELING_HELPERS = ("nosa_block_cache.py", "nosa_decode_select.py", "nosa_decode_attn.py", "nosa_decode_graph.py",
-                    "nosa_uva.py")
-# reference modules shipped next to the modeling file (the single source of NOSA math)
-SHIPPED = ("config", "eviction", "selection", "reference", "dispatch", "decode")
+# modules copied next to the modeling file, each as ``shipped_name(module)``
+SHIPPED = (
+    "nosa_layers.config", "nosa_layers.eviction", "nosa_layers.selection", "nosa_layers.reference",
+    "nosa_layers.dispatch", "nosa_layers.decode",  # the NOSA reference
+    "nosa_layers.ops.decode_attention", "nosa_layers.ops.offload_copy",  # the decode kernels (optional Triton)
+    "inference.storage", "inference.stats", "inference.streams", "inference.transfers", "inference.decode_select",
+    "inference.decode_step", "inference.decode_graph", "inference.block_cache",  # the decode engine
+)
+PACKAGES = ("nosa_layers", "inference")  # what an export must not import as such
 
-_FROM_SHIPPED = re.compile(r"^(\s*)from nosa_layers\.(" + "|".join(SHIPPED) + r") import ", re.M)
 _FROM_OTHER = re.compile(r"^(\s*)from (nosa_layers(?:\.\w+)*) import ([\w, ]+?)\s*(#.*)?$", re.M)
 _IMPORT_OTHER = re.compile(r"^(\s*)import (nosa_layers(?:\.\w+)*)\s*(#.*)?$", re.M)
-_ANY = re.compile(r"^\s*(from|import)\s+nosa_layers\b", re.M)
+_ANY = re.compile(r"^\s*(from|import)\s+(" + "|".join(PACKAGES) + r")\b.*$", re.M)
 
 
-def rewrite_reference_source(src: str) -> str:
-    """Make one reference module self-contained inside an export directory."""
-    src = _FROM_SHIPPED.sub(lambda m: f"{m.group(1)}from .nosa_{m.group(2)} import ", src)
+def shipped_name(module: str) -> str:
+    """The file a shipped module is copied to: ``nosa_<last part of its name>.py``."""
+    return f"nosa_{module.rsplit('.', 1)[-1]}.py"
+
+
+def rewrite_source(src: str, where: str = "a shipped module") -> str:
+    """Make one shipped file self-contained inside an export directory: imports of shipped modules become
+    relative (``from .nosa_selection import ...``), those of other ``nosa_layers`` modules lazy; a module-level
+    import of an unshipped module (it would fail without the framework) is an error naming it."""
+    shipped = re.compile(r"^(\s*)from (" + "|".join(re.escape(m) for m in SHIPPED) + r") import ", re.M)
+    src = shipped.sub(lambda m: f"{m.group(1)}from .{shipped_name(m.group(2))[:-3]} import ", src)
 
     def lazy_from(m: re.Match) -> str:
         ind, mod, names = m.group(1), m.group(2), [n.strip() for n in m.group(3).split(",") if n.strip()]
+        if not ind:
+            raise RuntimeError(f"{where} imports {mod} at module level, which exports do not ship; add it to "
+                               f"checkpoints_convert.hf_modeling.SHIPPED or import it where it is used")
         binds = "; ".join(f"{n} = _mod.{n}" for n in names)
         return f'{ind}_mod = __import__("importlib").import_module("{mod}"); {binds}'
 
@@ -52,7 +68,8 @@ def rewrite_reference_source(src: str) -> str:
     src = _IMPORT_OTHER.sub(lambda m: f'{m.group(1)}__import__("importlib").import_module("{m.group(2)}")', src)
     left = _ANY.findall(src)
     if left:
-        raise RuntimeError(f"could not make {len(left)} nosa_layers import(s) relative")
+        raise RuntimeError(f"{where}: could not make {len(left)} import(s) of {', '.join(PACKAGES)} relative "
+                           f"(only 'from <shipped module> import ...' lines are rewritten)")
     return src
 
 
@@ -99,18 +116,20 @@ def _free_names(code: types.CodeType) -> set:
 
 def reference_sources() -> dict:
     """``{file name: source}`` of every file an export ships (modeling file included)."""
-    import nosa_layers
-
-    pkg = Path(nosa_layers.__file__).resolve().parent
-    header = ("# Copied from nosa_layers/{name}.py by checkpoints_convert.to_hf (imports made relative).\n"
-              "# Do not edit: the framework's reference is the single source of the NOSA math.\n")
-    files = {name: (HERE / name).read_text() for name in (MODELING_FILE, CONFIG_FILE, *MODELING_HELPERS)}
-    for name in SHIPPED:
-        if f"nosa_{name}.py" in files:
-            raise RuntimeError(f"export file name clash: nosa_layers/{name}.py would ship as nosa_{name}.py, "
-                               f"the name of a modeling file of checkpoints_convert/hf_modeling; rename one")
-        src = (pkg / f"{name}.py").read_text() + (extra_eviction_heads() if name == "eviction" else "")
-        files[f"nosa_{name}.py"] = header.format(name=name) + rewrite_reference_source(src)
+    header = ("# Copied from {path} by checkpoints_convert.to_hf (imports made relative).\n"
+              "# Do not edit: the framework's module is the single source of this code.\n")
+    files = {name: rewrite_source((HERE / name).read_text(), name) for name in (MODELING_FILE, CONFIG_FILE)}
+    for module in SHIPPED:
+        name = shipped_name(module)
+        if name in files:
+            raise RuntimeError(f"export file name clash: {module} would ship as {name}, the name of another "
+                               f"shipped file; rename one")
+        package, *rest = module.split(".")
+        root = Path(importlib.util.find_spec(package).origin).parent  # found, not imported
+        rel = "/".join([package, *rest]) + ".py"
+        src = (root / Path(*rest)).with_suffix(".py").read_text()
+        src += extra_eviction_heads() if module == "nosa_layers.eviction" else ""
+        files[name] = header.format(path=rel) + rewrite_source(src, rel)
     return files
 
 

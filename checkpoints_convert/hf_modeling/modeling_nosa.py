@@ -1,18 +1,18 @@
 """Hugging Face model of a NOSA / InfLLM-V2 Llama (shipped into every sparse export by
 ``checkpoints_convert.to_hf``; loaded with ``trust_remote_code=True``).
 
-Needs only ``torch`` and ``transformers``. The NOSA math is NOT re-implemented here: the files
-``nosa_config.py``, ``nosa_eviction.py``, ``nosa_selection.py``, ``nosa_reference.py``,
-``nosa_dispatch.py`` and ``nosa_decode.py`` next to this one are copies of the training
-framework's pure-PyTorch reference (``nosa_layers``), written by the exporter with their imports
-made relative. When the framework itself is installed and the tensors are on a GPU, the prefill
-runs its Triton kernels (one packed ``nosa_attention(..., cu_seqlens, backend="triton")`` call per
-layer for the whole batch); otherwise everything is PyTorch. ``nosa_block_cache.py`` (shipped with
-this file) is the KV cache: 64-token blocks, a batched decode step that recomputes the reference
-selection from incrementally kept state (``nosa_decode_select.py``), captured as a CUDA graph on GPUs
-(``nosa_decode_graph.py``), with the token's attention over its selected blocks read in place by a
-Triton kernel on GPUs (``nosa_decode_attn.py``), and an offloaded mode (blocks in pinned host memory,
-the selection's blocks in GPU slots; ``nosa_uva.py`` moves them).
+Needs only ``torch`` and ``transformers``. The NOSA math is NOT re-implemented here: an export holds,
+next to this file, copies of the training framework's pure-PyTorch reference (``nosa_layers``:
+``nosa_config.py``, ``nosa_selection.py``, ...) and of its decode engine (``inference``: the block KV
+cache ``nosa_block_cache.py`` and its modules, the decode kernels of ``nosa_layers.ops``), written by the
+exporter with their imports made relative (``checkpoints_convert.hf_modeling.SHIPPED``); this file's own
+imports of those packages are rewritten the same way. When the framework itself is installed and the
+tensors are on a GPU, the prefill runs its Triton kernels (one packed
+``nosa_attention(..., cu_seqlens, backend="triton")`` call per layer for the whole batch); otherwise
+everything is PyTorch. The KV cache: 64-token blocks, a batched decode step that recomputes the reference
+selection from incrementally kept state, captured as a CUDA graph on GPUs, with the token's attention over
+its selected blocks read in place by a Triton kernel on GPUs, and an offloaded mode (blocks in pinned host
+memory, the selection's blocks in GPU slots).
 
 Weight names follow the public ``openbmb/NOSA-*`` checkpoints: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``self_attn.A``, ``self_attn.delta.weight`` (Locret ablation: ``self_attn.fc1/fc2``), ``mlp.{gate,up,down}_proj``.
@@ -49,15 +49,17 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from inference.block_cache import NOSABlockCache
+from inference.decode_graph import DecodeGraph
+from inference.storage import LayerSpec
+from nosa_layers.config import NOSAConfig, eviction_head_name
+from nosa_layers.decode import nosa_decode_step
+from nosa_layers.dispatch import nosa_attention, resolve_backend
+from nosa_layers.eviction import build_eviction_head
+from nosa_layers.reference import block_sparse_attention
+from nosa_layers.selection import select_rows
+
 from .configuration_nosa import NOSALlamaConfig, nosa_settings
-from .nosa_block_cache import LayerSpec, NOSABlockCache
-from .nosa_config import NOSAConfig
-from .nosa_decode import nosa_decode_step
-from .nosa_decode_graph import DecodeGraph
-from .nosa_dispatch import nosa_attention, resolve_backend
-from .nosa_eviction import build_eviction_head
-from .nosa_reference import block_sparse_attention
-from .nosa_selection import select_rows
 
 # Bound on the fp32 attention logits of one chunk of prefill rows in the PyTorch path.
 ROW_CHUNK_ELEMENTS = 1 << 27
@@ -103,7 +105,7 @@ class NOSAAttention(nn.Module):
         self._head_children: tuple = ()
         object.__setattr__(self, "_evict", None)
         if self.variant in ("nosa", "infllm_v2"):
-            head = s["eviction_head"] if self.variant == "nosa" else "none"
+            head = eviction_head_name([self.variant], s["eviction_head"])
             self.cfg = NOSAConfig.from_fields(s, eviction_head=head).validate()
             self._head_args = dict(name=head, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=d, bias=bool(s.get("eviction_bias", False)))
@@ -231,7 +233,7 @@ class NOSAAttention(nn.Module):
             a, e = bounds[j], bounds[j + 1]
             out[b, item[0]] = o[a:e]
             if self.record_selection:
-                from .nosa_selection import select_blocks_reference
+                from nosa_layers.selection import select_blocks_reference
 
                 sel[b] = select_blocks_reference(qp[:, a:e], kp[:, a:e], None if sp is None else sp[:, a:e],
                                                  self.cfg)[0].cpu()
@@ -278,7 +280,7 @@ class NOSAAttention(nn.Module):
             return step.out
         if m == n and resolve_backend(self.backend, q.device, q.shape[-1], cfg.block_size) == "triton":  # GPU prefill
             if self.record_selection:
-                from .nosa_selection import select_blocks_reference
+                from nosa_layers.selection import select_blocks_reference
 
                 self.last_selection.append(select_blocks_reference(q, k, score, cfg)[0].cpu())
             return nosa_attention(q, k, v, score, cfg, backend="triton", attn_bias=bias)

@@ -72,44 +72,80 @@ def training_documents(hay, tok, lengths: list[int], tasks: list[str], count: in
             for s in generate(task, hay, enc, length, count, seed + TRAIN_SEED_OFFSET)]
 
 
-def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=print, hay=None) -> Path:
-    """Generate the task set into ``out`` (written to a temp dir, then renamed)."""
-    from checkpoints_convert.common import atomic_dir
+SAMPLES_PER_JOB = 10  # task-set samples per worker job
+
+
+def _task_rows(job: tuple[str, int, int, int, int]) -> list[dict]:
+    """Rows (sample fields + ``item_spans``) of samples ``start .. start + count - 1`` (a pool job)."""
+    from eval.tasks.workers import state
+
+    task, length, start, count, seed = job
+    w = state()
+    rows = []
+    for s in generate(task, w["hay"], w["enc"], length, count, seed, start=start):
+        _, spans = item_token_spans(s, w["enc"])
+        rows.append({**asdict(s), "item_spans": spans})
+    return rows
+
+
+def build_task_set(corpus: str, tok, out: str | Path, cfg: TaskSetConfig, log=print, hay=None,
+                   workers: Optional[int] = None) -> Path:
+    """Generate the task set into ``out`` (written to a temp dir, then renamed); samples are made
+    by ``workers`` processes (default: every core; one for small sets), the same for any number."""
     from eval.tasks import lm_eval_tasks
+    from eval.tasks.workers import default_workers, job_results, init_worker, state
+    from runtime.outputs import atomic_dir
 
     cfg.validate()
     out = Path(out)
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise EvalError(f"--out {out} exists and is not a task set; give a new directory")
+    if out.exists():
+        what = "is a task set already" if (out / MANIFEST).is_file() else "exists and is not a task set"
+        raise EvalError(f"--out {out} {what}; give a new directory")
     t0 = time.perf_counter()
-    hay = hay or load_haystack(corpus, tok)
-    enc = encoder(tok)
+    pairs = [(task, length) for length in cfg.lengths for task in cfg.tasks]
+    jobs = [(task, length, s, min(SAMPLES_PER_JOB, cfg.samples - s), cfg.seed)
+            for task, length in pairs for s in range(0, cfg.samples, SAMPLES_PER_JOB)]
+    if workers is None:
+        small = sum(cfg.lengths) * cfg.samples * len(cfg.tasks) < 2_000_000
+        workers = 1 if small else default_workers()
+    if workers == 1 and hay is not None:  # reuse the caller's haystack in this process
+        state().update(key=(corpus, tok.path), tok=tok, enc=encoder(tok), hay=hay)
     with atomic_dir(out) as tmp:
-        pairs = []
-        for length in cfg.lengths:
-            for task in cfg.tasks:
-                samples = generate(task, hay, enc, length, cfg.samples, cfg.seed)
-                rows, items = [], []
-                for s in samples:
-                    _, spans = item_token_spans(s, enc)
-                    rows.append({**asdict(s), "item_spans": spans})
-                    items += [{"context": c, "continuation": k, "sample": s.index, "item": j}
-                              for j, (c, k) in enumerate(zip(s.contexts(), s.continuations()))]
-                write_jsonl(str(tmp / f"{task}_{length}.jsonl"), rows)
-                write_jsonl(str(tmp / f"{task}_{length}.items.jsonl"), items)
-                pairs.append((task, length))
-                log(f"  {task} @ {length}: {len(samples)} samples, {len(items)} items "
-                    f"({time.perf_counter() - t0:.1f} s)")
+        rows_of: dict[tuple[str, int], list[dict]] = {p: [] for p in pairs}
+        with job_results(_task_rows, jobs, corpus, tok.path, workers) as results:
+            for job, rows in zip(jobs, results):
+                rows_of[(job[0], job[1])] += rows
+                if len(rows_of[(job[0], job[1])]) == cfg.samples:
+                    log(f"  {job[0]} @ {job[1]}: {cfg.samples} samples ({time.perf_counter() - t0:.1f} s)")
+        for (task, length), rows in rows_of.items():
+            items = [{"context": c, "continuation": k, "sample": r["index"], "item": j}
+                     for r in rows for j, (c, k) in enumerate(zip(_contexts(r), _continuations(r)))]
+            write_jsonl(str(tmp / f"{task}_{length}.jsonl"), rows)
+            write_jsonl(str(tmp / f"{task}_{length}.items.jsonl"), items)
         names = lm_eval_tasks.write_configs(tmp, pairs, out.resolve())
         if cfg.train_docs:
-            docs = training_documents(hay, tok, cfg.train_lengths or cfg.lengths, cfg.tasks, cfg.train_docs, cfg.seed)
+            if hay is None:
+                init_worker(corpus, tok.path)
+            docs = training_documents(hay or state()["hay"], tok, cfg.train_lengths or cfg.lengths, cfg.tasks,
+                                      cfg.train_docs, cfg.seed)
             write_jsonl(str(tmp / "train.jsonl"), docs)
             log(f"  train.jsonl: {len(docs)} documents")
         manifest = {"config": asdict(cfg), "tokenizer": str(Path(tok.path).resolve()),
                     "tokenizer_sha1": tokenizer_hash(tok.path), "corpus": str(corpus),
                     "lm_eval_tasks": names, "group": lm_eval_tasks.GROUP}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    log(f"  task set: {len(pairs)} (task, length) pairs, {len(jobs)} jobs on {workers} worker(s) "
+        f"({time.perf_counter() - t0:.1f} s)")
     return out
+
+
+def _continuations(row: dict) -> list[str]:
+    return [(" " if j == 0 else ", ") + a for j, a in enumerate(row["answers"])]
+
+
+def _contexts(row: dict) -> list[str]:
+    conts = _continuations(row)
+    return [row["prompt"] + "".join(conts[:j]) for j in range(len(conts))]
 
 
 @dataclass

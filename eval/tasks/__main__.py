@@ -30,7 +30,7 @@ def run(a) -> None:
 
 
 def main(argv=None) -> int:
-    from checkpoints_convert.common import run_cli
+    from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.tasks", description=__doc__)
     ap.add_argument("--tokenizer", required=True, help="the model's tokenizer dir")

@@ -249,11 +249,12 @@ TASKS: dict[str, Callable[[_Builder], TaskSample]] = {
 
 
 def generate(task: str, hay: Haystack, encode: Callable[[str], list], length: int, count: int,
-             seed: int) -> list[TaskSample]:
-    """``count`` samples of ``task`` at ``length`` tokens (``encode``: text -> token ids)."""
+             seed: int, start: int = 0) -> list[TaskSample]:
+    """Samples ``start .. start + count - 1`` of ``task`` at ``length`` tokens (``encode``: text -> token
+    ids); sample ``i`` depends only on ``(seed, task, length, i)``."""
     if task not in TASKS:
         raise EvalError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
-    return [TASKS[task](_Builder(hay, encode, task, length, i, seed)) for i in range(count)]
+    return [TASKS[task](_Builder(hay, encode, task, length, i, seed)) for i in range(start, start + count)]
 
 
 def item_token_spans(sample: TaskSample, encode: Callable[[str], list]) -> tuple[list[int], list[list[int]]]:

@@ -184,10 +184,6 @@ def validate(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Paral
         if "nosa" in variants:
             _need(attn.nosa.eviction_head != "none",
                   "variant 'nosa' with eviction_head='none' is InfLLM-V2; use variant='infllm_v2'")
-        if cp > 1:
-            raise NotImplementedError(
-                f"context_parallel={cp} is not supported with NOSA/InfLLM-V2 layers yet (selection "
-                "needs the whole causal prefix, see nosa_layers/megatron/README.md); use context_parallel=1")
         if seq_length is not None:
             bs = attn.nosa.block_size
             _need(seq_length % bs == 0, f"seq_length={seq_length} is not a multiple of the NOSA "
@@ -195,7 +191,8 @@ def validate(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Paral
     if seq_length is not None:
         _need(seq_length <= model.max_position_embeddings,
               f"seq_length={seq_length} exceeds max_position_embeddings={model.max_position_embeddings}")
-        _need(not parallel.sequence_parallel or seq_length % tp == 0,
-              f"seq_length={seq_length} must be divisible by tensor_parallel={tp} with sequence_parallel")
+        _need(not parallel.sequence_parallel or seq_length % (tp * cp) == 0,
+              f"seq_length={seq_length} must be divisible by tensor_parallel*context_parallel={tp * cp} with "
+              f"sequence_parallel")
         _need(cp == 1 or seq_length % (2 * cp) == 0,
               f"seq_length={seq_length} must be divisible by 2*context_parallel={2 * cp}")

@@ -5,6 +5,10 @@
 layers. Both take megatron's post-RoPE ``q [s,b,np,D]``, ``k/v [s,b,ng,D]`` (packed ``thd``:
 ``[t, h, D]``) and return ``[s, b, np*D]`` (packed: ``[t, np*D]``). The eviction score/bias of
 NOSA layers come from :class:`~nosa_layers.megatron.self_attention.NOSAMegatronSelfAttention`.
+
+Context parallelism (megatron-core's CP group, ``context_parallel.py``): the layer's tokens are this
+rank's zigzag chunks; keys, values and the eviction score/bias are all-gathered over the group (reduce-
+scattered in the backward) and the rank's queries attend to the whole causal prefix.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from nosa_layers import EvictionOutput, NOSAConfig, PreparedSelection, nosa_attention, prepare_selection
-from nosa_layers.megatron.dense_varlen import causal_varlen_attention, varlen_supported
+from nosa_layers.megatron.context_parallel import ContextParallelPlan, context_parallel_plan, cp_group_of
+from nosa_layers.megatron.dense_varlen import (
+    causal_varlen_attention,
+    chunked_varlen_attention,
+    pieces_attention,
+    varlen_supported,
+)
 from nosa_layers.megatron.heads import gather_group_queries, tp_head_layout
 from nosa_layers.selection import document_spans
 
@@ -50,33 +60,37 @@ def _from_bthd(x: Tensor, packed: bool) -> Tensor:
 
 
 class _CausalCoreAttention(MegatronModule):
-    """What both core attentions check and keep: causal masks only, no context parallelism."""
-
-    context_parallel_fix = "use context_parallel=1 (see nosa_layers/megatron/README.md)"
+    """What both core attentions check and keep: causal masks only; the context-parallel group."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
-                 softmax_scale: Optional[float]) -> None:
+                 softmax_scale: Optional[float], pg_collection=None) -> None:
         super().__init__(config=config)
         name = type(self).__name__
-        if config.context_parallel_size > 1:
-            raise NotImplementedError(f"{name} does not support context_parallel > 1; {self.context_parallel_fix}")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"{name} is causal only, got {attn_mask_type}")
         self.softmax_scale = softmax_scale
         self.layer_number = layer_number
+        self.cp_group = cp_group_of(pg_collection)
+
+    def _cp_plan(self, query: Tensor, packed_seq_params: Optional[PackedSeqParams],
+                 cu: Optional[Tensor]) -> Optional[ContextParallelPlan]:
+        """This micro-batch's context-parallel plan (``None`` without CP); ``query`` in megatron's layout."""
+        if self.cp_group is None:
+            return None
+        return context_parallel_plan(self.cp_group, query.shape[0], query.device, packed_seq_params, cu)
 
 
 class DenseCoreAttention(_CausalCoreAttention):
     """Causal softmax attention (PyTorch SDPA, GQA), documents isolated for packed sequences:
     the local-spec stand-in for ``TEDotProductAttention``. Packed documents on a GPU run as one
-    variable-length FlashAttention call (``dense_varlen``); elsewhere one SDPA call per document."""
-
-    context_parallel_fix = "use the Transformer Engine spec for context_parallel > 1"
+    variable-length FlashAttention call (``dense_varlen``); elsewhere one SDPA call per document.
+    With context parallelism the keys and values are all-gathered and each piece of this rank's
+    chunks attends to its document's prefix (one variable-length call on a GPU)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
                  pg_collection=None, **unused) -> None:
-        super().__init__(config, layer_number, attn_mask_type, softmax_scale)
+        super().__init__(config, layer_number, attn_mask_type, softmax_scale, pg_collection)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
@@ -85,6 +99,15 @@ class DenseCoreAttention(_CausalCoreAttention):
             raise ValueError("DenseCoreAttention does not take attention_bias")
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
+        plan = self._cp_plan(query, packed_seq_params, cu)
+        if plan is not None:
+            key, value = plan.gather(key), plan.gather(value)
+            if varlen_supported(query, key):
+                return _from_bthd(chunked_varlen_attention(
+                    _to_bthd(query, packed), _to_bthd(key, packed), _to_bthd(value, packed), plan,
+                    self.softmax_scale), packed)
+            q, k, v = (_to_bthd(x, packed).transpose(1, 2) for x in (query, key, value))  # [b, h, s, D]
+            return _from_bthd(pieces_attention(q, k, v, plan.pieces, self.softmax_scale).transpose(1, 2), packed)
         if packed and varlen_supported(query, key):
             longest = packed_seq_params.max_seqlen_q  # the trainer's batch carries it (no host sync)
             if longest is None:
@@ -105,14 +128,16 @@ class NOSACoreAttention(_CausalCoreAttention):
 
     Equals ``nosa_attention(q, k, v, score, cfg, cu_seqlens, attn_bias=bias)`` of the same heads at
     TP=1. When a KV group's query heads span TP ranks the selection is computed from the whole
-    group (queries all-gathered without grad), so it equals the TP=1 selection.
+    group (queries all-gathered without grad), so it equals the TP=1 selection. With context
+    parallelism k, v and the score/bias are all-gathered over the CP group and this rank's query
+    chunks attend to the whole row (``nosa_attention(..., q_chunks=...)``).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
                  pg_collection=None, nosa_config: Optional[NOSAConfig] = None, backend: str = "auto",
                  num_q_heads: Optional[int] = None, num_kv_heads: Optional[int] = None, **unused) -> None:
-        super().__init__(config, layer_number, attn_mask_type, softmax_scale)
+        super().__init__(config, layer_number, attn_mask_type, softmax_scale, pg_collection)
         if nosa_config is None:
             raise ValueError("NOSACoreAttention needs nosa_config (set by the NOSA layer spec)")
         self.cfg = nosa_config
@@ -138,14 +163,32 @@ class NOSACoreAttention(_CausalCoreAttention):
         self.pending_eviction = None
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
+        plan = self._cp_plan(query, packed_seq_params, cu)
+        if plan is not None:
+            key, value = plan.gather(key), plan.gather(value)
+            evict_score, evict_bias = self._gather_eviction(plan, evict_score, evict_bias)
         q, k, v = (_to_bthd(x, packed) for x in (query, key, value))
         if prepared is None:
-            prepared = self._prepare(q, k, evict_score, cu)
+            prepared = self._prepare(q, k, evict_score, cu, plan)
         if self.record_selection:
             self.last_selection = prepared.selected
         out = nosa_attention(q, k, v, evict_score, self.cfg, cu_seqlens=cu, backend=self.backend, attn_bias=evict_bias,
-                             softmax_scale=self.softmax_scale, selected=prepared)
+                             softmax_scale=self.softmax_scale, selected=prepared,
+                             q_chunks=None if plan is None else plan.chunks)
         return _from_bthd(out, packed)
+
+    @staticmethod
+    def _gather_eviction(plan: ContextParallelPlan, score: Optional[Tensor], bias: Optional[Tensor],
+                         grad: bool = True) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The whole row's score and bias ``[b, s, Hkv]`` from this rank's; the score only ranks blocks
+        (no gradient through the selection), the bias carries one (reduce-scattered back)."""
+        def gather(x: Optional[Tensor], with_grad: bool) -> Optional[Tensor]:
+            return None if x is None else plan.gather(x.transpose(0, 1), grad=with_grad).transpose(0, 1)
+
+        if bias is score:
+            full = gather(bias, grad)
+            return full, full
+        return gather(score, False), gather(bias, grad)
 
     def prepare(self, query: Tensor, key: Tensor, evict_score: Optional[Tensor],
                 packed_seq_params: Optional[PackedSeqParams] = None) -> PreparedSelection:
@@ -153,13 +196,18 @@ class NOSACoreAttention(_CausalCoreAttention):
         without grad; ``forward(..., prepared=...)`` reuses it (selective recompute)."""
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
-        return self._prepare(_to_bthd(query, packed), _to_bthd(key, packed), evict_score, cu)
+        plan = self._cp_plan(query, packed_seq_params, cu)
+        if plan is not None:
+            key = plan.gather(key, grad=False)
+            evict_score, _ = self._gather_eviction(plan, evict_score, None, grad=False)
+        return self._prepare(_to_bthd(query, packed), _to_bthd(key, packed), evict_score, cu, plan)
 
-    def _prepare(self, q: Tensor, k: Tensor, score: Optional[Tensor], cu: Optional[Tensor]) -> PreparedSelection:
+    def _prepare(self, q: Tensor, k: Tensor, score: Optional[Tensor], cu: Optional[Tensor],
+                 plan: Optional[ContextParallelPlan] = None) -> PreparedSelection:
         # When the group's query heads span TP ranks, select once on the whole (gathered) group;
         # the kernels' query tiles follow the heads this rank attends with.
         heads = q.shape[2]
         if self.layout.group_spans_ranks:
             q = gather_group_queries(q, self.layout, self.tp_group)
         return prepare_selection(q, k, score, self.cfg, cu, backend=self.backend, softmax_scale=self.softmax_scale,
-                                 attn_heads=heads)
+                                 attn_heads=heads, q_chunks=None if plan is None else plan.chunks)

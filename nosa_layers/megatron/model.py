@@ -64,6 +64,7 @@ def build_transformer_config(model: ModelConfig, attn: AttentionConfig, parallel
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         context_parallel_size=parallel.context_parallel, sequence_parallel=parallel.sequence_parallel,
+        cp_comm_type="all_gather",  # the scheme of every NOSA layer (context_parallel.py); TE attention is not used
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
     )

@@ -21,14 +21,16 @@ and rotates q/k itself right after the QKV projection), in two cases:
 
 * packed (THD) sequences: megatron's THD RoPE syncs with the host (``cu_seqlens.tolist()`` /
   ``.item()``) for q and k in every layer; here the angles are taken per token, ``freqs[pos]``
-  (positions computed on the device once per step, cached on the ``PackedSeqParams``);
+  (positions computed on the device once per step, cached on the ``PackedSeqParams``; with context
+  parallelism the positions of this rank's chunks, ``context_parallel.py``: always here, megatron's THD
+  RoPE splits each document instead);
 * ``fused_rope`` (``train.fusions``) on CUDA inputs (or under the Triton interpreter), packed or
   not: one Triton kernel each way (``nosa_layers.ops.rope``) instead of megatron's six elementwise
   passes, with cos / sin tables computed once per forward and shared by the layers
   (:func:`rope_tables_for`).
 
 Either way the math is megatron's unfused ``_apply_rotary_pos_emb_bshd`` per token, so the result
-is bitwise equal. Conditions (else megatron's path): CP=1, megatron's own RoPE fusion off, no
+is bitwise equal. Conditions (else megatron's path): megatron's own RoPE fusion off, no
 inference context, no flash decode; packed: no padded ``cu_seqlens``; fused: non-interleaved RoPE
 over the whole head dim.
 """
@@ -46,6 +48,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from nosa_layers import EvictionOutput, build_eviction_head
+from nosa_layers.megatron.context_parallel import context_parallel_plan, cp_group_of, local_document_positions
 from nosa_layers.megatron.core_attention import NOSACoreAttention
 from nosa_layers.megatron.heads import gather_heads, replicate_grad, tp_head_layout
 from nosa_layers.rope.packed import document_positions
@@ -74,20 +77,27 @@ def eviction_head_builder(name: str, num_q_heads: int, num_kv_heads: int, head_d
     return head.to(dtype)
 
 
-def packed_positions(packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+def packed_positions(packed_seq_params, cu_seqlens: Tensor, num_tokens: int, cp_group=None) -> Tensor:
     """Position of every token of a packed row within its document ``[T]`` (int64, on the device),
     computed once per ``cu_seqlens`` and cached on ``packed_seq_params`` (all layers of a step share
-    it; the cache keeps ``cu_seqlens`` alive, so its ``id`` stays its own)."""
+    it; the cache keeps ``cu_seqlens`` alive, so its ``id`` stays its own). With a context-parallel
+    group the ``num_tokens`` tokens are this rank's chunks of the row (``context_parallel.py``)."""
     cache = packed_seq_params.__dict__.setdefault("_nosa_doc_positions", {})
     if id(cu_seqlens) not in cache:
-        cache[id(cu_seqlens)] = (cu_seqlens, document_positions(cu_seqlens, num_tokens))
+        if cp_group is None:
+            pos = document_positions(cu_seqlens, num_tokens)
+        else:
+            plan = context_parallel_plan(cp_group, num_tokens, cu_seqlens.device, packed_seq_params, cu_seqlens)
+            pos = local_document_positions(plan, cu_seqlens)
+        cache[id(cu_seqlens)] = (cu_seqlens, pos)
     return cache[id(cu_seqlens)][1]
 
 
-def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+def packed_rope_freqs(freqs: Tensor, packed_seq_params, cu_seqlens: Tensor, num_tokens: int, cp_group=None) -> Tensor:
     """Per-token RoPE angles ``[T, 1, 1, D]`` of a packed row from megatron's ``[max_s, 1, 1, D]``:
-    ``freqs[position within the document]``, as megatron's THD RoPE applies them (CP=1)."""
-    return freqs[packed_positions(packed_seq_params, cu_seqlens, num_tokens)]
+    ``freqs[position within the document]``, as megatron's THD RoPE applies them (CP=1); with a
+    context-parallel group, of this rank's tokens at their global positions."""
+    return freqs[packed_positions(packed_seq_params, cu_seqlens, num_tokens, cp_group)]
 
 
 def rope_tables_for(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -133,6 +143,7 @@ class NOSAMegatronSelfAttention(SelfAttention):
         self.tp_group_, self.layout = tp_head_layout(
             self.pg_collection, config.num_attention_heads, config.num_query_groups)
         self.fused_rope = fused_rope
+        self.cp_group_ = cp_group_of(self.pg_collection)
         self._pending_rope = None  # ((q_freqs, k_freqs), packed_seq_params or None) while RoPE is applied here
         self.eviction_head = None
         if getattr(submodules, "eviction_head", None) is not None:
@@ -164,9 +175,12 @@ class NOSAMegatronSelfAttention(SelfAttention):
         if rope is None or kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:
             return False
         no_rope = bool(cfg.no_rope_freq) and cfg.no_rope_freq[self.layer_number - 1]
-        if cfg.apply_rope_fusion or cfg.flash_decode or no_rope or self.pg_collection.cp.size() != 1:
+        if cfg.apply_rope_fusion or cfg.flash_decode or no_rope:
+            if self.cp_group_ is not None and psp is not None:
+                raise ValueError("packed rows with context parallelism need the NOSA layer's RoPE: turn off "
+                                 "apply_rope_fusion / flash_decode (no_rope layers are not supported with CP)")
             return False
-        if psp is None:
+        if psp is None:  # with CP megatron hands over this rank's rows of the angles (its zigzag)
             if not self._fuses_rope():
                 return False
             from nosa_layers.ops._common import kernels_run_on
@@ -174,6 +188,10 @@ class NOSAMegatronSelfAttention(SelfAttention):
             return kernels_run_on(hidden_states)
         unpadded = all(pad is None or pad is cu for pad, cu in ((psp.cu_seqlens_q_padded, psp.cu_seqlens_q),
                                                                 (psp.cu_seqlens_kv_padded, psp.cu_seqlens_kv)))
+        if self.cp_group_ is not None:  # megatron's THD RoPE splits each document (not this layout's zigzag rows)
+            if not (psp.qkv_format == "thd" and unpadded):
+                raise ValueError("context parallelism takes unpadded packed rows (qkv_format='thd')")
+            return True
         return psp.qkv_format == "thd" and unpadded and (self.sync_free_rope or self._fuses_rope())
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
@@ -196,6 +214,7 @@ class NOSAMegatronSelfAttention(SelfAttention):
         packed rows (b = 1), at the row index otherwise; fused on CUDA inputs when ``_fuses_rope``."""
         (q_freqs, k_freqs), psp = self._pending_rope
         mscale = self._yarn_concentration_factor
+        cpg = self.cp_group_
 
         def rope(x: Tensor, freqs: Optional[Tensor], cu: Optional[Tensor]) -> Tensor:
             if freqs is None:
@@ -206,8 +225,8 @@ class NOSAMegatronSelfAttention(SelfAttention):
 
                 if kernels_run_on(x):
                     cos, sin = rope_tables_for(freqs, mscale, x.dtype)
-                    return fused_rope(x, cos, sin, None if cu is None else packed_positions(psp, cu, x.size(0)))
-            f = freqs if cu is None else packed_rope_freqs(freqs, psp, cu, x.size(0))
+                    return fused_rope(x, cos, sin, None if cu is None else packed_positions(psp, cu, x.size(0), cpg))
+            f = freqs if cu is None else packed_rope_freqs(freqs, psp, cu, x.size(0), cpg)
             return _apply_rotary_pos_emb_bshd(x, f, rotary_interleaved=self.config.rotary_interleaved, mscale=mscale)
 
         if psp is None:

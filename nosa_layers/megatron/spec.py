@@ -59,18 +59,20 @@ def _norm_spec(fused_norm: bool):
 
 
 def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
-                        use_te: Optional[bool] = None, fusions: bool = False) -> ModuleSpec:
+                        use_te: Optional[bool] = None, fusions: bool = False,
+                        context_parallel: int = 1) -> ModuleSpec:
     """``ModuleSpec(TransformerLayer)`` whose attention is ``variant`` (dense | infllm_v2 | nosa).
 
     ``fusions``: the attention's RoPE and the value-gated eviction score run fused Triton kernels on
     CUDA inputs, and the local spec's norms the fused Triton RMSNorm (the TE spec has its own fused
-    norms)."""
+    norms). With ``context_parallel > 1`` dense layers run ``DenseCoreAttention`` in both specs (the
+    all-gather context parallelism of every NOSA layer; TE's own CP splits packed rows differently)."""
     use_te = have_te() if use_te is None else use_te
     if use_te:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         submods = get_gpt_layer_with_transformer_engine_submodules()
-        dense_core = TEDotProductAttention
+        dense_core = TEDotProductAttention if context_parallel == 1 else DenseCoreAttention
     else:
         submods = get_gpt_layer_local_submodules(normalization="RMSNorm")
         norm = _norm_spec(fusions)
@@ -113,7 +115,8 @@ def get_nosa_decoder_block_spec(config, model: ModelConfig, attn: AttentionConfi
                                 fusions: bool = False) -> TransformerBlockSubmodules:
     """Layer specs of the layers this pipeline stage builds (``config`` is the TransformerConfig)."""
     use_te = have_te() if use_te is None else use_te
-    specs = [get_nosa_layer_spec(model, attn, v, use_te, fusions) for v in attn.layer_variants(model.num_layers)]
+    specs = [get_nosa_layer_spec(model, attn, v, use_te, fusions, config.context_parallel_size)
+             for v in attn.layer_variants(model.num_layers)]
     if config.pipeline_model_parallel_layout is not None:
         raise NotImplementedError("pipeline_model_parallel_layout is not supported by the NOSA spec; "
                                   "use uniform pipeline stages")

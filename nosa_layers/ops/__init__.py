@@ -7,8 +7,9 @@ them. See README.md in this folder."""
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
-from .block_selection import SEL_CONFIG, select_blocks_triton, supports_selection
-from .attention_op import CONFIG, sparse_attention, supports_attention
+from .attention_op import sparse_attention, supports_attention
+from .block_selection import select_blocks_triton, supports_selection
+from .launch import CONFIG, SEL_CONFIG
 from .sparse_index import SparseIndex, build_sparse_index
 
 __all__ = ["select_blocks_triton", "supports_selection", "sparse_attention", "supports_attention",

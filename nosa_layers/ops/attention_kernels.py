@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import UNSPECIALIZED
+from .query_layout import _query_rows
 
 
 @triton.jit
@@ -36,19 +37,43 @@ def _query_tile(Blocks, n_tiles, HKV: tl.constexpr, NP: tl.constexpr, S: tl.cons
 
 
 @triton.jit
-def _query_program(Blocks, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
-                   S: tl.constexpr, BS: tl.constexpr):
-    """Work item of a query-side program (``_query_tile``) with its rows.
+def _query_tile_subset(Blocks, QTiles, n_tiles, HKV: tl.constexpr, NP: tl.constexpr, S: tl.constexpr,
+                       QT: tl.constexpr):
+    """``_query_tile`` of a call with query chunks (``query_layout``): programs walk the ``n_tiles`` tiles
+    that hold query rows, ``QTiles`` (their global index in the block table's tiles); the list ``w`` is
+    that of the program's tile in this compacted order."""
+    pid = tl.program_id(0)
+    pack = pid % NP
+    rest = pid // NP
+    h = rest % HKV
+    i = n_tiles - 1 - rest // HKV
+    gi = tl.load(QTiles + i)
+    c = gi // S
+    b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
+    kdiag = tl.load(Blocks + c * 4 + 1)
+    de = tl.load(Blocks + c * 4 + 3)
+    return pack, h, (i * HKV + h).to(tl.int64), b, kdiag, de, kdiag + (gi % S) * QT
+
+
+@triton.jit
+def _query_program(Blocks, QTiles, QRow, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr,
+                   QT: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, SUBSET: tl.constexpr):
+    """Work item of a query-side program (``_query_tile``; ``_query_tile_subset`` with ``SUBSET``) with its rows.
 
     Returns its (tile, KV head) list ``w`` (int64), KV head ``h``, batch row ``b`` (int64), per row of
-    the ``[HP*QT]`` tile: query head, token, validity, token-in-tile ``r``; plus the first token
-    of the tile's own KV block ``kdiag`` and the document end ``de``."""
-    pack, h, w, b, kdiag, de, qs = _query_tile(Blocks, n_tiles, HKV, G // HP, S, QT)
+    the ``[HP*QT]`` tile: query head, token, its query row (the token itself without ``SUBSET``),
+    validity, token-in-tile ``r``; plus the first token of the tile's own KV block ``kdiag`` and the
+    document end ``de``."""
+    if SUBSET:
+        pack, h, w, b, kdiag, de, qs = _query_tile_subset(Blocks, QTiles, n_tiles, HKV, G // HP, S, QT)
+    else:
+        pack, h, w, b, kdiag, de, qs = _query_tile(Blocks, n_tiles, HKV, G // HP, S, QT)
     offs = tl.arange(0, HP * QT)
     r = offs // HP
     head = h * G + pack * HP + offs % HP
     tok = qs + r
-    return w, h, b, head, tok, tok < de, kdiag, de, r
+    rvalid, trow = _query_rows(QRow, tok, tok < de, SUBSET)
+    return w, h, b, head, tok, trow, rvalid, kdiag, de, r
 
 
 @triton.jit
@@ -113,19 +138,21 @@ def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, 
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
-def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap,
+def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, QTiles, QRow, n_tiles, cap,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                 HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                D: tl.constexpr, HAS_BIAS: tl.constexpr, SUBSET: tl.constexpr):
     """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list
-    (one KV block per entry)."""
+    (one KV block per entry). ``SUBSET``: the queries, outputs and LSE are the rows of the query chunks
+    (``query_layout``), the tiles those holding them."""
     S: tl.constexpr = BS // QT
     M: tl.constexpr = HP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
+    w, h, b, head, tok, trow, rvalid, kdiag, de, r = _query_program(Blocks, QTiles, QRow, n_tiles, HKV, G, HP, QT,
+                                                                    S, BS, SUBSET)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * s_qb + tok[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
+    q = tl.load(Q + b * s_qb + trow[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=rvalid[:, None], other=0.0)
     kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh,
                                                 BS, D)
@@ -145,31 +172,32 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    tl.store(O + b * s_ob + tok[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
+    tl.store(O + b * s_ob + trow[:, None].to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=rvalid[:, None])
     lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))
-    tl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=rvalid)
+    tl.store(LSE + b * s_lb + head * s_lh + trow, lse, mask=rvalid)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_kernel"])
-def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap,
+def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Word, QTiles, QRow, n_tiles, cap,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                    s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
                    HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                   D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   D: tl.constexpr, HAS_BIAS: tl.constexpr, SUBSET: tl.constexpr):
     """dQ: same programs and lists as the forward; P recomputed from the saved LSE."""
     S: tl.constexpr = BS // QT
     M: tl.constexpr = HP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    w, h, b, head, tok, rvalid, kdiag, de, r = _query_program(Blocks, n_tiles, HKV, G, HP, QT, S, BS)
+    w, h, b, head, tok, trow, rvalid, kdiag, de, r = _query_program(Blocks, QTiles, QRow, n_tiles, HKV, G, HP, QT,
+                                                                    S, BS, SUBSET)
     offs_d = tl.arange(0, D)
-    row_off = tok[:, None].to(tl.int64)
+    row_off = trow[:, None].to(tl.int64)
     q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None],
                 other=0.0)
     do = tl.load(DO + b * s_ob + row_off * s_ot + head[:, None] * s_oh + offs_d[None, :], mask=rvalid[:, None],
                  other=0.0)
-    lse = tl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
-    delta = tl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
+    lse = tl.load(LSE + b * s_lb + head * s_lh + trow, mask=rvalid, other=float("inf"))
+    delta = tl.load(Delta + b * s_lb + head * s_lh + trow, mask=rvalid, other=0.0)
     kbase, vbase, koff, voff, bbase = _key_side(K, V, Bias, b, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bh,
                                                 BS, D)
     dq = tl.zeros([M, D], tl.float32)
@@ -190,14 +218,16 @@ def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Wor
 def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, Blocks, InvPtr, QStart, Word,
                      PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
-                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
+                     s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale, QRow,
                      HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr):
+                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr,
+                     SUBSET: tl.constexpr):
     """dK, dV, db: one program per piece of the inverse list of one (key group of ``KB`` KV blocks,
     KV head); it walks its entries x head packs with the group's ``N = KB * BS`` keys, their values,
     bias and fp32 accumulators resident; db is the row sum of dS^T (no atomics). A piece of a split
     list writes fp32 partials ``WDK/WDV [slot, N, D]``, ``WDB [slot, N]`` (unscaled) for
-    ``_dkdv_reduce_kernel``; programs past the last piece idle."""
+    ``_dkdv_reduce_kernel``; programs past the last piece idle. ``SUBSET``: the list entries' tokens are
+    read at their query rows (``QRow``, ``query_layout``)."""
     NP: tl.constexpr = G // HP
     M: tl.constexpr = HP * QT
     N: tl.constexpr = KB * BS
@@ -240,12 +270,24 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
             full &= wu == FULL
             wkey = tl.where(offs_n >= u * BS, wu, wkey)
         tok = qs + r
-        rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
-        qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)
-        do = tl.load(dobase + (qs.to(tl.int64) * s_ot + pk * HP * s_oh) + dooff, mask=rvalid[:, None], other=0.0)
-        lo_ = pk * HP * s_lh + qs
-        lse = tl.load(lbase + lo_ + loff, mask=rvalid, other=float("inf"))
-        delta = tl.load(dbase + lo_ + loff, mask=rvalid, other=0.0)
+        # query tiles never cross their document: rows past its end are padding
+        rvalid, trow = _query_rows(QRow, tok, tok < de, SUBSET)
+        if SUBSET:  # rows are the tokens' query rows, one by one
+            t64 = trow.to(tl.int64)
+            qT = tl.load(qbase + pk * HP * s_qh + offs_d[:, None] + (t64 * s_qt + hh * s_qh)[None, :],
+                         mask=rvalid[None, :], other=0.0)
+            do = tl.load(dobase + pk * HP * s_oh + (t64 * s_ot + hh * s_oh)[:, None] + offs_d[None, :],
+                         mask=rvalid[:, None], other=0.0)
+            lo_ = pk * HP * s_lh + hh * s_lh + trow
+            lse = tl.load(lbase + lo_, mask=rvalid, other=float("inf"))
+            delta = tl.load(dbase + lo_, mask=rvalid, other=0.0)
+        else:
+            qT = tl.load(qbase + (qs.to(tl.int64) * s_qt + pk * HP * s_qh) + qoff, mask=rvalid[None, :], other=0.0)
+            do = tl.load(dobase + (qs.to(tl.int64) * s_ot + pk * HP * s_oh) + dooff, mask=rvalid[:, None],
+                         other=0.0)
+            lo_ = pk * HP * s_lh + qs
+            lse = tl.load(lbase + lo_ + loff, mask=rvalid, other=float("inf"))
+            delta = tl.load(dbase + lo_ + loff, mask=rvalid, other=0.0)
         sT = tl.dot(k, qT) * qk_scale + bias[:, None]
         pT = tl.math.exp2(sT - lse[None, :])
         if (full == 0) | (qs < ks + N):

@@ -36,7 +36,9 @@ from nosa_layers.config import NOSAConfig
 from nosa_layers.selection import check_inputs
 
 from ._common import LOG2E, UNSPECIALIZED, check_device
+from .launch import SEL_CONFIG
 from .layout import BlockLayout, block_layout
+from .query_layout import QueryLayout, _query_rows, no_rows, query_layout
 from .topk import select_from_block_scores
 
 
@@ -85,26 +87,30 @@ def _lse_step(s, m_i, l_i):
 
 
 @triton.jit
-def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale, covered,
+def _sel_lse_kernel(Q, KC, Blocks, LSE, QRow, Live, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, qk_scale, covered,
                     G: tl.constexpr, HP: tl.constexpr, BW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr):
+                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, SUBSET: tl.constexpr):
     """LSE of each (token, query head) of block ``c`` over the visible compressed keys, for ``HP``
     query heads of one KV group (``HP * BS`` rows, head-major: one compressed-key tile feeds them
     all); nothing for blocks ``j < covered`` (the budget takes every block their rows see: no score
-    is read)."""
+    is read). ``SUBSET``: the queries are the rows ``QRow`` maps tokens to (``query_layout``); blocks
+    without one (``Live``) return at once."""
     c = tl.num_programs(0) - 1 - tl.program_id(0)  # later blocks (longer rows) first: no long tail
     head0 = tl.program_id(1) * HP
     h = head0 // G
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)
     if j < covered:
         return
+    if SUBSET:
+        if tl.load(Live + c) == 0:
+            return
     offs_m = tl.arange(0, HP * BS)
     head = head0 + offs_m // BS
     t = ks + offs_m % BS
-    tvalid = t < de
+    tvalid, trow = _query_rows(QRow, t, t < de, SUBSET)
     p = t - ds
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
+    q = tl.load(Q + b * s_qb + trow[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=tvalid[:, None], other=0.0)
     m_i = tl.full([HP * BS], float("-inf"), tl.float32)
     l_i = tl.zeros([HP * BS], tl.float32)
@@ -126,15 +132,15 @@ def _sel_lse_kernel(Q, KC, Blocks, LSE, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh
         s = tl.where((w[None, :] * ST + KS - 1) <= p[:, None], s, float("-inf"))
         m_i, l_i = _lse_step(s, m_i, l_i)
     lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-    tl.store(LSE + b * s_lb + head * s_lh + t, lse, mask=tvalid)
+    tl.store(LSE + b * s_lb + head * s_lh + trow, lse, mask=tvalid)
 
 
 @triton.jit
-def _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw, s_lb, s_lh,
+def _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, trow, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw, s_lb, s_lh,
                  s_ob, s_oh, s_ot, qk_scale, G: tl.constexpr, NBC: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                  KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                  INIT: tl.constexpr, LOCAL: tl.constexpr):
-    """Block scores of the ``NBC`` blocks from ``m0`` for the ``BS`` rows ``t`` (all in block ``j``) of
+    """Block scores of the ``NBC`` blocks from ``m0`` for the ``BS`` rows ``trow`` (all in block ``j``) of
     KV head ``h``, stored; returns the carry (the chunk's last own window, summed over the heads)."""
     offs_d = tl.arange(0, D)
     NW: tl.constexpr = NBC * R
@@ -163,9 +169,9 @@ def _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s
         acc_e = tl.zeros([BS, NE], tl.float32)
     for g in range(G):
         head = h * G + g
-        q = tl.load(Q + b * s_qb + t[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
+        q = tl.load(Q + b * s_qb + trow[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :],
                     mask=tvalid[:, None], other=0.0)
-        lse = tl.load(LSE + b * s_lb + head * s_lh + t, mask=tvalid, other=float("inf"))
+        lse = tl.load(LSE + b * s_lb + head * s_lh + trow, mask=tvalid, other=float("inf"))
         # no mask per head: an invisible window's term is finite or +inf (its key is not in the
         # row's LSE), never NaN, and the window is set to -inf after the heads' sum below
         s = tl.dot(q, tl.trans(kc)) * qk_scale
@@ -189,16 +195,17 @@ def _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s
     forced = (m[None, :] < INIT) | ((m[None, :] >= j - LOCAL) & (m[None, :] <= j))
     val = tl.where(forced, float("inf"), val)
     val = tl.where(m[None, :] > j, float("-inf"), val)
-    tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :], val,
+    tl.store(Out + b * s_ob + h * s_oh + trow[:, None].to(tl.int64) * s_ot + m[None, :], val,
              mask=tvalid[:, None] & (m <= j)[None, :])
     return carry
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_sel_block_kernel"])
-def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale,
-                      covered, G: tl.constexpr, NBC: tl.constexpr, NBT: tl.constexpr,
+def _sel_block_kernel(Q, KC, Blocks, LSE, Out, QRow, Live, s_qb, s_qt, s_qh, s_cw, s_ch, s_lb, s_lh, s_ob, s_oh, s_ot,
+                      qk_scale, covered, G: tl.constexpr, NBC: tl.constexpr, NBT: tl.constexpr,
                       D: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr,
-                      E: tl.constexpr, EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr):
+                      E: tl.constexpr, EP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                      SUBSET: tl.constexpr):
     """Chunks of ``NBC`` blocks while a whole chunk is seen, then chunks of ``NBT`` (a divisor of NBC)
     for the rest of the row's ``j + 1`` blocks (less work past the last block than one wide chunk)."""
     c = tl.num_programs(0) - 1 - tl.program_id(0)  # later blocks (longer rows) first: no long tail
@@ -206,32 +213,22 @@ def _sel_block_kernel(Q, KC, Blocks, LSE, Out, s_qb, s_qt, s_qh, s_cw, s_ch, s_l
     b, ks, ds, de, j, c0 = _block_row(Blocks, c, BS)  # every row of this program is in block qb = j
     if j < covered:  # the budget takes every block these rows see: their scores are never read
         return
+    if SUBSET:
+        if tl.load(Live + c) == 0:
+            return
     t = ks + tl.arange(0, BS)
-    tvalid = t < de
+    tvalid, trow = _query_rows(QRow, t, t < de, SUBSET)
     p = t - ds
     p_last = tl.minimum(ks + BS, de) - 1 - ds
     kbase = KC + (c0 * R).to(tl.int64) * s_cw + h * s_ch
     carry = tl.zeros([BS], tl.float32)  # the previous chunk's last own window (none before block 0)
     n_wide = ((j + 1) // NBC) * NBC
     for m0 in range(0, n_wide, NBC):
-        carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
+        carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, trow, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
                              s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale, G, NBC, D, BS, KS, ST, R, E, EP, INIT, LOCAL)
     for m0 in range(n_wide, j + 1, NBT):
-        carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, t, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
+        carry = _block_chunk(Q, kbase, LSE, Out, m0, carry, b, h, trow, tvalid, p, p_last, j, s_qb, s_qt, s_qh, s_cw,
                              s_lb, s_lh, s_ob, s_oh, s_ot, qk_scale, G, NBT, D, BS, KS, ST, R, E, EP, INIT, LOCAL)
-
-
-# Launch parameters of the scoring kernels (LSE: compressed keys per step ``BW`` and query heads per
-# program ``HP``, a divisor of the KV group's G is taken; block scores: windows per step ``NW``, i.e.
-# NW / (block / stride) blocks, and ``NT`` windows per step for a row's last blocks that do not fill
-# an ``NW`` step). Tuned on one H200 for block 64, D 128 (bench/attention.py --selection --sel-sweep;
-# session 12: HP 2 against 1, scoring 2.25 -> 2.12 ms at 32K/32; session 26, with the tail steps and
-# the masks only where needed: HP 4 / 8 warps and NW 128 / NT 64 / 4 warps, the fastest at 32K/32
-# and 16K/16, 1.57 -> 1.49 and 0.25 -> 0.21 ms against HP 2 / NW 256); override for experiments.
-SEL_CONFIG = {
-    "lse": dict(BW=64, HP=4, num_warps=8, num_stages=2),
-    "block": dict(NW=128, NT=64, num_warps=4, num_stages=2),
-}
 
 
 def block_chunks(launch: dict, R: int, E: int, EP: int, on_gpu: bool) -> tuple[int, int]:
@@ -279,10 +276,11 @@ def compress(k: Tensor, score: Tensor | None, layout: BlockLayout, cfg: NOSAConf
 
 
 def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSAConfig,
-                        softmax_scale: float | None = None, covered: int = 0) -> Tensor:
+                        softmax_scale: float | None = None, covered: int = 0, ql: QueryLayout | None = None) -> Tensor:
     """Query-aware block scores (forced blocks +inf) fp32 ``[B, Hkv, T, nb]``; row ``t`` holds the
     blocks ``m <= qb(t)`` of its document, later columns are unspecified; rows of the first
-    ``covered`` blocks of each document are not scored (unspecified)."""
+    ``covered`` blocks of each document are not scored (unspecified). ``ql``: q holds only those query
+    rows (``[B, Tq, Hq, D]``, scores ``[B, Hkv, Tq, nb]``)."""
     B, T, Hq, D = q.shape
     Hkv = kc.shape[1]
     G = Hq // Hkv
@@ -296,40 +294,45 @@ def block_scores_triton(q: Tensor, kc: Tensor, layout: BlockLayout, cfg: NOSACon
         return out
     c = SEL_CONFIG["lse"]
     hp = lse_heads_per_program(G)
+    rows, live = (ql.rows, ql.live) if ql is not None else (no_rows(str(q.device)),) * 2
     _sel_lse_kernel[(layout.n_blocks, Hq // hp)](
-        q, kc, layout.blocks, lse, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1), scale * LOG2E,
-        covered, G=G, HP=hp, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        q, kc, layout.blocks, lse, rows, live, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
+        scale * LOG2E, covered, G=G, HP=hp, BW=c["BW"], D=D, BS=bs, KS=ks, ST=st, R=R, SUBSET=ql is not None,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = SEL_CONFIG["block"]
     EP = triton.next_power_of_2(max(E, 1))
     NBC, NBT = block_chunks(c, R, E, EP, q.is_cuda)
     _sel_block_kernel[(layout.n_blocks, Hkv)](
-        q, kc, layout.blocks, lse, out, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
+        q, kc, layout.blocks, lse, out, rows, live, *q.stride()[:3], *kc.stride()[:2], lse.stride(0), lse.stride(1),
         *out.stride()[:3], scale * LOG2E, covered,
         G=G, NBC=NBC, NBT=NBT, D=D, BS=bs, KS=ks, ST=st, R=R, E=E, EP=EP,
-        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, SUBSET=ql is not None, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     return out
 
 
 @torch.no_grad()
 def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: NOSAConfig,
-                         cu_seqlens: Tensor | None = None, softmax_scale: float | None = None) -> Tensor:
+                         cu_seqlens: Tensor | None = None, softmax_scale: float | None = None,
+                         q_chunks=None) -> Tensor:
     """GPU ``select_blocks``: bool ``[B, Hkv, T, nb]``, reference semantics and tie-breaking
-    (geometries with ``supports_selection``); a packed batch runs in one launch per kernel."""
+    (geometries with ``supports_selection``); a packed batch runs in one launch per kernel. ``q_chunks``:
+    q holds only those query rows of the key row (``[B, Tq, Hq, D]`` -> ``[B, Hkv, Tq, nb]``)."""
     check_device(q, k, evict_score)
-    check_inputs(q, k, evict_score, cu_seqlens)
+    check_inputs(q, k, evict_score, cu_seqlens, q_chunks)
     if not supports_selection(cfg, q.shape[-1]):
         raise ValueError(f"nosa_layers.ops: no selection kernel for head dim {q.shape[-1]} and block/stride/kernel "
                          f"{cfg.block_size}/{cfg.kernel_stride}/{cfg.kernel_size}; use the reference selection")
-    B, T = q.shape[:2]
-    layout = block_layout(B, T, cu_seqlens, cfg.block_size, q.device)
+    B, Tq = q.shape[:2]
+    layout = block_layout(B, k.shape[1], cu_seqlens, cfg.block_size, q.device)
+    ql = query_layout(layout, q_chunks)
     # Rows that see at most ``topk`` blocks select all of them: their blocks are not scored, and a
     # batch whose documents all fit the budget (short packed documents) needs no scoring at all.
     if layout.max_doc_blocks <= cfg.topk:  # (unread stand-ins keep the top-k kernel's compiled variant)
         Hkv = k.shape[2]
-        b_qa = torch.empty(B, Hkv, T, layout.max_doc_blocks, dtype=torch.float32, device=q.device)
+        b_qa = torch.empty(B, Hkv, Tq, layout.max_doc_blocks, dtype=torch.float32, device=q.device)
         ws = None if evict_score is None else torch.empty(1, Hkv, dtype=torch.float32, device=q.device)
-        return select_from_block_scores(b_qa, ws, layout, cfg)
+        return select_from_block_scores(b_qa, ws, layout, cfg, ql)
     dt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
     q = q.to(dt)
     if q.stride(-1) != 1:
@@ -337,5 +340,5 @@ def select_blocks_triton(q: Tensor, k: Tensor, evict_score: Tensor | None, cfg: 
     if k.stride(-1) != 1:
         k = k.contiguous()
     kc, ws = compress(k, evict_score, layout, cfg, dt)
-    b_qa = block_scores_triton(q, kc, layout, cfg, softmax_scale, covered=cfg.topk)
-    return select_from_block_scores(b_qa, ws, layout, cfg)
+    b_qa = block_scores_triton(q, kc, layout, cfg, softmax_scale, covered=cfg.topk, ql=ql)
+    return select_from_block_scores(b_qa, ws, layout, cfg, ql)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ class BlockLayout:
     n_blocks: int       # blocks of all documents of all rows
     max_doc_blocks: int  # blocks of the longest document (the width of a selection)
     blocks: Tensor      # int32 [n_blocks, 4]: b, k_start, doc_start, doc_end
+    host: tuple = field(default=(), repr=False, compare=False)  # the same rows on the host
 
 
 def _build(B: int, T: int, spans: tuple, block: int, device: torch.device) -> BlockLayout:
@@ -47,7 +48,7 @@ def _build(B: int, T: int, spans: tuple, block: int, device: torch.device) -> Bl
         blocks = blocks.pin_memory().to(device, non_blocking=True)
     else:
         blocks = blocks.to(device)
-    return BlockLayout(block, B, T, blocks.shape[0], widest, blocks)
+    return BlockLayout(block, B, T, blocks.shape[0], widest, blocks, tuple(rows))
 
 
 @functools.lru_cache(maxsize=32)
@@ -88,6 +89,15 @@ def remember_host_values(cu_seqlens: Tensor, values: list[int]) -> None:
     if len(values) != cu_seqlens.numel():
         raise ValueError(f"{len(values)} host values for a cu_seqlens of {cu_seqlens.numel()} entries")
     _known(cu_seqlens).host = (cu_seqlens._version, [int(v) for v in values])
+
+
+def host_values(cu_seqlens: Tensor) -> list[int] | None:
+    """The host values handed over for ``cu_seqlens`` (:func:`remember_host_values`), ``None`` if there
+    are none (or the tensor changed in place since)."""
+    known = _KNOWN.get(id(cu_seqlens))
+    if known is None or known.ref() is not cu_seqlens or known.host is None:
+        return None
+    return list(known.host[1]) if known.host[0] == cu_seqlens._version else None
 
 
 def block_layout(B: int, T: int, cu_seqlens: Tensor | None, block: int, device) -> BlockLayout:

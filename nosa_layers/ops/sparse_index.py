@@ -12,7 +12,7 @@ Forward lists, per (tile, KV head) ``w = tile * Hkv + h``: ``fwd_count[w]`` entr
 ``fwd_ks[w, :]`` (first token of each listed KV block, ascending, the tile's own block last) and
 ``fwd_word[w, :]`` (bit ``r`` set <=> row ``r`` of the tile selected the block), padded to ``cap``
 entries (no compaction across lists, hence no host sync for sizes). One KV block per entry: two-block
-forward entries were measured slower on an H200 in every case (``docs/BENCHMARKS.md``, session 7).
+forward entries were measured slower on an H200 in every case (2026-12).
 
 Inverse lists, per key group and KV head. A key group is ``kb`` (1 or 2) adjacent KV blocks of one
 document, from a block whose index in its document is a multiple of ``kb`` (the last group of a
@@ -50,7 +50,9 @@ from torch import Tensor
 from nosa_layers.config import NOSAConfig
 
 from ._common import UNSPECIALIZED, check_device
+from .launch import launch_config
 from .layout import BlockLayout, block_layout
+from .query_layout import _query_rows, no_rows, query_layout, query_tiles
 
 
 @dataclass
@@ -75,10 +77,27 @@ class SparseIndex:
     max_slots: int        # budget of fp32 partial slots (key-group partials) for split lists
     kb: int = 1           # KV blocks per key group (keys resident in one dK/dV program: kb * block)
     slots_count: object = None  # where slot_ptr[n_lists] reaches the host: (_SlotCountRing, entry) or an int
+    # query chunks (``query_layout``; None: the whole row): the tiles holding query rows (int32 [n_tiles], their
+    # index among the table's tiles) and the query row of each token of a row (int32 [T], -1: none)
+    qtiles: Tensor | None = None
+    qrows: Tensor | None = None
+    num_rows: int | None = None  # query rows (Tq; None: the whole row)
 
     @property
     def n_lists(self) -> int:
         return self.layout.n_blocks * self.hkv
+
+    @property
+    def subset(self) -> bool:
+        """Whether the queries are a subset of the row (query chunks)."""
+        return self.qrows is not None
+
+    def query_args(self, device) -> tuple[Tensor, Tensor]:
+        """``(QTiles, QRow)`` kernel arguments (one-entry stand-ins for the whole row)."""
+        if self.qrows is None:
+            stand_in = no_rows(str(device))
+            return stand_in, stand_in
+        return self.qtiles, self.qrows
 
     def workspace_slots(self) -> int:
         """Partial slots the dK/dV backward needs: the count the index build produced, once its copy to
@@ -96,28 +115,33 @@ class SparseIndex:
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_pack_lists_kernel"])
-def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_st, cap, NBW,
+def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, QTiles, QRow, s_sb, s_sh, s_st, cap, NBW,
                        HKV: tl.constexpr, QT: tl.constexpr, S: tl.constexpr,
-                       BS: tl.constexpr, NBC: tl.constexpr):
+                       BS: tl.constexpr, NBC: tl.constexpr, SUBSET: tl.constexpr):
     """Per (query tile, KV head): the tile rows' selections ORed into one word per block (dense
-    ``Words`` row, columns up to the tile's own block) and the forward list of non-zero entries."""
+    ``Words`` row, columns up to the tile's own block) and the forward list of non-zero entries.
+    ``SUBSET``: program ``i`` takes the ``i``-th tile holding query rows (``QTiles``), whose selection
+    rows are the tokens' query rows (``QRow``, ``query_layout``)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
-    c = i // S
+    gi = i
+    if SUBSET:
+        gi = tl.load(QTiles + i)
+    c = gi // S
     b = tl.load(Blocks + c * 4 + 0).to(tl.int64)
     ks = tl.load(Blocks + c * 4 + 1)
     ds = tl.load(Blocks + c * 4 + 2)
     de = tl.load(Blocks + c * 4 + 3)
     j = (ks - ds) // BS
-    qs = ks + (i % S) * QT
+    qs = ks + (gi % S) * QT
     r = tl.arange(0, QT)
-    rmask = (qs + r) < de
+    rmask, trow = _query_rows(QRow, qs + r, (qs + r) < de, SUBSET)
     w = (i * HKV + h).to(tl.int64)
     n = 0
     for m0 in range(0, j + 1, NBC):
         cols = m0 + tl.arange(0, NBC)
         cm = cols <= j
-        s = tl.load(Sel + b * s_sb + h * s_sh + (qs + r)[:, None].to(tl.int64) * s_st + cols[None, :],
+        s = tl.load(Sel + b * s_sb + h * s_sh + trow[:, None].to(tl.int64) * s_st + cols[None, :],
                     mask=rmask[:, None] & cm[None, :], other=0)
         bits = (s != 0).to(Words.dtype.element_ty) << r[:, None].to(Words.dtype.element_ty)
         word = tl.sum(bits, axis=0)  # disjoint bits: sum == OR (wraps correctly at the top bit)
@@ -132,46 +156,61 @@ def _pack_lists_kernel(Sel, Blocks, Words, Count, FwdKs, FwdWord, s_sb, s_sh, s_
 
 
 @triton.jit
-def _inverse_scan(Blocks, c, S: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr):
+def _inverse_scan(Blocks, QRange, c, S: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, SUBSET: tl.constexpr):
     """Column of KV block ``c`` in the dense words: the tiles ``[i0, i1)`` of its document from its
-    own block on, the column ``j`` (the block's index in its document) and whether the block
-    starts a key group of ``KB`` blocks."""
+    own block on (``SUBSET``: of the tiles holding query rows, ``QRange``), the column ``j`` (the block's
+    index in its document) and whether the block starts a key group of ``KB`` blocks."""
     ks = tl.load(Blocks + c * 4 + 1)
     ds = tl.load(Blocks + c * 4 + 2)
     de = tl.load(Blocks + c * 4 + 3)
     j = (ks - ds) // BS
     nb_doc = (de - ds + BS - 1) // BS
-    return c * S, (c - j + nb_doc) * S, j, (j % KB) == 0
+    i0 = c * S
+    i1 = (c - j + nb_doc) * S
+    if SUBSET:
+        i0 = tl.load(QRange + 2 * c)
+        i1 = tl.load(QRange + 2 * c + 1)
+    return i0, i1, j, (j % KB) == 0
 
 
 @triton.jit
-def _group_word(Words, i, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, u: tl.constexpr):
-    """Words of tiles ``i`` for block ``j + u`` of a key group starting at block ``c`` (column ``j``):
-    0 for tiles before that block (causal; their dense word rows stop at their own block)."""
-    return tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j + u, mask=im & (i >= (c + u) * S), other=0)
+def _tile_ids(QTiles, i, im, SUBSET: tl.constexpr):
+    """The tiles' index in the block table's tiles: ``QTiles[i]`` with ``SUBSET``, else ``i``."""
+    if SUBSET:
+        return tl.load(QTiles + i, mask=im, other=0)
+    return i
 
 
 @triton.jit
-def _group_selected(Words, i, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, KB: tl.constexpr):
+def _group_word(Words, i, gi, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, u: tl.constexpr):
+    """Words of tiles ``i`` (table tiles ``gi``) for block ``j + u`` of a key group starting at block ``c``
+    (column ``j``): 0 for tiles before that block (causal; their dense word rows stop at their own block)."""
+    return tl.load(Words + (i * HKV + h).to(tl.int64) * NBW + j + u, mask=im & (gi >= (c + u) * S), other=0)
+
+
+@triton.jit
+def _group_selected(Words, i, gi, im, c, h, j, NBW, HKV: tl.constexpr, S: tl.constexpr, KB: tl.constexpr):
     """Whether tiles ``i`` selected any block of the key group starting at block ``c``."""
-    nz = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0) != 0
+    nz = _group_word(Words, i, gi, im, c, h, j, NBW, HKV, S, 0) != 0
     for u in tl.static_range(1, KB):
-        nz |= _group_word(Words, i, im, c, h, j, NBW, HKV, S, u) != 0
+        nz |= _group_word(Words, i, gi, im, c, h, j, NBW, HKV, S, u) != 0
     return nz
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_count_kernel"])
-def _inv_count_kernel(Words, Blocks, InvCount, NBW, HKV: tl.constexpr, S: tl.constexpr,
-                      BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
+def _inv_count_kernel(Words, Blocks, InvCount, QTiles, QRange, NBW, HKV: tl.constexpr, S: tl.constexpr,
+                      BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr, SUBSET: tl.constexpr):
     """Entries of the inverse list of each (key group, KV head); -1 for blocks inside a group."""
     c = tl.program_id(0)
     h = tl.program_id(1)
-    i0, i1, j, lead = _inverse_scan(Blocks, c, S, BS, KB)
+    i0, i1, j, lead = _inverse_scan(Blocks, QRange, c, S, BS, KB, SUBSET)
     cnt = 0
     if lead:
         for t0 in range(i0, i1, CB):
             i = t0 + tl.arange(0, CB)
-            cnt += tl.sum(_group_selected(Words, i, i < i1, c, h, j, NBW, HKV, S, KB).to(tl.int32), axis=0)
+            im = i < i1
+            gi = _tile_ids(QTiles, i, im, SUBSET)
+            cnt += tl.sum(_group_selected(Words, i, gi, im, c, h, j, NBW, HKV, S, KB).to(tl.int32), axis=0)
     else:
         cnt = -1
     tl.store(InvCount + c * HKV + h, cnt)
@@ -208,13 +247,13 @@ def _scan_kernel(InvCount, InvPtr, PiecePtr, SlotPtr, n_lists, chunk, max_slots,
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_inv_fill_kernel"])
-def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord, NBW,
+def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord, QTiles, QRange, NBW,
                      HKV: tl.constexpr, S: tl.constexpr, QT: tl.constexpr,
-                     BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
+                     BS: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr, SUBSET: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     lst = c * HKV + h
-    i0, i1, j, lead = _inverse_scan(Blocks, c, S, BS, KB)
+    i0, i1, j, lead = _inverse_scan(Blocks, QRange, c, S, BS, KB, SUBSET)
     base = tl.load(InvPtr + lst)
     n = 0
     tl.static_assert(KB <= 2, "key groups of one or two KV blocks")
@@ -222,13 +261,14 @@ def _inv_fill_kernel(Words, Blocks, InvPtr, PiecePtr, PieceList, InvQs, InvWord,
         for t0 in range(i0, i1, CB):
             i = t0 + tl.arange(0, CB)
             im = i < i1
-            w0 = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 0)  # each word loaded once
+            gi = _tile_ids(QTiles, i, im, SUBSET)
+            w0 = _group_word(Words, i, gi, im, c, h, j, NBW, HKV, S, 0)  # each word loaded once
             nz = w0 != 0
             if KB == 2:
-                w1 = _group_word(Words, i, im, c, h, j, NBW, HKV, S, 1)
+                w1 = _group_word(Words, i, gi, im, c, h, j, NBW, HKV, S, 1)
                 nz |= w1 != 0
             pos = base + n + tl.cumsum(nz.to(tl.int32), axis=0) - 1
-            qs = tl.load(Blocks + (i // S) * 4 + 1, mask=nz, other=0) + (i % S) * QT
+            qs = tl.load(Blocks + (gi // S) * 4 + 1, mask=nz, other=0) + (gi % S) * QT
             tl.store(InvQs + pos, qs, mask=nz)
             tl.store(InvWord + pos.to(tl.int64) * KB, w0, mask=nz)
             if KB == 2:
@@ -278,7 +318,7 @@ def chunk_units(work_units: int, device: torch.device) -> int:
 def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqlens: Tensor | None = None, *,
                        num_q_heads: int, row_budget: int | None = None, qt: int | None = None,
                        chunk: int | None = None, max_slots: int | None = None, kb: int | None = None,
-                       q: Tensor | None = None) -> SparseIndex:
+                       q: Tensor | None = None, q_chunks=None) -> SparseIndex:
     """The kernels' index of ``selected`` bool ``[B, Hkv, T, nb]`` (a ``select_blocks`` result for
     ``seq_len = T`` tokens, documents at ``cu_seqlens``) for an attention with ``num_q_heads`` query
     heads.
@@ -289,23 +329,32 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     default: the launch configuration's ``CHUNK`` units of 64 query rows x one KV block), ``max_slots``
     and ``kb`` (KV blocks per dK/dV key group, 1 or 2) override the launch configuration. ``q`` (the
     attention's queries, optional) lets the key groups follow the dK/dV kernel that will run: the
-    Hopper kernel's, or the Triton kernel's for a shape the Hopper one does not cover."""
-    from .attention_op import launch_config
-
+    Hopper kernel's, or the Triton kernel's for a shape the Hopper one does not cover. ``q_chunks``: the
+    selection's rows are those query rows of the ``seq_len``-token row (``select_blocks(q_chunks=...)``);
+    lists and programs then cover only the tiles that hold them (``query_layout``)."""
     check_device(selected)
-    B, Hkv, T, nbw = selected.shape
-    if T != seq_len:
-        raise ValueError(f"selected has {T} rows for a sequence of {seq_len} tokens")
+    B, Hkv, rows, nbw = selected.shape
+    T = seq_len
+    want = T if q_chunks is None else q_chunks.num_rows
+    if rows != want:
+        raise ValueError(f"selected has {rows} rows for {want} query rows of a sequence of {seq_len} tokens")
     bs = cfg.block_size
     layout = block_layout(B, T, cu_seqlens, bs, selected.device)
     launch = launch_config(selected.device, q, bs)
+    if q_chunks is not None and "triton" in launch["dkdv"]:  # query chunks take the Triton kernels (attention_op)
+        launch = dict(launch, dkdv=dict(launch["dkdv"], **launch["dkdv"]["triton"]))
     G = num_q_heads // Hkv
     if qt is None:
         qt = query_tile(G, bs, launch["tile"]["rows"])[0]
     if bs % qt or qt & (qt - 1):
         raise ValueError(f"query tile of {qt} tokens must be a power of two dividing block_size {bs}")
     S = bs // qt
-    n_tiles = layout.n_blocks * S
+    ql = query_layout(layout, q_chunks)
+    if ql is not None:
+        qtiles, qrange, n_tiles = query_tiles(ql, layout, qt)
+    else:
+        qtiles = qrange = no_rows(str(selected.device))
+        n_tiles = layout.n_blocks * S
     n_lists = layout.n_blocks * Hkv
     kb = launch["dkdv"]["blocks"] if kb is None else kb
     if kb not in (1, 2):
@@ -314,7 +363,7 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
     if chunk is None:  # CHUNK units of 64 query rows x one block; an entry is qt x G rows x kb blocks
         units = launch["dkdv"]["CHUNK"]
         if units == "auto":
-            units = chunk_units(B * T * num_q_heads * min(nbw, row_budget or nbw) // 64, selected.device)
+            units = chunk_units(B * rows * num_q_heads * min(nbw, row_budget or nbw) // 64, selected.device)
         chunk = max(1, units * 64 // (qt * G * kb))
     max_slots = launch["dkdv"]["SLOTS"] // kb if max_slots is None else max_slots  # SLOTS: one-block partials
     if not 0 <= max_slots < _SlotCountRing.TAG_UNIT:  # the count used is packed below its build's tag
@@ -340,13 +389,16 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         sel = selected.view(torch.uint8) if selected.dtype == torch.bool else selected
         words = torch.empty(n_tiles * Hkv, nbw, dtype=wdt, device=dev)
         inv_count = torch.empty(n_lists, **i32)
-        _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, *sel.stride()[:3],
-                                           cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64)
-        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, nbw, HKV=Hkv, S=S, BS=bs, KB=kb,
-                                                  CB=128)
+        qrow = ql.rows if ql is not None else qtiles
+        sub = ql is not None
+        _pack_lists_kernel[(n_tiles, Hkv)](sel, layout.blocks, words, fwd_count, fwd_ks, fwd_word, qtiles, qrow,
+                                           *sel.stride()[:3], cap, nbw, HKV=Hkv, QT=qt, S=S, BS=bs, NBC=64, SUBSET=sub)
+        _inv_count_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_count, qtiles, qrange, nbw, HKV=Hkv, S=S,
+                                                  BS=bs, KB=kb, CB=128, SUBSET=sub)
         _scan_kernel[(1,)](inv_count, inv_ptr, piece_ptr, slot_ptr, n_lists, chunk, max_slots, tag_base, CH=1024)
         _inv_fill_kernel[(layout.n_blocks, Hkv)](words, layout.blocks, inv_ptr, piece_ptr, piece_list, inv_qs,
-                                                 inv_word, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb, CB=128)
+                                                 inv_word, qtiles, qrange, nbw, HKV=Hkv, S=S, QT=qt, BS=bs, KB=kb,
+                                                 CB=128, SUBSET=sub)
     else:
         inv_ptr.zero_()
         piece_ptr.zero_()
@@ -357,7 +409,9 @@ def build_sparse_index(selected: Tensor, cfg: NOSAConfig, seq_len: int, cu_seqle
         ring.copy(entry, slot_ptr[n_lists:])
         count = (ring, entry)
     return SparseIndex(bs, qt, Hkv, layout, n_tiles, cap, fwd_count, fwd_ks, fwd_word, inv_ptr, inv_qs, inv_word,
-                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, count)
+                       chunk, piece_ptr, piece_list, slot_ptr, max_pieces, max_slots, kb, count,
+                       qtiles if ql is not None else None, ql.rows if ql is not None else None,
+                       ql.num_rows if ql is not None else None)
 
 
 class _SlotCountRing:
@@ -425,7 +479,9 @@ def _slot_count_ring(device: torch.device) -> tuple[_SlotCountRing | None, int]:
 def union_inflation(index: SparseIndex, selected: Tensor) -> dict:
     """Work of the tiles' union lists against the rows' own selections (statistics; host syncs):
     ``inflation`` = listed blocks per row / selected blocks per row, ``bitmask_fill`` = selected rows
-    per listed (tile, block) / rows of the tile."""
+    per listed (tile, block) / rows of the tile. Whole-row indexes only."""
+    if index.subset:
+        raise ValueError("union_inflation takes an index of the whole row (no query chunks)")
     per_token = selected.sum(-1).float()  # [B, Hkv, T]
     counts = index.fwd_count.reshape(index.n_tiles, index.hkv).float()
     blocks = index.layout.blocks.long()

@@ -21,7 +21,7 @@ register tile, no sort; the search stops once every row's count at ``tau`` is ex
 picks are ``key > tau`` plus the first ``k - #(key > tau)`` columns with ``key == tau``. A row of
 block ``qb`` ranks only a width ``W`` class that holds its ``qb + 1`` blocks (``NBP, NBP / 2, ...``).
 ``select_from_block_scores_torch`` is the plain-PyTorch reference (the reference selection's
-stable-sort ``topk_mask``), also the fallback for ``nb > MAX_BLOCKS``.
+``two_stage_blocks``), also the fallback for ``nb > MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -32,24 +32,14 @@ import triton.language as tl
 from torch import Tensor
 
 from nosa_layers.config import NOSAConfig
-from nosa_layers.selection import block_window_index, pool_to_blocks, topk_mask
+from nosa_layers.selection import block_window_index, blocks_mask, pool_to_blocks, two_stage_blocks
 
 from ._common import UNSPECIALIZED
+from .launch import TOPK_CONFIG
 from .layout import BlockLayout
+from .query_layout import QueryLayout, _query_rows, no_rows
 
 MAX_BLOCKS = 8192  # widest row the kernel keeps in registers; wider rows use the torch path
-# Launch parameters: ``TILE`` rows x padded blocks per register tile, ``ROW_SPLITS`` programs per
-# (KV block, KV head), each ranking 1 / ROW_SPLITS of the block's rows, and ``WARPS`` per program
-# (0: one per 512 tile elements, at least 1). H200 (bench/attention.py
-# --selection --sel-sweep): 256 x 8 took the top-k from 0.75 to 0.56 ms at 32K/32 and from 0.40 to
-# 0.18 ms at 16K/16 against 1024 x 1 (more programs hide the latency of the counting passes); session
-# 26: 256 x 16 with one warp per 512-wide row (the counts summed within a warp, no cross-warp step)
-# 0.57 -> 0.52 ms and 0.18 -> 0.12 ms. The interpreter (CPU tests) runs fewer, longer programs,
-# which it runs faster.
-TOPK_CONFIG = {
-    "cuda": dict(TILE=256, ROW_SPLITS=16, WARPS=0),
-    "interpreter": dict(TILE=1024, ROW_SPLITS=1, WARPS=0),
-}
 
 
 @triton.jit
@@ -89,9 +79,10 @@ def _topk_rows(key, valid, k):
 
 
 @triton.jit
-def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
-                 BR: tl.constexpr, W: tl.constexpr, RSZ: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr,
-                 R: tl.constexpr, E: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
+def _select_rows(BQA, WS, Out, QRow, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot,
+                 NBW, BR: tl.constexpr, W: tl.constexpr, RSZ: tl.constexpr, KS: tl.constexpr, ST: tl.constexpr,
+                 R: tl.constexpr, E: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr,
+                 SUBSET: tl.constexpr):
     """Both stages for the ``RSZ`` rows from ``row0`` of block ``j`` (``j < W``), ranking the first
     ``W`` columns in ``[BR, W]`` tiles; the columns ``W .. NBW`` of the rows are written False."""
     m = tl.arange(0, W)
@@ -110,9 +101,9 @@ def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah,
         forced = (m < INIT) | ((m >= j - LOCAL) & (m <= j))
     for r0 in range(row0, row0 + RSZ, BR):
         t = ks + r0 + tl.arange(0, BR)
-        row_ok = t < de
+        row_ok, trow = _query_rows(QRow, t, t < de, SUBSET)
         ok2 = row_ok[:, None] & valid[None, :]
-        t64 = t[:, None].to(tl.int64)
+        t64 = trow[:, None].to(tl.int64)
         x = tl.load(BQA + b * s_ab + h * s_ah + t64 * s_at + m[None, :], mask=ok2, other=0.0)
         if EVICT:
             sel = _topk_rows(_orderable(x), ok2, tl.minimum(n_valid, K1))
@@ -136,14 +127,14 @@ def _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah,
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED["_select_kernel"])
-def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
+def _select_kernel(BQA, WS, Blocks, Out, QRow, Live, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s_oh, s_ot, NBW,
                    BR: tl.constexpr, NBP: tl.constexpr, NCLS: tl.constexpr, RS: tl.constexpr, BS: tl.constexpr,
                    KS: tl.constexpr, ST: tl.constexpr, R: tl.constexpr, E: tl.constexpr,
-                   INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr):
+                   INIT: tl.constexpr, LOCAL: tl.constexpr, EVICT: tl.constexpr, SUBSET: tl.constexpr):
     """One program per (KV block of query rows, KV head, ``1 / RS`` of the block's rows): every row is
     in block ``qb = j``. Rows rank only the blocks they see, in the narrowest of ``NCLS`` width classes
     ``NBP, NBP / 2, ...`` that holds them (tiles of ``BR x NBP`` elements in every class); later blocks
-    (wider rows) first."""
+    (wider rows) first. ``SUBSET``: rows are the query rows ``QRow`` maps tokens to (``query_layout``)."""
     RSZ: tl.constexpr = BS // RS
     c = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -153,18 +144,23 @@ def _select_kernel(BQA, WS, Blocks, Out, K1, K2, s_ab, s_ah, s_at, s_ww, s_ob, s
     ds = tl.load(Blocks + c * 4 + 2)
     de = tl.load(Blocks + c * 4 + 3)
     j = (ks - ds) // BS
+    if SUBSET:
+        if tl.load(Live + c) == 0:
+            return
     if j < K2:  # every row sees at most K2 blocks: all of them are selected, no score is read
         m = tl.arange(0, NBP)
         for r0 in range(row0, row0 + RSZ, BR):
             t = ks + r0 + tl.arange(0, BR)
-            tl.store(Out + b * s_ob + h * s_oh + t[:, None].to(tl.int64) * s_ot + m[None, :],
+            row_ok, trow = _query_rows(QRow, t, t < de, SUBSET)
+            tl.store(Out + b * s_ob + h * s_oh + trow[:, None].to(tl.int64) * s_ot + m[None, :],
                      (m <= j)[None, :].to(tl.uint8) + tl.zeros([BR, NBP], tl.uint8),
-                     mask=(t < de)[:, None] & (m < NBW)[None, :])
+                     mask=row_ok[:, None] & (m < NBW)[None, :])
     else:
         for cls in tl.static_range(NCLS):
             if (j < (NBP >> cls)) & ((cls == NCLS - 1) | (j >= (NBP >> (cls + 1)))):
-                _select_rows(BQA, WS, Out, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah, s_at, s_ww, s_ob, s_oh,
-                             s_ot, NBW, min(RSZ, BR << cls), NBP >> cls, RSZ, KS, ST, R, E, INIT, LOCAL, EVICT)
+                _select_rows(BQA, WS, Out, QRow, K1, K2, b, h, c, ks, ds, de, j, row0, s_ab, s_ah, s_at, s_ww, s_ob,
+                             s_oh, s_ot, NBW, min(RSZ, BR << cls), NBP >> cls, RSZ, KS, ST, R, E, INIT, LOCAL, EVICT,
+                             SUBSET)
 
 
 def width_classes(nbp: int, k2: int) -> int:
@@ -187,14 +183,19 @@ def launch_shape(nbp: int, block: int, kind: str) -> tuple[int, int, int]:
     return rows, splits, warps or max(1, min(16, rows * nbp // 512))
 
 
-def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig) -> Tensor:
+def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayout, cfg: NOSAConfig,
+                             ql: QueryLayout | None = None) -> Tensor:
     """Both top-k stages fused (see the module docstring): bool ``[B, Hkv, T, nb]``.
 
     ``b_qa`` fp32 ``[B, Hkv, T, nb]`` (``block_scores_triton``; columns past a row's block unread),
     ``ws`` fp32 ``[n_blocks * R, Hkv]`` window means of the eviction score (``compress``), or ``None``
-    (no eviction head: the whole budget is query-aware)."""
+    (no eviction head: the whole budget is query-aware). ``ql``: the rows are those query rows only
+    (``[B, Hkv, Tq, nb]``)."""
     B, Hkv, T, nb = b_qa.shape
     if nb > MAX_BLOCKS:
+        if ql is not None:
+            raise ValueError(f"nosa_layers.ops: query chunks with rows wider than {MAX_BLOCKS} blocks are not "
+                             f"supported; use backend='reference'")
         return select_from_block_scores_torch(b_qa, ws, layout, cfg)
     out = torch.empty(B, Hkv, T, nb, dtype=torch.bool, device=b_qa.device)
     if layout.n_blocks == 0 or nb == 0:
@@ -203,12 +204,14 @@ def select_from_block_scores(b_qa: Tensor, ws: Tensor | None, layout: BlockLayou
     NBP = max(triton.next_power_of_2(nb), 64)
     BR, RS, warps = launch_shape(NBP, cfg.block_size, "cuda" if b_qa.is_cuda else "interpreter")
     bs, ks, st = cfg.block_size, cfg.kernel_size, cfg.kernel_stride
+    rows, live = (ql.rows, ql.live) if ql is not None else (no_rows(str(b_qa.device)),) * 2
     _select_kernel[(layout.n_blocks, Hkv, RS)](
-        b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), cfg.query_aware_blocks, cfg.topk,
+        b_qa, b_qa if ws is None else ws, layout.blocks, out.view(torch.uint8), rows, live, cfg.query_aware_blocks,
+        cfg.topk,
         *b_qa.stride()[:3], 0 if ws is None else ws.stride(0), *out.stride()[:3], nb,
         BR=BR, NBP=NBP, NCLS=width_classes(NBP, cfg.topk), RS=RS, BS=bs, KS=ks, ST=st, R=bs // st,
         E=-(-ks // st) - 1, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, EVICT=ws is not None,
-        num_warps=warps)
+        SUBSET=ql is not None, num_warps=warps)
     return out
 
 
@@ -253,7 +256,7 @@ def select_from_block_scores_torch(b_qa: Tensor, ws: Tensor | None, layout: Bloc
 
 def stages_torch(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None, cfg: NOSAConfig,
                  row_chunk: int = 2048) -> Tensor:
-    """Both top-k stages of one document in plain PyTorch: two stable-sort top-k per chunk of rows,
+    """Both top-k stages of one document in plain PyTorch (``selection.two_stage_blocks``) per chunk of rows,
     the chunk cut to the blocks its last row can see. ``b_qa [B, Hkv, L, nb]`` (forced +inf),
     ``static [B, Hkv, nb]``, ``prev_part [B, Hkv, L]`` (``agnostic_parts``). Bool ``[B, Hkv, L, nb]``."""
     B, Hkv, L, nb = b_qa.shape
@@ -266,15 +269,12 @@ def stages_torch(b_qa: Tensor, static: Tensor | None, prev_part: Tensor | None, 
         blk = torch.arange(w, device=dev)
         qb = (pos // cfg.block_size)[:, None]
         future = blk[None, :] > qb
-        bq = b_qa[:, :, c0:c1, :w].masked_fill(future, float("-inf"))
-        if static is None:
-            out[:, :, c0:c1, :w] = topk_mask(bq, min(cfg.topk, w)) & ~future
-            continue
-        qa = topk_mask(bq, min(cfg.query_aware_blocks, w))
         forced = (blk[None, :] < cfg.init_blocks) | ((blk[None, :] >= qb - cfg.local_blocks) & ~future)
-        agn = static[:, :, None, :w].expand(B, Hkv, c1 - c0, w).clone()
-        rows = torch.nonzero(qb[:, 0] >= 1).squeeze(1)
-        agn[:, :, rows, qb[rows, 0] - 1] = prev_part[:, :, c0:c1][:, :, rows]
-        agn = agn.masked_fill(forced | qa, float("inf")).masked_fill(future, float("-inf"))
-        out[:, :, c0:c1, :w] = topk_mask(agn, min(cfg.topk, w)) & ~future
+        agn = None
+        if static is not None:
+            agn = static[:, :, None, :w].expand(B, Hkv, c1 - c0, w).clone()
+            rows = torch.nonzero(qb[:, 0] >= 1).squeeze(1)
+            agn[:, :, rows, qb[rows, 0] - 1] = prev_part[:, :, c0:c1][:, :, rows]
+        chosen = two_stage_blocks(b_qa[:, :, c0:c1, :w], agn, forced, future, cfg)
+        out[:, :, c0:c1, :w] = blocks_mask(chosen, w) & ~future
     return out

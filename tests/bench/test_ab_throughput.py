@@ -1,4 +1,4 @@
-"""``bench/ab_throughput.py``: the run order, the summary of two sides, the export of a git revision and
+"""``bench.probes.ab_throughput``: the run order, the summary of two sides, the export of a git revision and
 the refusals of its command line (no training here; ``tests/train/test_ab_throughput_run.py`` runs it)."""
 
 import os
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.loader import REPO, load_bench
+from bench.probes import ab_throughput as ab
+from tests.subproc import REPO
 
 
 def _result(run: str, tps: float, losses: list, idle: float | None = None) -> dict:
@@ -19,14 +20,14 @@ def _result(run: str, tps: float, losses: list, idle: float | None = None) -> di
 
 
 def test_pairs_alternate_who_goes_first():
-    order = load_bench("ab_throughput").run_order
+    order = ab.run_order
     assert order(1) == [("baseline", 0), ("candidate", 0)]
     assert order(3) == [("baseline", 0), ("candidate", 0), ("candidate", 1), ("baseline", 1),
                         ("baseline", 2), ("candidate", 2)]
 
 
 def test_summary_compares_the_means_with_the_spread_and_the_losses():
-    summarize = load_bench("ab_throughput").summarize
+    summarize = ab.summarize
     loss = [9.0, 8.5]
     results = {"baseline": [[_result("a", 100.0, loss, 30.0), _result("b", 50.0, loss)],
                             [_result("a", 102.0, loss, 34.0), _result("b", 50.0, loss)]],
@@ -45,7 +46,7 @@ def test_summary_compares_the_means_with_the_spread_and_the_losses():
     skipped = summarize({"baseline": [[{"run": "a", "skipped": "needs 2 GPUs"}]],
                          "candidate": [[_result("a", 90.0, loss)]]})
     assert skipped == [{"run": "a", "not_measured": ["baseline 1"]}]
-    assert "not measured: baseline 1" in load_bench("ab_throughput").table(skipped)
+    assert "not measured: baseline 1" in ab.table(skipped)
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -56,7 +57,6 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def test_a_revision_is_exported_whole_and_an_unknown_one_is_refused(tmp_path):
-    ab = load_bench("ab_throughput")
     repo = tmp_path / "repo"
     (repo / "train").mkdir(parents=True)
     _git(tmp_path, "init", "-q", str(repo))
@@ -95,15 +95,15 @@ def test_a_revision_is_exported_whole_and_an_unknown_one_is_refused(tmp_path):
 def test_bad_command_lines_are_refused_before_any_run(tmp_path, args, message):
     out = tmp_path / "out"
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--out", str(out), *args],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "bench.probes.ab_throughput", "--out", str(out), *args],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 2 and message in p.stderr, p.stderr
     assert not out.exists()  # refused before anything was written
 
 
 def test_an_output_folder_that_holds_files_is_refused(tmp_path):
     (tmp_path / "keep.txt").write_text("not ours")
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--out", str(tmp_path),
-                        "--baseline", "HEAD"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "bench.probes.ab_throughput", "--out", str(tmp_path),
+                        "--baseline", "HEAD"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 2 and "not empty" in p.stderr
     assert [x.name for x in tmp_path.iterdir()] == ["keep.txt"]

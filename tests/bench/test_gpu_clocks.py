@@ -1,15 +1,15 @@
-"""``bench/gpu_clocks.py``: nvidia-smi lines parsed, samples summarised over a window, the sampler run
-on a stand-in command; and ``bench/train_throughput.py``'s step arrival times that set the window."""
+"""``bench.gpu_clocks``: nvidia-smi lines parsed, samples summarised over a window, the sampler run
+on a stand-in command; and ``bench.train_throughput``'s step arrival times that set the window."""
 
 import subprocess
 import sys
 import time
 
-from tests.bench.loader import load_bench
+from bench import gpu_clocks, train_throughput
 
 
 def test_lines_are_parsed_and_others_skipped():
-    parse = load_bench("gpu_clocks").parse_line
+    parse = gpu_clocks.parse_line
     assert parse("0, 1980, 612.35, 61, 0x0000000000000004\n") == {
         "gpu": 0, "sm_mhz": 1980.0, "power_w": 612.35, "temp_c": 61.0, "reasons": 4}
     assert parse("index, clocks.current.sm [MHz], power.draw [W], temperature.gpu, reasons") is None
@@ -18,7 +18,7 @@ def test_lines_are_parsed_and_others_skipped():
 
 
 def test_summary_takes_the_step_windows_and_counts_slowdowns_but_not_idle():
-    summarize = load_bench("gpu_clocks").summarize
+    summarize = gpu_clocks.summarize
     row = lambda mhz, w, reasons, gpu=0: {"gpu": gpu, "sm_mhz": mhz, "power_w": w, "temp_c": 50.0 + w / 100,  # noqa: E731
                                           "reasons": reasons}
     samples = [(0.5, row(345, 80, 0x1)),  # idle, before the window
@@ -35,7 +35,6 @@ def test_summary_takes_the_step_windows_and_counts_slowdowns_but_not_idle():
 
 
 def test_the_sampler_keeps_stamped_rows_of_a_stand_in_command():
-    gpu_clocks = load_bench("gpu_clocks")
     script = "import time\nfor i in range(3):\n    print(f'0, {1900 + i}, 500, 60, 0x0', flush=True)\n" \
              "print('garbage', flush=True)\ntime.sleep(30)"
     t0 = time.time()
@@ -50,7 +49,7 @@ def test_the_sampler_keeps_stamped_rows_of_a_stand_in_command():
 
 
 def test_step_arrivals_note_when_each_row_appears(tmp_path):
-    arrivals = load_bench("train_throughput").step_arrivals
+    arrivals = train_throughput.step_arrivals
     metrics = tmp_path / "metrics.jsonl"
     writer = "import json, sys, time\nfor s in (1, 2, 3):\n    time.sleep(0.4)\n" \
              "    open(sys.argv[1], 'a').write(json.dumps({'step': s}) + '\\n')\n" \

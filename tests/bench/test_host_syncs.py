@@ -1,4 +1,4 @@
-"""``bench/host_syncs.py``: host syncs attributed to their call sites, counted only while active."""
+"""``bench.probes.host_syncs``: host syncs attributed to their call sites, counted only while active."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import warnings
 
 import torch
 
-from tests.bench.loader import REPO, load_bench
+from bench.probes import host_syncs
+from tests.subproc import REPO
 
 
 def _frame(path: str, line: int, name: str) -> traceback.FrameSummary:
@@ -15,19 +16,18 @@ def _frame(path: str, line: int, name: str) -> traceback.FrameSummary:
 
 
 def test_call_site_keeps_repository_and_megatron_frames_innermost_first():
-    m = load_bench("host_syncs")
     stack = [
         _frame(str(REPO / "train" / "trainer.py"), 414, "_loop"),
         _frame("/usr/lib/python3.12/site-packages/megatron/core/optimizer/optimizer.py", 356, "get_grad_norm"),
         _frame("/usr/lib/python3.12/site-packages/torch/nn/modules/module.py", 1, "_call_impl"),
         _frame(str(REPO / "runtime" / "megatron_cpu.py"), 48, "__torch_function__"),
         _frame("/usr/lib/python3.12/site-packages/megatron/core/utils.py", 1331, "local_multi_tensor_l2_norm"),
-        _frame(str(REPO / "bench" / "host_syncs.py"), 80, "_on_warning"),
+        _frame(str(REPO / "bench" / "probes" / "host_syncs.py"), 80, "_on_warning"),
     ]
-    assert m.call_site(stack, 2) == ("megatron/core/utils.py:1331 local_multi_tensor_l2_norm <- "
+    assert host_syncs.call_site(stack, 2) == ("megatron/core/utils.py:1331 local_multi_tensor_l2_norm <- "
                                      "megatron/core/optimizer/optimizer.py:356 get_grad_norm")
-    assert m.call_site(stack, 5).endswith("<- train/trainer.py:414 _loop")
-    assert m.call_site(stack[2:3], 3) == "(outside this repository and megatron-core)"
+    assert host_syncs.call_site(stack, 5).endswith("<- train/trainer.py:414 _loop")
+    assert host_syncs.call_site(stack[2:3], 3) == "(outside this repository and megatron-core)"
 
 
 def _sync_here():
@@ -35,12 +35,11 @@ def _sync_here():
 
 
 def test_sync_warnings_are_counted_by_site_while_active_and_others_pass(monkeypatch):
-    m = load_bench("host_syncs")
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)  # needs a GPU otherwise
     shown = []
     monkeypatch.setattr(warnings, "showwarning", lambda msg, *a, **k: shown.append(str(msg)))
-    counter = m.SyncCounter(frames=1)
+    counter = host_syncs.SyncCounter(frames=1)
     with warnings.catch_warnings():
         with counter:
             _sync_here()  # inactive (warm-up steps): neither counted nor shown

@@ -1,4 +1,4 @@
-"""``bench/memory_trace.py``: the peak of a replayed allocator trace and its attribution to lines."""
+"""``bench.memory_trace``: the peak of a replayed allocator trace and its attribution to lines."""
 
 from __future__ import annotations
 
@@ -6,11 +6,7 @@ import random
 
 import pytest
 
-from tests.bench.loader import load_bench
-
-
-def _mod():
-    return load_bench("memory_trace")
+from bench import memory_trace as m
 
 
 def _frames(line: int) -> list[dict]:
@@ -19,7 +15,6 @@ def _frames(line: int) -> list[dict]:
 
 
 def test_peak_and_live_blocks_of_a_known_trace():
-    m = _mod()
     ev = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(10)},
         {"action": "alloc", "addr": 2, "size": 50, "frames": _frames(20)},
@@ -39,7 +34,6 @@ def test_peak_and_live_blocks_of_a_known_trace():
 
 
 def test_peak_equals_brute_force_on_random_traces():
-    m = _mod()
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
@@ -72,7 +66,6 @@ def test_peak_equals_brute_force_on_random_traces():
 
 
 def test_peak_after_a_mark_counts_what_was_built_before_it():
-    m = _mod()
     ev = [
         {"action": "alloc", "addr": 1, "size": 1000, "frames": _frames(1)},  # set-up transient
         {"action": "alloc", "addr": 2, "size": 300, "frames": _frames(2)},  # kept (a cache)
@@ -89,7 +82,6 @@ def test_peak_after_a_mark_counts_what_was_built_before_it():
 
 
 def test_site_skips_torch_frames_and_record_needs_cuda():
-    m = _mod()
     assert m.site(_frames(5)) == "model.py:5 f5"
     assert m.site(_frames(5)[:1]) == "(no Python frame outside torch)"
     with pytest.raises(RuntimeError, match="CUDA"):

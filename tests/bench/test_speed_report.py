@@ -1,5 +1,6 @@
-"""``bench/speed_report.py``: the speed targets judged from the benchmarks' stored H200 results (the repository's
-own ``docs/results``), thresholds that can fail, and bad inputs refused in one line."""
+"""``bench.speed_report``: the speed targets judged from the benchmarks' stored H200 results (copies of the
+result files ``docs/BENCHMARKS.md`` cites, in ``tests/assets/speed_report``), thresholds that can fail, and bad
+inputs refused in one line."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import json
 
 import pytest
 
-from tests.bench.loader import REPO, load_bench
+from bench import speed_report as m
+from tests.subproc import REPO
 
-RESULTS = REPO / "docs" / "results"
-ATT_32K = RESULTS / "session22" / "attention_bench_32k.json"
-ATT_16K = RESULTS / "session22" / "attention_bench_16k.json"
-SELECTION = RESULTS / "session27" / "selection_index_gpu.json"
-TRAIN_16K = RESULTS / "session29" / "step_reads_c_each_step_li5.json"
-TRAIN_32K = RESULTS / "session28" / "train_throughput_32k_gb8.json"
+RESULTS = REPO / "tests" / "assets" / "speed_report"
+ATT_32K = RESULTS / "attention_nosa-32k32_h200_2026-12.json"
+ATT_16K = RESULTS / "attention_nosa-16k16_h200_2026-12.json"
+SELECTION = RESULTS / "selection-index_nosa-32k32-16k16_h200_2026-12.json"
+TRAIN_16K = RESULTS / "train-16k_nosa-1b_h200_2026-12.json"
+TRAIN_32K = RESULTS / "train-32k-8seq_nosa-1b-14l_h200_2026-12.json"
 
 
 def _row(checks, target_start, where_start):
@@ -23,7 +25,6 @@ def _row(checks, target_start, where_start):
 
 
 def test_stored_h200_results_give_the_known_verdicts(tmp_path, capsys):
-    m = load_bench("speed_report")
     args = ["--out", str(tmp_path), "--attention", str(ATT_32K), str(ATT_16K), "--selection", str(SELECTION),
             "--train-16k", str(TRAIN_16K), "--train-32k", str(TRAIN_32K)]
     assert m.main(args) == 0
@@ -48,7 +49,6 @@ def test_stored_h200_results_give_the_known_verdicts(tmp_path, capsys):
 
 
 def test_without_a_selection_file_the_share_comes_from_the_same_run():
-    m = load_bench("speed_report")
     rows = m.load_rows(ATT_32K)
     (share,) = [c for c in m.selection_checks(rows) if c["target"].startswith("selection")]
     p1 = next(r for r in rows if r["kind"] == "ours_p1_db")
@@ -57,7 +57,6 @@ def test_without_a_selection_file_the_share_comes_from_the_same_run():
 
 
 def test_thresholds_fail_when_the_figures_do():
-    m = load_bench("speed_report")
     rows = [
         {"kind": "ours_p1_db", "T": 32768, "HQ": 32, "fwd_ms": 6.0, "bwd_ms": 20.0, "fwd_x_ideal": 1.36,
          "bwd_x_ideal": 1.81},
@@ -88,7 +87,6 @@ def test_thresholds_fail_when_the_figures_do():
     (["--attention", "no_such.json"], "no such file: no_such.json"),
 ])
 def test_bad_command_lines_are_refused(tmp_path, capsys, args, message):
-    m = load_bench("speed_report")
     with pytest.raises(SystemExit) as e:
         m.main(["--out", str(tmp_path / "out"), *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
@@ -96,7 +94,6 @@ def test_bad_command_lines_are_refused(tmp_path, capsys, args, message):
 
 
 def test_a_result_without_a_nosa_dense_pair_is_one_line(tmp_path, capsys):
-    m = load_bench("speed_report")
     one = tmp_path / "one.json"
     one.write_text(json.dumps({"results": [{"run": "nosa_1gpu_nr", "tokens_per_s": 1.0}]}))
     assert m.main(["--out", str(tmp_path / "out"), "--train-16k", str(one)]) == 2
@@ -116,7 +113,6 @@ def _fake_step(tmp_path, name: str, source, result: str, rc: int = 0) -> tuple:
 
 
 def test_run_measures_each_benchmark_into_its_folder_then_reports(tmp_path, monkeypatch, capsys):
-    m = load_bench("speed_report")
     steps = [_fake_step(tmp_path, "attention", ATT_32K, "attention_bench.json"),
              _fake_step(tmp_path, "selection", SELECTION, "attention_selection.json"),
              _fake_step(tmp_path, "train_16k", TRAIN_16K, "train_throughput.json"),

@@ -1,4 +1,4 @@
-"""``bench/train_throughput.py`` records which corpus a run read (``corpus_identity``): two builds
+"""``bench.train_throughput`` records which corpus a run read (``corpus_identity``): two builds
 of the demo corpus on different machines differ, and their throughput ratios are not comparable."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.loader import load_bench
+from bench import train_throughput
 
 
 def _corpus(tmp_path: Path, name: str, sizes: bytes, documents: int, tokens: int) -> str:
@@ -17,7 +17,7 @@ def _corpus(tmp_path: Path, name: str, sizes: bytes, documents: int, tokens: int
 
 
 def test_the_corpus_identity_tells_two_builds_apart(tmp_path):
-    identity = load_bench("train_throughput").corpus_identity
+    identity = train_throughput.corpus_identity
     a = identity(_corpus(tmp_path, "a", b"\x01\x02\x03", 3, 300))
     assert a == {"prefix": "a", "idx_sha256": a["idx_sha256"], "documents": 3, "tokens": 300,
                  "mean_document_tokens": 100}
@@ -28,11 +28,11 @@ def test_the_corpus_identity_tells_two_builds_apart(tmp_path):
 
 
 def test_a_missing_corpus_is_named_without_failing(tmp_path):
-    assert load_bench("train_throughput").corpus_identity(str(tmp_path / "nothing")) == {"prefix": "nothing"}
+    assert train_throughput.corpus_identity(str(tmp_path / "nothing")) == {"prefix": "nothing"}
 
 
 def test_step_times_are_fitted_against_the_attention_work_of_each_step():
-    fit = load_bench("train_throughput")._fit
+    fit = train_throughput._fit
     work = [0.2, 0.5, 0.3, 0.9]
     assert fit(work, [0.8 + 0.5 * w for w in work]) == {"base_s": 0.8, "slope_s": 0.5, "r": 1.0}
     noisy = fit(work, [1.0, 0.9, 1.1, 1.0])  # times that do not follow the documents
@@ -42,7 +42,7 @@ def test_step_times_are_fitted_against_the_attention_work_of_each_step():
 
 
 def test_steadiness_at_the_mean_work_takes_out_only_what_the_documents_explain():
-    bench = load_bench("train_throughput")
+    bench = train_throughput
     work = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
     steps = [{"attention_work": w, "step_time_s": 0.8 + 0.4 * w} for w in work]
     fit = bench._fit(work, [r["step_time_s"] for r in steps])
@@ -56,7 +56,7 @@ def test_steadiness_at_the_mean_work_takes_out_only_what_the_documents_explain()
 def test_every_run_takes_the_global_batch_asked_for():
     import argparse
 
-    run_config = load_bench("train_throughput").run_config
+    run_config = train_throughput.run_config
     a = argparse.Namespace(recipe="nosa_1b_cpt", data="d", tokenizer="t", steps=5, seq=1024, layers=2, out="o",
                            profile_step=0, extra=[], global_batch=8)
     for name in ("nosa_1gpu_nr", "dense_doc_1gpu", "nosa_tp2"):
@@ -66,7 +66,7 @@ def test_every_run_takes_the_global_batch_asked_for():
 
 
 def test_rows_of_several_steps_count_every_step_they_cover():
-    bench = load_bench("train_throughput")
+    bench = train_throughput
     every = bench.with_steps_covered([{"step": s, "step_time_s": 1.0 + s / 10} for s in (1, 2, 3, 4)])
     assert [r["steps_covered"] for r in every] == [1, 1, 1, 1]
     assert bench.tokens_and_seconds(every[1:], 100) == (300, pytest.approx(1.2 + 1.3 + 1.4))

@@ -8,13 +8,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from checkpoints_convert.hf_modeling import nosa_decode_attn, nosa_uva
+from nosa_layers.ops import decode_attention, offload_copy
 
 
 def variants():
     """(name, jit function, signature, constexprs) of every shipped kernel in the variants a cache runs."""
-    attn = nosa_decode_attn._build()["attn"]
-    uva = nosa_uva._build()
+    attn = decode_attention._build()["attn"]
+    uva = offload_copy._build()
     for fp32 in (False, True):
         x = "*fp32" if fp32 else "*bf16"
         for has_bias in (False, True):

@@ -1,4 +1,4 @@
-"""``bench/inference.py --quick`` on CPU: the offload rows of a tiny model run end to end (the script a
+"""``python -m bench.inference --quick`` on CPU: the offload rows of a tiny model run end to end (the script a
 GPU session relies on), with the decode in batch parts and the per-kernel profile."""
 
 from __future__ import annotations
@@ -7,16 +7,11 @@ import json
 
 import torch
 
-from tests.bench.loader import load_bench
-
-
-def _bench():
-    return load_bench("inference")
+from bench import inference
 
 
 def test_quick_offload_rows(tmp_path):
-    bench = _bench()
-    assert bench.main(["--out", str(tmp_path), "--quick", "--only", "offload", "--decode-streams", "2",
+    assert inference.main(["--out", str(tmp_path), "--quick", "--only", "offload", "--decode-streams", "2",
                        "--part-fetch-grid", "3", "--profile"]) == 0
     rows = {r["row"]: r for r in json.loads((tmp_path / "inference.json").read_text())["rows"]}
     assert not [r for r in rows.values() if "error" in r], rows
@@ -25,10 +20,10 @@ def test_quick_offload_rows(tmp_path):
     dec = rows["decode nosa offload ctx512 max batch"]
     assert dec["tok_per_s"] > 0 and dec["h2d_bytes_per_token"] > 0 and dec["profile_top"]
     assert (tmp_path / "inference.md").read_text().startswith("device: cpu")
-    assert bench.main(["--out", str(tmp_path), "--quick", "--decode-streams", "0"]) == 2
-    assert bench.main(["--out", str(tmp_path), "--quick", "--part-fetch-grid", "0"]) == 2
+    assert inference.main(["--out", str(tmp_path), "--quick", "--decode-streams", "0"]) == 2
+    assert inference.main(["--out", str(tmp_path), "--quick", "--part-fetch-grid", "0"]) == 2
     if not torch.cuda.is_available():
-        assert bench.main(["--out", str(tmp_path), "--quick", "--memory-profile"]) == 2
+        assert inference.main(["--out", str(tmp_path), "--quick", "--memory-profile"]) == 2
 
 
 def test_batch_search_finds_the_largest_batch_under_a_nonlinear_memory_curve():
@@ -38,13 +33,12 @@ def test_batch_search_finds_the_largest_batch_under_a_nonlinear_memory_curve():
     bisecting."""
     import argparse
 
-    bench = _bench()
-    gib = bench.GIB
+    gib = inference.GIB
     for jump_at in (37, 52, 60):
         def peak(b, jump_at=jump_at):
             return int(3.8 * gib + 0.13 * gib * b + (0.3 * gib if b == 2 else 0) + (0.5 * gib if b >= jump_at else 0))
 
-        runner = bench.Bench.__new__(bench.Bench)
+        runner = inference.Bench.__new__(inference.Bench)
         runner.args = argparse.Namespace(mem_limit_gib=12.0, host_mem_limit_gib=1e6)
         runner.free = lambda: None
         probed = []

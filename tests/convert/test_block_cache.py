@@ -173,7 +173,7 @@ def test_compressed_keys_stored_in_cache_dtype_rounded_once(export_dirs, offload
             continue
         assert st.kc.dtype == torch.bfloat16
         for b, n in enumerate(cache.lens.tolist()):
-            k, _ = cache._read(st, b, n)
+            k, _ = st.read(b, n, cache.batch, cache.device)
             nw = st.spec.cfg.num_windows(n)
             want = compressed_keys(k[None].float(), st.spec.cfg)[0].transpose(0, 1).to(torch.bfloat16)
             assert torch.equal(st.kc[b, :, :nw], want), f"sequence {b}"
@@ -308,7 +308,7 @@ def test_decode_attention_kernel_equals_attend(export_dirs, G, K, seed):
     blocks read from a second (host) store at their own rows while the rest lie at scattered pool rows."""
     dev = _kernel_device()
     model = _load(export_dirs["nosa"])
-    kern, ref = _shipped(model, "nosa_decode_attn"), _shipped(model, "nosa_decode_select")
+    kern, ref = _shipped(model, "nosa_decode_attention"), _shipped(model, "nosa_decode_select")
     g = torch.Generator().manual_seed(seed)
     B, Hkv, D, bs, NB = 3, 2, 32, 16, 20
     store_k = torch.randn(B * Hkv * NB, bs, D, generator=g)
@@ -392,7 +392,7 @@ def test_decode_streams_are_shared_by_caches(export_dirs, monkeypatch):
     import threading
 
     model = _load(export_dirs["nosa"])
-    bc = _shipped(model, "nosa_block_cache")
+    streams = _shipped(model, "nosa_streams")
     made = []
 
     class FakeStream:
@@ -400,17 +400,17 @@ def test_decode_streams_are_shared_by_caches(export_dirs, monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(bc, "_STREAMS", {})
+    monkeypatch.setattr(streams, "_STREAMS", {})
     a, b = model.new_cache(decode_streams=3), model.new_cache(decode_streams=3)
     a.device = b.device = torch.device("cuda", 0)
     parts = a.part_streams(3)
     assert len(made) == 3 and len(set(map(id, parts))) == 3
     assert b.part_streams(2) == parts[:2] and b.part_streams(4)[:3] == parts and len(made) == 4
-    graph = bc.shared_streams("cuda:0", "graph", 1)
-    assert graph[0] not in parts and bc.shared_streams(torch.device("cuda", 0), "graph", 1) == graph
-    assert bc.shared_streams("cuda:1", "graph", 1) != graph
+    graph = streams.shared_streams("cuda:0", "graph", 1)
+    assert graph[0] not in parts and streams.shared_streams(torch.device("cuda", 0), "graph", 1) == graph
+    assert streams.shared_streams("cuda:1", "graph", 1) != graph
     other = []
-    t = threading.Thread(target=lambda: other.extend(bc.shared_streams("cuda:0", "part", 2)))
+    t = threading.Thread(target=lambda: other.extend(streams.shared_streams("cuda:0", "part", 2)))
     t.start()
     t.join()
     assert len(other) == 2 and not set(map(id, other)) & set(map(id, parts))

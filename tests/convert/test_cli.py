@@ -57,7 +57,7 @@ BLOCKER = r"""
 import sys, importlib.abc
 class _Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("nosa_layers", "checkpoints_convert", "train", "data", "megatron"):
+        if name.split(".")[0] in ("nosa_layers", "inference", "checkpoints_convert", "train", "data", "megatron"):
             raise ImportError("blocked " + name)
 sys.meta_path.insert(0, _Block())
 import torch
@@ -67,7 +67,7 @@ ids = torch.randint(0, m.config.vocab_size, (2, 40))
 mask = torch.ones_like(ids); mask[0, :7] = 0
 out = m.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
 assert out.shape == (2, 44)
-assert not any(k.split(".")[0] in ("nosa_layers", "checkpoints_convert") for k in sys.modules)
+assert not any(k.split(".")[0] in ("nosa_layers", "inference", "checkpoints_convert") for k in sys.modules)
 print("STANDALONE_OK", type(m).__name__)
 """
 

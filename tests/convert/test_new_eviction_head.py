@@ -127,12 +127,23 @@ def test_new_head_converts_and_exports_with_no_other_edit(key_gate_head, tmp_pat
     assert "class KeyGateHead(EvictionHead):" in shipped and f"register_eviction_head({NAME!r})(KeyGateHead)" in shipped
 
 
-def test_a_shipped_module_may_not_take_a_modeling_helpers_name(monkeypatch):
-    """Reference modules ship as ``nosa_<module>.py`` next to helpers named ``nosa_*.py``: a module
-    whose copy would overwrite a helper is refused instead of silently replacing it."""
+def test_shipped_modules_keep_their_own_names_and_imports(monkeypatch):
+    """Shipped modules are copied flat as ``nosa_<module>.py``: two modules that would share a file are
+    refused instead of one silently replacing the other, and a module-level import of a module that exports
+    do not ship (it would fail where the framework is not installed) is named."""
     from checkpoints_convert import hf_modeling
 
-    assert not {f"nosa_{m}.py" for m in hf_modeling.SHIPPED} & set(hf_modeling.MODELING_HELPERS)
-    monkeypatch.setattr(hf_modeling, "SHIPPED", (*hf_modeling.SHIPPED, "decode_select"))
-    with pytest.raises(RuntimeError, match="name clash: nosa_layers/decode_select.py"):
+    names = [hf_modeling.shipped_name(m) for m in hf_modeling.SHIPPED]
+    assert len(set(names)) == len(names) and not {hf_modeling.MODELING_FILE, hf_modeling.CONFIG_FILE} & set(names)
+    monkeypatch.setattr(hf_modeling, "SHIPPED", (*hf_modeling.SHIPPED, "inference.decode"))
+    with pytest.raises(RuntimeError, match="name clash: inference.decode would ship as nosa_decode.py"):
         hf_modeling.reference_sources()
+    src = "import torch\nfrom nosa_layers.selection import select_rows\nfrom nosa_layers.ops.topk import stages_torch\n"
+    with pytest.raises(RuntimeError, match="x.py imports nosa_layers.ops.topk at module level"):
+        hf_modeling.rewrite_source(src, "x.py")
+    inner = src.replace("from nosa_layers.ops", "def f():\n    from nosa_layers.ops")
+    assert hf_modeling.rewrite_source(inner, "x.py").splitlines()[1:] == [
+        "from .nosa_selection import select_rows", "def f():",
+        '    _mod = __import__("importlib").import_module("nosa_layers.ops.topk"); stages_torch = _mod.stages_torch']
+    with pytest.raises(RuntimeError, match="could not make 1 import"):
+        hf_modeling.rewrite_source("import inference.block_cache\n", "y.py")

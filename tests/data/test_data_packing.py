@@ -66,3 +66,26 @@ def test_collate_pads_cu_seqlens_and_flattens():
     assert row_cu_seqlens(b, 1).tolist() == [0, 10]
     assert flat_cu_seqlens(b).tolist() == [0, 3, 8, 10, 20]
     assert b["max_seqlen"] == 10
+
+
+def _best_fit_brute_force(lengths, capacity):
+    """The definition, written out: scan every open bin for the least room that fits (lowest id first)."""
+    bins, room = [], []
+    for i, n in enumerate(lengths):
+        fits = [b for b in range(len(bins)) if 0 < n <= room[b]]
+        if fits:
+            b = min(fits, key=lambda b: (room[b], b))
+            bins[b].append(i)
+            room[b] -= n
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5, 6])
+def test_best_fit_matches_its_definition(seed):
+    rng = np.random.default_rng(seed)
+    cap = int(rng.integers(16, 300))
+    lengths = rng.integers(1, cap + 1, size=int(rng.integers(50, 400))).tolist()
+    assert best_fit(lengths, cap) == _best_fit_brute_force(lengths, cap)

@@ -41,6 +41,13 @@ def test_table_of_every_variant(tiny_ablation):
     for v in ("ed_dma", "none"):
         for name in ("locality.json", "locality.md", "gamma_over_position.png", "per_layer.png", "ruler.md", "ppl.md"):
             assert (tiny_ablation / "eval" / v / name).is_file(), (v, name)
+    # the learning curve: one point per pretraining checkpoint, oldest first, with the graded signals
+    curve = json.loads((tiny_ablation / "curves" / "pretrain.json").read_text())
+    steps = [p["step"] for p in curve["points"]]
+    assert steps == [3, 6] and [p["tokens"] for p in curve["points"]] == [3 * 4 * 256, 6 * 4 * 256]
+    assert all(0 <= p["token_match"] <= 1 and p["loglik_per_token"] < 0 for p in curve["points"])
+    assert (tiny_ablation / "learning_curve.png").stat().st_size > 1000
+    assert "RULER 512" in md and "answer tokens matched" in md
 
 
 def test_rerun_does_not_repeat_finished_work(tiny_ablation):
@@ -81,3 +88,25 @@ def test_lm_eval_harness_equals_direct_scoring(tiny_ablation, tmp_path):
         d = direct[(r.task, r.sample, r.item)]
         assert r.loglik == pytest.approx(d["loglik"], rel=1e-4), (r, d)
         assert r.greedy == d["greedy"]
+
+
+def test_staged_run_hands_over_small_files(tiny_ablation, tmp_path):
+    """--stage pretrain --export writes at most 8 files of at most 16 MiB; --init starts the CPT from
+    them on another output dir, and variants evaluated earlier (copied in) join its table."""
+    import shutil
+
+    export = tmp_path / "pretrained"
+    rc, text = run_ablate(tiny_ablation, "--stage", "pretrain", "--export", str(export), timeout=300)
+    assert rc == 0, text[-3000:]
+    files = sorted(export.iterdir())
+    assert 0 < len(files) <= 8 and all(f.stat().st_size <= 16 << 20 for f in files)
+    assert not any(f.suffix == ".py" for f in files) and (export / "tokenizer.json").is_file()
+    out = tmp_path / "second"
+    (out / "eval").mkdir(parents=True)
+    shutil.copytree(tiny_ablation / "eval" / "ed_dma", out / "eval" / "ed_dma")
+    rc, text = run_ablate(out, "--init", str(export), "--variants", "dense", timeout=400)
+    assert rc == 0, text[-3000:]
+    assert "pretrain:" not in text and "init: importing" in text
+    table = json.loads((out / "ablation.json").read_text())
+    assert list(table["variants"]) == ["dense", "ed_dma"]
+    assert all(row["status"] == "done" for row in table["variants"].values())

@@ -34,6 +34,7 @@ def test_every_model_recipe_validates():
     ({}, ParallelConfig(), 1000, "multiple of the NOSA block_size=64"),
     ({}, ParallelConfig(pipeline_parallel=5), None, "num_layers=32 is not divisible"),
     ({}, ParallelConfig(sequence_parallel=True), None, "sequence_parallel=True needs tensor_parallel > 1"),
+    ({}, ParallelConfig(context_parallel=3), 16384, "divisible by 2\\*context_parallel=6"),
 ])
 def test_config_errors_are_one_line(kwargs, parallel, seq, match):
     m = replace(model_recipe("minicpm4_8b"), **kwargs)
@@ -42,10 +43,11 @@ def test_config_errors_are_one_line(kwargs, parallel, seq, match):
     assert "\n" not in str(e.value)
 
 
-def test_cp_with_nosa_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="context_parallel=2 is not supported with NOSA"):
-        validate(model_recipe("llama3_1b"), NOSA, ParallelConfig(context_parallel=2))
-    validate(model_recipe("llama3_1b"), AttentionConfig(variant="dense"), ParallelConfig(context_parallel=2))
+def test_context_parallel_is_valid_for_every_variant():
+    for attn in (NOSA, attention_recipe("infllm_v2"), AttentionConfig(variant="dense")):
+        validate(model_recipe("llama3_1b"), attn, ParallelConfig(context_parallel=2), seq_length=16384)
+        validate(model_recipe("minicpm4_8b"), attn, ParallelConfig(tensor_parallel=2, context_parallel=8,
+                                                                   sequence_parallel=True), seq_length=32768)
 
 
 def test_layer_pattern():

@@ -30,6 +30,51 @@ def test_selection_equals_brute_force_on_every_prefix(T, Hq, Hkv, evict, geometr
             assert selected_sets(sel, b, t) == brute_force_selection(q, k, s if evict else None, cfg, b, t), (b, t)
 
 
+def _two_stage_by_loops(b_qa, b_qg, forced, future, cfg):
+    """The two stages of one row written out: rank by (-score, index), stage-1 and forced blocks first."""
+    nb, inf = len(b_qa), float("inf")
+    a = {m: b_qa[m] if not future[m] else -inf for m in range(nb)}
+    if b_qg is None:
+        ranked = a
+    else:
+        stage1 = set(sorted(range(nb), key=lambda m: (-a[m], m))[:min(cfg.query_aware_blocks, nb)])
+        ranked = {m: -inf if future[m] else (inf if forced[m] or m in stage1 else b_qg[m]) for m in range(nb)}
+    return sorted(range(nb), key=lambda m: (-ranked[m], m))[:min(cfg.topk, nb)]
+
+
+@pytest.mark.parametrize("geometry", [{}, dict(topk=12, select_blocks=5), dict(init_blocks=0, local_blocks=0,
+                                                                            select_blocks=1, topk=3)])
+@pytest.mark.parametrize("evict", [True, False])
+def test_two_stages_on_tied_block_scores_follow_the_rule(geometry, evict):
+    """``two_stage_blocks`` (the one rule behind ``select_rows``, the top-k kernel's torch reference and the
+    exported model's decode) against the rule written as loops, on integer scores with +-inf and many ties."""
+    from nosa_layers.selection import two_stage_blocks
+
+    cfg = tiny_cfg(**geometry)
+    g = torch.Generator().manual_seed(len(geometry) * 2 + evict)
+    rows, nb = 40, 13
+    qb = torch.randint(0, nb, (rows, 1), generator=g)
+    blk = torch.arange(nb)
+    forced = (blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb))
+    future = blk > qb
+    special = torch.tensor([float("inf"), float("-inf"), 0.0])
+
+    def scores():
+        x = torch.randint(0, 3, (2, rows, nb), generator=g).double()
+        pick = torch.rand(x.shape, generator=g) < 0.2
+        return torch.where(pick, special[torch.randint(0, 3, x.shape, generator=g)], x)
+
+    b_qa = scores().masked_fill(forced, float("inf"))
+    b_qg = scores() if evict else None
+    got = two_stage_blocks(b_qa, b_qg, forced, future, cfg)
+    assert got.shape == (2, rows, min(cfg.topk, nb))
+    for h in range(2):
+        for r in range(rows):
+            want = _two_stage_by_loops(b_qa[h, r].tolist(), None if b_qg is None else b_qg[h, r].tolist(),
+                                       forced[r].tolist(), future[r].tolist(), cfg)
+            assert got[h, r].tolist() == want, (h, r)
+
+
 def test_selection_budget_forced_and_causal():
     cfg = tiny_cfg()
     T = 300

@@ -20,11 +20,13 @@ from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
 from nosa_layers.ops import attention_sm90, attention_sm90_pairs, gated_score, rms_norm, rope, topk
-from nosa_layers.ops.attention_op import CONFIG, heads_per_program, triton_settings
+from nosa_layers.ops.attention_op import heads_per_program
+from nosa_layers.ops.launch import CONFIG, SEL_CONFIG, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
 
 FP32 = {"LSE", "Delta", "Bias", "WDK", "WDV", "WDB", "DB", "WS", "BQA"}
-I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount"}
+I32 = {"Blocks", "Count", "KStart", "InvPtr", "QStart", "PiecePtr", "PieceList", "SlotPtr", "InvCount",
+       "QTiles", "QRow", "QRange", "Live"}
 FLOATS = {"qk_scale", "sm_scale", "eps"}
 INT_ARGS = {"T", "H", "N", "K1", "K2", "NBW", "B"}  # upper-case scalars
 UNIT = {"s_bh", "s_db_h"}  # strides of 1 in a real launch (the bias / db head stride): constants
@@ -52,6 +54,8 @@ def specialise(fn, const: dict, ptr: dict):
     """(signature, constants, attributes) of a real launch: unit strides constant, pointers and the
     other integer arguments marked divisible by 16 (Triton's runtime specialisation)."""
     const = dict(const, **{p.name: 1 for p in fn.params if p.name in UNIT and p.name not in const})
+    if any(p.name == "SUBSET" for p in fn.params):  # the whole-row launch (query chunks: a variant of it)
+        const.setdefault("SUBSET", False)
     sig = signature(fn, const, ptr)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name].startswith("*") or (sig[p.name] == "i32" and p.name not in NOT_DIV16)}
@@ -85,10 +89,10 @@ def cases(arch: str, G: int):
         {"Words": word, "InvQs": "*i32", "InvWord": word}, 4, 3
     yield "compress", bsel._compress_kernel, dict(HAS_SCORE=True, D=D, BS=BS, KS=KS, ST=ST, R=R), \
         {"S": "*fp32", "KC": "*bf16", "WS": "*fp32"}, 4, 3
-    c = bsel.SEL_CONFIG["lse"]
+    c = SEL_CONFIG["lse"]
     yield "sel_lse", bsel._sel_lse_kernel, dict(G=G, HP=bsel.lse_heads_per_program(G), BW=c["BW"], D=D, BS=BS,
                                                 KS=KS, ST=ST, R=R), {}, c["num_warps"], c["num_stages"]
-    c = bsel.SEL_CONFIG["block"]
+    c = SEL_CONFIG["block"]
     yield "sel_block", bsel._sel_block_kernel, dict(G=G, NBC=c["NW"] // R, NBT=c["NT"] // R, D=D, BS=BS, KS=KS, ST=ST,
                                                     R=R, E=E, EP=1, INIT=1, LOCAL=16), {"Out": "*fp32"}, \
         c["num_warps"], c["num_stages"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nosa_layers import NOSAConfig, document_spans, nosa_attention, select_blocks
-from nosa_layers.ops import attention_op, build_sparse_index, sparse_attention
+from nosa_layers.ops import attention_op, build_sparse_index, launch, sparse_attention
 from nosa_layers.ops.sparse_index import query_tile
 from tests.nosa.common import random_qkvs
 from tests.ops.helpers import reference_grads
@@ -26,7 +26,7 @@ def hopper(cuda):
 
 
 def _config(monkeypatch, kernel, **over):
-    cfg = attention_op.CONFIG["sm90"]
+    cfg = launch.CONFIG["sm90"]
     monkeypatch.setitem(cfg, kernel, dict(cfg[kernel], **over))
 
 
@@ -70,7 +70,7 @@ def test_hopper_forward_matches_reference_and_triton(hopper, monkeypatch, B, T, 
     want_o, want_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     _config(monkeypatch, "fwd", impl="gluon", num_stages=stages, regs=regs, keys_per_step=64)
     assert attention_op.hopper_kernel(q, idx, attention_op.heads_per_program(Hq // Hkv, idx.qt, 64),
-                                      attention_op.CONFIG["sm90"]["fwd"])
+                                      launch.CONFIG["sm90"]["fwd"])
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     assert torch.isfinite(got_o).all()
     _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
@@ -113,7 +113,7 @@ def test_hopper_forward_and_dq_over_128_row_tiles(hopper, monkeypatch, B, T, Hq,
     want = attention_op.attention_backward(q, k, v, s, want_o, want_lse, do, idx, D ** -0.5, True)
     for kernel in ("fwd", "dq"):
         _config(monkeypatch, kernel, impl="gluon", rows=128)
-        assert attention_op.hopper_kernel(q, idx, hp, attention_op.CONFIG["sm90"][kernel])
+        assert attention_op.hopper_kernel(q, idx, hp, launch.CONFIG["sm90"][kernel])
     got_o, got_lse, _ = attention_op.attention_forward(q, k, v, s, idx, D ** -0.5)
     _assert_forward_matches(got_o, got_lse, want_o, want_lse, (q, k, v, s), sel, cu_t)
     got = attention_op.attention_backward(q, k, v, s, want_o, want_lse, do, idx, D ** -0.5, True)
@@ -191,12 +191,12 @@ def test_the_dq_takes_the_forwards_key_major_bias(hopper, monkeypatch):
     q, k, v, s, sel, idx, _ = _inputs(hopper, 1, 2300, 16, 2, 128, [0, 900, 2300], torch.bfloat16, seed=11)
     do = torch.randn_like(q)
     o, lse, kbias = attention_op.attention_forward(q, k, v, s, idx, 128 ** -0.5)
-    assert torch.equal(kbias, attention_op.sm90_kernels().key_major_bias(s, idx.block))
+    assert torch.equal(kbias, launch.sm90_kernels().key_major_bias(s, idx.block))
     own = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, 128 ** -0.5, True)
     given = attention_op.attention_backward(q, k, v, s, o, lse, do, idx, 128 ** -0.5, True, kbias)
     for a, b in zip(own, given):
         assert torch.equal(a, b)
-    sm90 = attention_op.sm90_kernels()
+    sm90 = launch.sm90_kernels()
     calls = []
     build = sm90.key_major_bias
     monkeypatch.setattr(sm90, "key_major_bias", lambda *a: calls.append(1) or build(*a))
@@ -211,7 +211,7 @@ def test_the_dq_takes_the_forwards_key_major_bias(hopper, monkeypatch):
 def test_impl_is_checked(monkeypatch):
     _config(monkeypatch, "fwd", impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
-        attention_op.hopper_kernel(torch.zeros(1, 64, 8, 128), None, 8, attention_op.CONFIG["sm90"]["fwd"])
+        attention_op.hopper_kernel(torch.zeros(1, 64, 8, 128), None, 8, launch.CONFIG["sm90"]["fwd"])
 
 
 @pytest.fixture
@@ -219,47 +219,47 @@ def no_sm90_module(monkeypatch):
     """``attention_sm90`` cannot be imported, and ``sm90_kernels`` looks again (cache cleared around)."""
     monkeypatch.setitem(sys.modules, "nosa_layers.ops.attention_sm90", None)  # the import now fails
     monkeypatch.delattr(sys.modules["nosa_layers.ops"], "attention_sm90", raising=False)
-    attention_op.sm90_kernels.cache_clear()
+    launch.sm90_kernels.cache_clear()
     yield
-    attention_op.sm90_kernels.cache_clear()
+    launch.sm90_kernels.cache_clear()
 
 
 def test_without_gluon_the_triton_kernels_run(no_sm90_module):
     """A triton without the Gluon Hopper API: one warning, and every kernel takes the Triton path."""
     with pytest.warns(UserWarning, match="need Gluon"):
-        assert attention_op.sm90_kernels() is None
+        assert launch.sm90_kernels() is None
 
 
 def test_an_older_triton_takes_the_triton_kernels(no_sm90_module, monkeypatch):
     """A triton older than the Gluon API the Hopper kernels are written for: one warning, no import."""
-    monkeypatch.setattr(attention_op.triton, "__version__", "3.4.0")
+    monkeypatch.setattr(launch.triton, "__version__", "3.4.0")
     with pytest.warns(UserWarning, match="older than 3.6"):
-        assert attention_op.sm90_kernels() is None
+        assert launch.sm90_kernels() is None
 
 
 def test_dkdv_groups_follow_the_kernel_that_runs(monkeypatch):
     """The index's dK/dV key groups are the Hopper kernel's (one block) where it can run, else the
     Triton kernel's own (two blocks, four stages): the interpreter / CPU here."""
     cpu = torch.device("cpu")
-    assert attention_op.hopper_device(cpu) is False
-    triton_cfg = attention_op.launch_config(cpu)["dkdv"]
+    assert launch.hopper_device(cpu) is False
+    triton_cfg = launch.launch_config(cpu)["dkdv"]
     assert (triton_cfg["blocks"], triton_cfg["num_stages"]) == (2, 4)
-    monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
-    hopper_cfg = attention_op.launch_config(cpu)["dkdv"]
+    monkeypatch.setattr(launch, "hopper_device", lambda device: True)
+    hopper_cfg = launch.launch_config(cpu)["dkdv"]
     assert (hopper_cfg["blocks"], hopper_cfg["num_stages"], hopper_cfg["impl"]) == (1, 3, "gluon")
 
 
-@pytest.mark.skipif(attention_op.sm90_kernels() is None, reason="needs a triton with Gluon")
+@pytest.mark.skipif(launch.sm90_kernels() is None, reason="needs a triton with Gluon")
 @pytest.mark.parametrize("dtype,D,block,hopper", [(torch.bfloat16, 128, 64, True), (torch.float16, 64, 64, True),
                                                   (torch.bfloat16, 256, 64, False), (torch.float32, 128, 64, False),
                                                   (torch.bfloat16, 128, 32, False)])
 def test_a_shape_the_hopper_dkdv_does_not_cover_keeps_the_triton_groups(monkeypatch, dev, dtype, D, block, hopper):
     """On a Hopper GPU (stood in for here), an index built for queries the Hopper dK/dV does not cover
     (head dim 256, fp32, 32-key blocks) gets the Triton kernel's two-block groups, as that kernel runs."""
-    monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
+    monkeypatch.setattr(launch, "hopper_device", lambda device: True)
     T, Hq, Hkv = 300, 4, 2
     q = torch.zeros(1, T, Hq, D, dtype=dtype, device=dev)
-    assert attention_op.launch_config(dev, q, block)["dkdv"]["blocks"] == (1 if hopper else 2)
+    assert launch.launch_config(dev, q, block)["dkdv"]["blocks"] == (1 if hopper else 2)
     cfg = NOSAConfig(block_size=block, kernel_size=block // 2, kernel_stride=block // 4, topk=4, local_blocks=1,
                      select_blocks=2).validate()
     own = torch.arange(T, device=dev)[:, None] // block  # every block up to the token's own (causal)
@@ -268,7 +268,7 @@ def test_a_shape_the_hopper_dkdv_does_not_cover_keeps_the_triton_groups(monkeypa
     assert idx.kb == (1 if hopper else 2)
 
 
-@pytest.mark.skipif(attention_op.sm90_kernels() is None, reason="needs a triton with Gluon")
+@pytest.mark.skipif(launch.sm90_kernels() is None, reason="needs a triton with Gluon")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_hopper_bias_layout(dtype):
     """The forward / dQ read a list entry's bias as ``block`` unmasked consecutive values of the key-major
@@ -276,12 +276,12 @@ def test_the_hopper_bias_layout(dtype):
     any key, however close to the end, stays inside its row)."""
     B, T, Hkv, block = 2, 37, 3, 64
     bias = torch.randn(B, T, Hkv).to(dtype)
-    got = attention_op.sm90_kernels().key_major_bias(bias, block)
+    got = launch.sm90_kernels().key_major_bias(bias, block)
     assert got.dtype == torch.float32 and got.shape == (B, Hkv, T + block) and got.stride(-1) == 1
     want = bias.float().permute(0, 2, 1) * attention_op.LOG2E
     assert torch.equal(got[..., :T], want)
     assert not got[..., T:].any()
-    assert attention_op.sm90_kernels().key_major_bias(None, block) is None
+    assert launch.sm90_kernels().key_major_bias(None, block) is None
 
 
 def test_the_triton_forward_keeps_its_own_stages(monkeypatch):
@@ -290,13 +290,13 @@ def test_the_triton_forward_keeps_its_own_stages(monkeypatch):
     256, where 3 stages take 225 KB of shared memory against 160 KB, one program per SM) it keeps the
     2 stages measured for it."""
     cpu = torch.device("cpu")
-    assert attention_op.launch_config(cpu)["fwd"]["num_stages"] == 2
-    monkeypatch.setattr(attention_op, "hopper_device", lambda device: True)
-    assert attention_op.launch_config(cpu)["fwd"]["num_stages"] == 3
-    if attention_op.sm90_kernels() is not None:
+    assert launch.launch_config(cpu)["fwd"]["num_stages"] == 2
+    monkeypatch.setattr(launch, "hopper_device", lambda device: True)
+    assert launch.launch_config(cpu)["fwd"]["num_stages"] == 3
+    if launch.sm90_kernels() is not None:
         q256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
-        assert attention_op.launch_config(cpu, q256, 64)["fwd"]["num_stages"] == 2
-        assert attention_op.launch_config(cpu, q256[..., :128], 64)["fwd"]["num_stages"] == 3
+        assert launch.launch_config(cpu, q256, 64)["fwd"]["num_stages"] == 2
+        assert launch.launch_config(cpu, q256[..., :128], 64)["fwd"]["num_stages"] == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

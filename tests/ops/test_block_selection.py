@@ -80,7 +80,7 @@ def test_lse_chunks_seen_by_every_row_skip_the_mask_and_score_the_same(dev, monk
     """The LSE kernel masks only the chunks of windows that some row of a block cannot see yet; with
     narrow chunks most chunks are fully visible (the unmasked loop) in documents that start mid-batch,
     and the block scores still equal the reference's."""
-    from nosa_layers.ops.block_selection import SEL_CONFIG
+    from nosa_layers.ops.launch import SEL_CONFIG
 
     cfg = tiny_cfg()
     monkeypatch.setitem(SEL_CONFIG, "lse", dict(SEL_CONFIG["lse"], BW=bw))
@@ -105,7 +105,7 @@ def test_lse_chunks_seen_by_every_row_skip_the_mask_and_score_the_same(dev, monk
 def test_lse_heads_packed_per_program_give_the_same_scores(dev, monkeypatch, hp):
     """The LSE kernel with ``HP`` query heads of a KV group per program (3 -> 2: a divisor of G = 4)
     scores like one head per program, on a packed batch with a document past the budget."""
-    from nosa_layers.ops.block_selection import SEL_CONFIG
+    from nosa_layers.ops.launch import SEL_CONFIG
 
     cfg = tiny_cfg()
     cu = torch.tensor([0, 29, 29, 190], device=dev)

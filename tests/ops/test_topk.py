@@ -52,10 +52,10 @@ def _check(b_qa, ws, layout, cfg):
 
 def _launch_settings(monkeypatch, **launch):
     """The top-k kernel's launch settings for this test, on a GPU and under the interpreter alike."""
-    import nosa_layers.ops.topk as topk
+    from nosa_layers.ops.launch import TOPK_CONFIG
 
     for kind in ("cuda", "interpreter"):
-        monkeypatch.setitem(topk.TOPK_CONFIG, kind, dict(launch))
+        monkeypatch.setitem(TOPK_CONFIG, kind, dict(launch))
 
 
 CASES = [

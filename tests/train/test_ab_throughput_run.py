@@ -1,17 +1,17 @@
-"""``bench/ab_throughput.py`` end to end on the CPU: each side trains from its own checkout under the same
+"""``bench.probes.ab_throughput`` end to end on the CPU: each side trains from its own checkout under the same
 harness, and the summary tells the sides apart (a baseline whose recipe differs logs other losses)."""
 
 import json
 import subprocess
 import sys
 
-from tests.bench.loader import REPO, load_bench
+from bench.probes import ab_throughput as ab
+from tests.subproc import REPO
 from tests.subproc import child_env
 
 
 def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
     baseline = tmp_path / "baseline"
-    ab = load_bench("ab_throughput")
     ab.export_revision(REPO, ab.resolve_commit(REPO, "HEAD"), baseline)
     recipe = baseline / "recipes" / "recipe" / "tiny_cpt.yaml"
     text = recipe.read_text()
@@ -19,10 +19,10 @@ def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
     recipe.write_text(text.replace("attention_factor: 1.060660", "attention_factor: 1.5"))  # other logits
     out = tmp_path / "ab"
     p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--baseline-src", str(baseline), "--out", str(out),
+        [sys.executable, "-m", "bench.probes.ab_throughput", "--baseline-src", str(baseline), "--out", str(out),
          "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt", "--layers", "2", "--seq", "256",
          "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"], "--tokenizer", demo_data["tokenizer"]],
-        capture_output=True, text=True, timeout=600, env=child_env())
+        capture_output=True, text=True, timeout=600, env=child_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((out / "ab_throughput.json").read_text())
     assert doc["complete"] is True and doc["order"] == ["baseline 1", "candidate 1"]
@@ -43,10 +43,10 @@ def test_a_failed_run_stops_the_comparison_and_keeps_the_runs_before_it(tmp_path
     (broken / "train" / "main.py").write_text("import sys\nsys.exit(3)\n")
     out = tmp_path / "ab"
     p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--baseline-src", str(REPO), "--candidate-src",
+        [sys.executable, "-m", "bench.probes.ab_throughput", "--baseline-src", str(REPO), "--candidate-src",
          str(broken), "--out", str(out), "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt",
          "--layers", "2", "--seq", "256", "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"],
-         "--tokenizer", demo_data["tokenizer"]], capture_output=True, text=True, timeout=600, env=child_env())
+         "--tokenizer", demo_data["tokenizer"]], capture_output=True, text=True, timeout=600, env=child_env(), cwd=REPO)
     assert p.returncode == 1 and "candidate repeat 1 failed" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "ab_throughput.json").read_text())
     assert doc["complete"] is False and doc["summary"] == [] and doc["results"]["candidate"] == []
@@ -57,11 +57,11 @@ def test_a_failed_run_stops_the_comparison_and_keeps_the_runs_before_it(tmp_path
 def test_two_settings_of_one_checkout_differ_only_by_their_overrides(tmp_path, demo_data):
     out = tmp_path / "ab"
     p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "ab_throughput.py"), "--out", str(out), "--repeats", "1",
+        [sys.executable, "-m", "bench.probes.ab_throughput", "--out", str(out), "--repeats", "1",
          "--runs", "nosa_1gpu", "--baseline-overrides", "optim.lr=1e-4", "--candidate-overrides", "optim.lr=3e-3",
          "--", "--recipe", "tiny_cpt", "--layers", "1", "--seq", "128", "--steps", "3", "--warmup", "1",
          "--data", demo_data["indexed_prefix"], "--tokenizer", demo_data["tokenizer"], "--extra", "optim.min_lr=0"],
-        capture_output=True, text=True, timeout=600, env=child_env())
+        capture_output=True, text=True, timeout=600, env=child_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((out / "ab_throughput.json").read_text())
     assert [e["source"] for side in ("baseline", "candidate") for e in doc["env"][side]] == [str(REPO)] * 2

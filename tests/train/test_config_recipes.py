@@ -10,6 +10,7 @@ from nosa_layers.config import NOSAConfig, tiny_geometry
 from nosa_layers.eviction import EVICTION_HEADS
 from train.compose import from_dict, load_config
 from train.config import RunConfig, validate
+from train.longrope_init import attention_factor, yarn_ramp_factors
 from tests.train.conftest import ROOT
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "recipe").glob("*.yaml"))
@@ -27,8 +28,17 @@ def test_every_recipe_composes_and_validates(name):
     else:  # CPT and SFT run NOSA (or an ablation) with LongRoPE
         assert cfg.attention.variant in ("nosa", "infllm_v2") and cfg.model.rope_type == "longrope"
         assert len(cfg.model.longrope.short_factor) == cfg.model.kv_channels // 2
-    if name.startswith("nosa_") and stage == "cpt":
-        assert cfg.train.seq_length == 16384 and cfg.data.packing == "document"
+    if name.startswith("nosa_") and stage == "cpt":  # 16K, or the 64K / 128K stages with context parallelism
+        length = {"": 16384, "_64k": 65536, "_128k": 131072}[name.split("_cpt", 1)[1].split("_evict")[0]]
+        assert cfg.train.seq_length == length and cfg.data.packing == "document"
+        assert cfg.model.max_position_embeddings == length
+        assert cfg.parallel.context_parallel_size == max(1, length // 32768)
+        if length > 16384:  # factors as train.longrope_init computes them for the stage's length
+            lr = cfg.model.longrope
+            want = yarn_ramp_factors(cfg.model.kv_channels, cfg.model.rope_theta, lr.original_max_position_embeddings,
+                                     length)
+            assert lr.short_factor == lr.long_factor == [round(f, 6) for f in want]
+            assert lr.attention_factor == round(attention_factor(lr.original_max_position_embeddings, length), 6)
 
 
 def test_every_eviction_head_has_its_ablation_recipe():
@@ -69,7 +79,7 @@ def test_strict_conversion_names_the_bad_key():
     ("optim.min_lr=1.0", "min_lr"),
     ("train.seq_length=500", "multiple of the NOSA block_size"),
     ("stage.kind=rl", "stage.kind"),
-    ("parallel.context_parallel_size=2", "context_parallel"),
+    ("parallel.context_parallel_size=3", "divisible by 2\\*context_parallel=6"),
 ])
 def test_validation_errors_are_one_line(override, msg):
     cfg = load_config(["recipe=tiny_cpt", override])

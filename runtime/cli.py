@@ -1,0 +1,20 @@
+"""The command-line entry of the applications' commands (converters, evals): a user's mistake is one line."""
+
+from __future__ import annotations
+
+import sys
+
+
+def run_cli(prog: str, fn, *args) -> int:
+    """Run a command's work ``fn(*args)``: 0 when it returns; a bad input (``ValueError`` and its subclasses,
+    the commands' one-message errors, or ``FileNotFoundError``) is one ``<prog>: error: ...`` line on stderr
+    and exit code 2, with no traceback. Known third-party warnings are one line (``runtime.third_party_noise``)."""
+    from runtime.third_party_noise import quiet_third_party
+
+    quiet_third_party()
+    try:
+        fn(*args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,91 @@
+"""Outputs appear whole or not at all: a file or a directory is written under a temporary name beside its
+place and renamed into it only when complete (a rename within one file system is atomic), so a crash or an
+error leaves what was there before and never a partial file.
+
+``write_atomic`` / ``write_json`` for contents in memory, ``atomic_path`` for a writer that streams to a path
+(rows of a JSONL file, a profiler's trace, a plot), ``atomic_dir`` for a directory of files. None of them
+decides whether an existing output may be replaced: the caller checks that first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` (``.<name>.tmp-<pid><suffix>``: a writer that takes the format from the
+    suffix keeps it) for the caller to write; renamed to ``path`` when the block ends, removed on an error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file and a rename."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_json(path: str | os.PathLike, obj, indent: int = 2) -> Path:
+    """``obj`` as JSON (non-finite floats as ``null``), written atomically."""
+    return write_atomic(path, json.dumps(_finite(obj), indent=indent) + "\n")
+
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """A sibling temporary directory for the caller to fill; renamed to ``out`` when the block ends (an existing
+    ``out`` is replaced then: the caller has checked that it may be), removed on an error. The result gets the
+    usual permissions (0777 / 0666 minus the umask), not the temporary directory's 0700."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        _normal_permissions(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+    else:
+        os.replace(tmp, out)
+
+
+def _normal_permissions(root: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~umask)
