@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from checkpoints_convert.common import DTYPES, check_out_dir, geometry, load_safetensors_dir, safetensors_names
-from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, reference_settings
+from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, REFERENCE_ARCHITECTURE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
-from checkpoints_convert.reference_format import checkpoint_format, longrope_factors, parse_geometry
+from checkpoints_convert.reference_format import TOKEN_ID_KEYS, checkpoint_format, longrope_factors, parse_geometry
 from runtime.cli import run_cli
 from runtime.outputs import atomic_dir
 
@@ -142,6 +142,42 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
     return model, attn
 
 
+def assumed_fields(cfg: dict, fmt: str, model, attn, longrope_choice: str | None) -> list[str]:
+    """What the import took that ``config.json`` does not say, as ``field=value (why)`` items:
+    defaults of absent fields, LongRoPE values derived, the reference geometry of a reference-format
+    checkpoint, and token ids it lacks."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    taken = {"num_key_value_heads": (model.num_kv_heads, "= num_attention_heads"),
+             "head_dim": (model.kv_channels, "= hidden_size / num_attention_heads"),
+             "rope_theta": (model.rope_theta, "default"), "max_position_embeddings": (model.max_position_embeddings,
+                                                                                       "default"),
+             "rms_norm_eps": (model.norm_eps, "default"), "tie_word_embeddings": (model.tie_embeddings, "default"),
+             "hidden_act": ("silu", "default")}
+    out = [f"{key}={value} ({why})" for key, (value, why) in taken.items()
+           if cfg.get(key) is None and not (key == "rope_theta" and "rope_theta" in rope)]
+    if model.longrope is not None:
+        lr = model.longrope
+        if "original_max_position_embeddings" not in rope:
+            out.append(f"rope_scaling.original_max_position_embeddings={lr.original_max_position_embeddings} "
+                       f"(the top-level key)")
+        if rope.get("attention_factor") is None:
+            factor = lr.resolved_attention_factor(model.max_position_embeddings)
+            out.append(f"rope_scaling.attention_factor={factor:.6g} (derived from the length ratio)")
+        if list(rope["short_factor"]) != list(rope["long_factor"]) and longrope_choice is None:
+            out.append("--longrope switch (default: long_factor past original_max_position_embeddings)")
+    if fmt == "reference":
+        n = attn.nosa
+        geo = ",".join(f"{k}={getattr(n, k)}" for k in ("block_size", "kernel_size", "kernel_stride", "init_blocks",
+                                                          "local_blocks", "select_blocks", "topk"))
+        names = "architectures" if REFERENCE_ARCHITECTURE in (cfg.get("architectures") or []) else "auto_map"
+        out.append(f"NOSA geometry {geo}, eviction head {n.eviction_head} (reference format, recognised by its "
+                   f"{names}; its code hard-codes them; --geometry overrides)")
+    missing = [k for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is None]
+    if missing:
+        out.append(f"{' and '.join(missing)} absent (an export gets them from to_hf --tokenizer)")
+    return out
+
+
 def parse_mup_constants(text: str | None) -> dict:
     """``"scale_emb=12,scale_depth=1.4,dim_model_base=256"`` -> the dict of all three (MiniCPM4: these values)."""
     if not text:
@@ -173,6 +209,7 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     fmt = checkpoint_format(cfg, safetensors_names(src))
     model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override),
                                   longrope, parse_mup_constants(mup_constants))
+    assumed = assumed_fields(cfg, fmt, model, attn, longrope)
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use fp32, bf16 or fp16")
     torch_dtype = DTYPES[dtype]
@@ -190,12 +227,15 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     from checkpoints_convert.megatron_io import save_dist_checkpoint
 
     with atomic_dir(check_out_dir(out)) as tmp:
-        save_dist_checkpoint(tensors, tmp, model, attn, extra={"source": str(src.resolve()), "source_format": fmt,
-                                                              "longrope": longrope})
+        save_dist_checkpoint(tensors, tmp, model, attn, extra={
+            "source": str(src.resolve()), "source_format": fmt, "longrope": longrope,
+            "token_ids": {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}})
     n_params = sum(t.numel() for t in tensors.values())
     log(f"imported {src} ({fmt} format; {model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. "
         f"vocab padding, {dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} "
         f"in {time.time() - t0:.1f}s")
+    if assumed:
+        log(f"assumed (not in {src / 'config.json'}): " + "; ".join(assumed))
     return Path(out).resolve()
 
 

@@ -36,6 +36,7 @@ from checkpoints_convert.hf_modeling.configuration_nosa import (
 from checkpoints_convert.mapping import ConversionError
 
 FORMATS = ("nosa", "reference")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept from an import's source to its export
 LONGROPE_CHOICES = ("short", "switch")
 DENSE_ARCHITECTURES = ("LlamaForCausalLM",)
 # per-layer attention tensors other than the q/k/v/o projections: eviction-head parameters
@@ -134,6 +135,10 @@ def to_reference_config(cfg: dict, longrope: Optional[str] = None) -> dict:
     out = {k: v for k, v in cfg.items() if k not in ("nosa_config", "auto_map")}
     out.update(model_type="llama", architectures=[REFERENCE_ARCHITECTURE], auto_map=dict(REFERENCE_AUTO_MAP))
     rs = out.get("rope_scaling")
+    if rs and "rope_theta" in rs:  # the reference is read by stock LlamaConfig: rope_theta at the top level
+        rs = {k: v for k, v in rs.items() if k != "rope_theta"}
+        out["rope_theta"] = cfg["rope_scaling"]["rope_theta"]
+        out["rope_scaling"] = rs
     if rs and rs.get("rope_type") == "longrope":
         short, long = longrope_factors(rs["short_factor"], rs["long_factor"], longrope, True, "--format reference")
         out["rope_scaling"] = {**rs, "short_factor": short, "long_factor": long}

@@ -16,9 +16,13 @@ model is described by the ``nosa_config.json`` the trainer writes next to the te
   ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` runs them; dense models are
   stock ``LlamaForCausalLM`` (no remote code);
 * ``--format reference``: the layout of the released NOSA checkpoints instead (``SparseLlamaForCausalLM``,
-  ``auto_map`` to ``modeling_llama_nosa``, no ``nosa_config``, no modeling code: add the reference's
-  ``modeling_llama_nosa.py`` and ``cis_pooling.py``); refused when the geometry is not the reference's;
-* tokenizer files when ``--tokenizer`` is given; ``generation_config.json``.
+  ``auto_map`` to ``modeling_llama_nosa``, no ``nosa_config``, bf16 by default, no modeling code: add
+  the reference's ``modeling_llama_nosa.py`` and ``cis_pooling.py``, or it loads as a dense Llama; the
+  export says so in one line); refused when the geometry is not the reference's;
+* the tokenizer files of ``--tokenizer`` (a tokenizer dir or a model dir: its config, weights and code
+  are not copied); ``generation_config.json``. Token ids
+  (``bos/eos/pad_token_id``) are the tokenizer's, else those of the Hugging Face source a
+  ``from_hf`` import recorded.
 
 Any mismatch (missing / extra tensors, shapes, unknown variant) raises one error listing the names;
 the output directory is written to a temp dir and renamed at the end, so it is never partial. An
@@ -53,7 +57,7 @@ from checkpoints_convert.common import (
 from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE
 from checkpoints_convert.mapping import ConversionError, megatron_to_hf
-from checkpoints_convert.reference_format import FORMATS, longrope_factors, to_reference_config
+from checkpoints_convert.reference_format import FORMATS, TOKEN_ID_KEYS, longrope_factors, to_reference_config
 from nosa_layers.config import eviction_head_name
 from runtime.cli import run_cli
 from runtime.outputs import atomic_dir
@@ -110,6 +114,11 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
         }
     if tokens:
         cfg.update(tokens)
+    if sparse and "rope_scaling" in cfg:
+        # rope_theta inside rope_scaling (transformers 5 reads it there; the shipped config class reads it for
+        # 4.x): next to a top-level rope_theta, transformers 5's generic config, which AutoTokenizer falls back
+        # to without trust_remote_code, fails on the longrope block, so the export's tokenizer would not load
+        cfg["rope_scaling"]["rope_theta"] = cfg.pop("rope_theta")
     if sparse:
         n = attn.nosa
         head = eviction_head_name(variants, n.eviction_head)
@@ -130,12 +139,13 @@ def hf_config(model, attn, dtype: torch.dtype, extra: Optional[dict] = None, tok
     return cfg
 
 
+
 def tokenizer_ids(tokenizer_dir: Path) -> dict:
     """bos / eos / pad ids of a tokenizer directory (``<|im_end|>`` joins eos for chat models)."""
     try:
-        from transformers import AutoTokenizer
+        from data.tokenizer import load_hf_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tok = load_hf_tokenizer(str(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - a tokenizer we cannot parse is still copied
         print(f"warning: could not read token ids from {tokenizer_dir}: {e}", file=sys.stderr)
         return {}
@@ -148,14 +158,31 @@ def tokenizer_ids(tokenizer_dir: Path) -> dict:
     return out
 
 
-def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = None,
+MODEL_FILES = ("config.json", "generation_config.json")
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".py", ".index.json")
+
+
+def is_model_file(name: str) -> bool:
+    """A file of a model dir that is not part of its tokenizer (``--tokenizer`` may name a model dir)."""
+    return name in MODEL_FILES or name.endswith(MODEL_SUFFIXES)
+
+
+def token_ids(extra: dict, tokenizer_ids: dict) -> dict:
+    """The token ids of the export: those the checkpoint recorded from its Hugging Face source
+    (``from_hf``), each replaced by the tokenizer's where the tokenizer defines one."""
+    source = {k: v for k, v in (extra.get("token_ids") or {}).items() if k in TOKEN_ID_KEYS and v is not None}
+    return {**source, **{k: v for k, v in tokenizer_ids.items() if v is not None}}
+
+
+def export(ckpt: str, out: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
            max_shard_bytes: int = 4 << 30, log=print, overwrite: bool = False, allow_non_finite: bool = False,
            fmt: str = "nosa", longrope: Optional[str] = None) -> Path:
     t0 = time.time()
-    if dtype not in DTYPES:
-        raise ConversionError(f"--dtype {dtype!r}; use one of fp32, bf16, fp16")
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r}; use one of {', '.join(FORMATS)}")
+    dtype = dtype or ("bf16" if fmt == "reference" else "fp32")  # the released checkpoints are bf16
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}; use one of fp32, bf16, fp16")
     torch_dtype = DTYPES[dtype]
     check_out_dir(out, overwrite)
     ck = resolve_checkpoint(ckpt)
@@ -173,7 +200,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = 
     tok_dir = Path(tokenizer) if tokenizer else None
     if tok_dir is not None and not tok_dir.is_dir():
         raise ConversionError(f"--tokenizer {tokenizer}: not a directory")
-    tokens = tokenizer_ids(tok_dir) if tok_dir is not None else {}
+    tokens = token_ids(extra, tokenizer_ids(tok_dir) if tok_dir is not None else {})
     if fmt == "reference":  # refuse before the (long) weight conversion
         to_reference_config(hf_config(model, attn, torch_dtype), longrope)
     cfg = hf_config(model, attn, torch_dtype, extra, tokens, None if fmt == "reference" else longrope)
@@ -182,21 +209,28 @@ def export(ckpt: str, out: str, dtype: str = "fp32", tokenizer: Optional[str] = 
     with atomic_dir(check_out_dir(out, overwrite)) as tmp:
         files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        gen = {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps({**gen, "do_sample": False}, indent=2) + "\n")
         shipped = write_modeling_files(tmp) if "auto_map" in cfg and fmt == "nosa" else []
         if tok_dir is not None:
             for f in sorted(tok_dir.iterdir()):
-                if f.is_file():
+                if f.is_file() and not is_model_file(f.name):
                     shutil.copy2(f, tmp / f.name)
     n_params = sum(t.numel() for t in hf.values())
     log(f"exported {ck} ({model.family}, {'/'.join(sorted(set(attn.layer_variants(model.num_layers))))}, "
         f"{n_params / 1e6:.2f}M params, {dtype}) -> {Path(out).resolve()}: {len(files)} weight file(s)"
         f"{', modeling code ' + ', '.join(shipped) if shipped else ''}"
-        f"{' (reference format: add modeling_llama_nosa.py and cis_pooling.py)' if fmt == 'reference' else ''}"
         f"{' (stock LlamaForCausalLM)' if not shipped and fmt != 'reference' else ''}"
         f"{', tokenizer' if tok_dir else ''} in {time.time() - t0:.1f}s")
+    if fmt == "reference":
+        log(REFERENCE_NOTE.format(out=Path(out).resolve()))
     return Path(out).resolve()
+
+
+REFERENCE_NOTE = ("note: --format reference ships no modeling code: add the authors' modeling_llama_nosa.py and "
+                  "cis_pooling.py (thunlp/NOSA) to {out} and load it with trust_remote_code=True; without them, "
+                  "or without trust_remote_code, transformers loads it as a dense Llama that ignores the "
+                  "eviction heads")
 
 
 def parse_size(s: str) -> int:
@@ -214,7 +248,8 @@ def main(argv=None) -> int:
                     help="output directory: new, empty or an earlier export (replaced atomically)")
     ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
     ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="default: fp32 (--format nosa), bf16 (--format reference, as the released checkpoints)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory to copy into the export")
     ap.add_argument("--max-shard-size", default="4GB")
     ap.add_argument("--format", default="nosa", choices=list(FORMATS),

@@ -1,14 +1,17 @@
 """Check an export: tensor round trip and logits against the Megatron model.
 
     python -m checkpoints_convert.verify --hf <export dir> [--ckpt <megatron ckpt or run dir>]
-        [--prompts prompts.txt --tokenizer DIR] [--random 2 --seq-len 512] [--tol 1e-4] [--decode-steps 8]
+        [--prompts prompts.txt --tokenizer DIR] [--random 2 --seq-len N] [--tol 1e-4] [--decode-steps 8]
 
 1. Tensors: HF -> Megatron -> HF must be bitwise equal; with ``--ckpt`` also Megatron -> HF must equal
    the export (after the export's dtype cast) and HF -> Megatron must give back the checkpoint's tensors.
 2. Logits (with ``--ckpt``): the Megatron forward (TP=PP=1, reference attention, fp32) vs
    ``AutoModelForCausalLM.from_pretrained(hf)`` in fp32 on the prompts
    (one per line of ``--prompts``, tokenised with ``--tokenizer`` or the export's tokenizer) or on
-   random token rows; reports the relative L2 error, max |diff|, KL and top-1 agreement.
+   random token rows; reports the relative L2 error, max |diff|, KL and top-1 agreement. The default
+   ``--seq-len`` is twice the selection budget of a sparse model (``2 x topk x block_size``, at most
+   ``max_position_embeddings``; 256 for dense ones), so half of the tokens checked attend sparsely;
+   the report gives that share (``sparse``).
 3. Decode: the KV-cache path (one token at a time) vs the full forward on the last tokens.
 The export's modeling code runs only when it is byte-identical to the code this project ships
 (or with ``--trust-remote-code``); ``--ckpt`` is verified against its manifest first.
@@ -129,20 +132,51 @@ def shipped_model_class():
 
 def make_tokens(args, vocab: int) -> torch.Tensor:
     if args.prompts:
-        from transformers import AutoTokenizer
+        from data.tokenizer import load_hf_tokenizer
 
-        if args.tokenizer:
-            tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        else:  # the export's tokenizer: transformers reads its config too (remote code for sparse exports)
-            ref = is_reference_export(Path(args.hf))
-            trust = not ref and trust_remote_code(Path(args.hf), args.trust_remote_code)
-            tok = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=trust)
+        tok = load_hf_tokenizer(args.tokenizer or args.hf)  # tokenizer files only: no model code runs
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         rows = [torch.tensor(tok(ln)["input_ids"]) for ln in lines]
         n = min(len(r) for r in rows)
         return torch.stack([r[:n] for r in rows])
     gen = torch.Generator().manual_seed(args.seed)
-    return torch.randint(0, vocab, (args.random, args.seq_len), generator=gen)
+    seq_len = args.seq_len or default_seq_len(*geometry_of(Path(args.hf)))
+    return torch.randint(0, vocab, (args.random, seq_len), generator=gen)
+
+
+def geometry_of(hf_dir: Path):
+    """(ModelConfig, AttentionConfig) of an export's ``config.json``."""
+    from checkpoints_convert.from_hf import configs_from_hf
+
+    return configs_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), longrope_choice="switch")
+
+
+def default_seq_len(model, attn) -> int:
+    """Twice the selection budget (``topk x block_size`` tokens) of a sparse model, capped at its
+    ``max_position_embeddings``; 256 for a dense model."""
+    if all(v == "dense" for v in attn.layer_variants(model.num_layers)):
+        return 256
+    return min(2 * attn.nosa.dense_len, model.max_position_embeddings)
+
+
+def sparse_share(model, attn, seq_len: int) -> dict:
+    """Which of ``seq_len`` positions attend sparsely: those at or past the budget ``topk x block_size``
+    in the model's NOSA / InfLLM-V2 layers."""
+    variants = attn.layer_variants(model.num_layers)
+    layers = sum(v != "dense" for v in variants)
+    budget = attn.nosa.dense_len
+    share = max(0, seq_len - budget) / seq_len if layers and seq_len else 0.0
+    return {"share": share, "from_position": budget if layers else None, "sparse_layers": layers,
+            "layers": len(variants)}
+
+
+def sparse_line(sp: dict, tokens) -> str:
+    rows, n = int(tokens.shape[0]), int(tokens.shape[1])
+    if not sp["sparse_layers"]:
+        return f"verify: {rows} x {n} tokens checked; dense model: no sparse attention"
+    low = "" if sp["share"] >= 0.5 else f" (use --seq-len {2 * sp['from_position']} for half)"
+    return (f"verify: {rows} x {n} tokens checked; {100 * sp['share']:.1f}% of them attend sparsely "
+            f"(positions >= {sp['from_position']} in {sp['sparse_layers']} of {sp['layers']} layers){low}")
 
 
 def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -175,7 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=None, help="text file, one prompt per line")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--random", type=int, default=2, help="random rows when no prompts are given")
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="random row length (default: 2 x topk x block_size for a sparse model, 256 for a dense one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tol", type=float, default=1e-4, help="max relative L2 error of the logits")
     ap.add_argument("--decode-steps", type=int, default=8)
@@ -183,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the export's modeling code even if it differs from the code this project ships")
     args = ap.parse_args(argv)
+    from runtime.third_party_noise import quiet_third_party
+
+    quiet_third_party(note_stream=sys.stderr)  # stdout is the JSON report
     try:
         report = run_checks(args)
     except (ConversionError, FileNotFoundError) as e:
@@ -206,6 +244,8 @@ def run_checks(args) -> dict:
     ok = not fails
     tokens = make_tokens(args, model.config.vocab_size)
     report["tokens"] = list(tokens.shape)
+    report["sparse"] = sparse_share(*geometry_of(hf_dir), int(tokens.shape[1]))
+    print(sparse_line(report["sparse"], tokens), file=sys.stderr)
     if ckpt is not None:
         from checkpoints_convert.megatron_io import megatron_logits
 

@@ -1,5 +1,9 @@
 """Tokenizer loading (local HF fast-tokenizer dirs only), the megatron-core adapter, BPE training.
 
+A tokenizer dir may be a bare tokenizer or a whole model dir (an export of ``checkpoints_convert.to_hf``,
+a stock Hugging Face model): :func:`load_hf_tokenizer` reads only the tokenizer files, never the
+model's ``config.json``, so no model code runs and transformers asks nothing.
+
 Conventions: ``eod`` = id of ``<|endoftext|>`` if present else the EOS id (appended after every
 pretraining document); ``pad`` = a dedicated pad id distinct from ``eod`` or -1 (megatron-core's
 "no pad" value), so padding never masks real EOD labels.
@@ -26,6 +30,19 @@ CHATML_TEMPLATE = (
 )
 
 
+def load_hf_tokenizer(path: str):
+    """The transformers tokenizer of the local dir ``path`` (``tokenizer.json`` required) without
+    reading its model config: the class named in ``tokenizer_config.json`` when transformers has it,
+    else the generic fast tokenizer. Tokenizer code shipped in the dir is never run."""
+    from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+
+    try:  # a blank config stands in for config.json, which names the model class, not the tokenizer
+        return AutoTokenizer.from_pretrained(path, config=PretrainedConfig(), trust_remote_code=False,
+                                             local_files_only=True)
+    except (ValueError, OSError, KeyError, AttributeError, ImportError):
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+
+
 class Tokenizer:
     """Thin wrapper over an HF fast tokenizer dir.
 
@@ -37,10 +54,8 @@ class Tokenizer:
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ValueError(f"tokenizer dir {path!r} has no tokenizer.json: "
                              "only HF fast tokenizers saved locally are supported")
-        from transformers import AutoTokenizer
-
         self.path = os.path.abspath(path)
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.hf = load_hf_tokenizer(path)
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = int(self.backend.get_vocab_size(with_added_tokens=True))
         eod = self.backend.token_to_id(EOD_TOKEN)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from eval.report import write_json
+from runtime.outputs import write_json
 
 
 def tokens_per_step(run_dir: Path) -> int:

@@ -1,14 +1,19 @@
-"""Load a model to evaluate from any of the three checkpoint forms, with its tokenizer.
+"""Load a model to evaluate from any checkpoint form, with its tokenizer.
 
 ``--ckpt`` may be a training run dir (``runs/x``), its ``checkpoints/`` dir or one ``iter_*`` dir
-(megatron-core ``torch_dist`` with ``nosa_config.json``), or a Hugging Face export
-(``config.json`` + safetensors, from ``checkpoints_convert.to_hf``). Every form is run as the
+(megatron-core ``torch_dist`` with ``nosa_config.json``), or a Hugging Face directory
+(``config.json`` + safetensors): an export of ``checkpoints_convert.to_hf`` (NOSA or dense), a
+stock Llama model, or a released-NOSA (reference-format) checkpoint. Every form is run as the
 Megatron model (TP = PP = 1, local layer spec): NOSA layers use the Triton kernels on CUDA and
-the PyTorch reference on CPU. An HF export is first imported into a temporary Megatron
-checkpoint by ``checkpoints_convert.from_hf`` (the same tensors, bitwise).
+the PyTorch reference on CPU. A Hugging Face directory is first imported into a temporary Megatron
+checkpoint by ``checkpoints_convert.from_hf`` (the same tensors, bitwise); a reference-format one
+runs LongRoPE as the reference code does (``short_factor`` at every length).
 
-The tokenizer is ``--tokenizer``, else the export's own files, else the ``data.tokenizer`` (or
-``sft.tokenizer``) of the run's ``config.yaml``.
+The tokenizer is ``--tokenizer``, else the directory's own files, else the ``data.tokenizer`` (or
+``sft.tokenizer``) of the run's ``config.yaml``, else that of the Hugging Face dir a ``from_hf``
+import came from; only its tokenizer files are read (never the
+model's config or code). lm-evaluation-harness needs a Hugging Face directory that runs with this
+project's modeling code: :func:`lm_eval_dir` gives one for every form.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 @dataclass
 class ModelSource:
-    """Where a model comes from: ``kind`` is ``megatron`` (``path`` = the iter_* dir) or ``hf``."""
+    """Where a model comes from: ``kind`` is ``megatron`` (``path`` = the iter_* dir) or ``hf``;
+    ``format`` of an ``hf`` dir: ``nosa`` (our export), ``reference`` (released NOSA) or ``llama``."""
 
     kind: str
     path: Path
@@ -39,6 +45,8 @@ class ModelSource:
     attn: object  # nosa_layers.megatron.AttentionConfig
     tokenizer: Optional[Path]
     step: Optional[int] = None
+    format: Optional[str] = None
+    longrope: Optional[str] = None  # the from_hf --longrope choice for an hf dir
 
     @property
     def variants(self) -> list[str]:
@@ -60,20 +68,34 @@ def resolve_source(ckpt: str, tokenizer: Optional[str] = None) -> ModelSource:
     """Identify ``ckpt`` and read its configs (no weights are loaded)."""
     p = Path(ckpt)
     if not p.exists():
-        raise EvalError(f"--ckpt {ckpt}: no such file or directory (give a run dir, a checkpoint dir or an HF export)")
-    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        from checkpoints_convert.from_hf import configs_from_hf
-
-        model, attn = configs_from_hf(json.loads((p / "config.json").read_text()))
-        tok = Path(tokenizer) if tokenizer else (p if (p / "tokenizer.json").is_file() else None)
-        step = (json.loads((p / "config.json").read_text()).get("nosa_export") or {}).get("step")
-        return ModelSource("hf", p, model, attn, tok, step)
+        raise EvalError(f"--ckpt {ckpt}: no such file or directory (give a run dir, a checkpoint dir or a "
+                        f"Hugging Face model dir)")
+    if (p / "config.json").is_file():
+        return _hf_source(p, tokenizer)
     from checkpoints_convert.common import read_model_config, resolve_checkpoint
 
     path = resolve_checkpoint(p)  # ConversionError (a one-line ValueError) when there is none
     model, attn, extra = read_model_config(path)
-    tok = Path(tokenizer) if tokenizer else _run_tokenizer(path)
+    tok = Path(tokenizer) if tokenizer else (_run_tokenizer(path) or _import_tokenizer(extra))
     return ModelSource("megatron", path, model, attn, tok, extra.get("step"))
+
+
+def _hf_source(p: Path, tokenizer: Optional[str]) -> ModelSource:
+    """A Hugging Face dir: our export, a stock Llama or a reference-format (released NOSA) checkpoint."""
+    from checkpoints_convert.common import safetensors_names
+    from checkpoints_convert.from_hf import configs_from_hf
+    from checkpoints_convert.reference_format import checkpoint_format
+
+    if not any(p.glob("*.safetensors")):
+        raise EvalError(f"--ckpt {p}: config.json but no *.safetensors weights (only safetensors checkpoints are "
+                        f"read; save the model with save_pretrained(..., safe_serialization=True))")
+    cfg = json.loads((p / "config.json").read_text())
+    fmt = checkpoint_format(cfg, safetensors_names(p))
+    longrope = "short" if fmt == "reference" else None  # what the reference code runs at every length
+    model, attn = configs_from_hf(cfg, longrope_choice=longrope)
+    tok = Path(tokenizer) if tokenizer else (p if (p / "tokenizer.json").is_file() else None)
+    step = (cfg.get("nosa_export") or {}).get("step")
+    return ModelSource("hf", p, model, attn, tok, step, fmt, longrope)
 
 
 def _run_tokenizer(ckpt: Path) -> Optional[Path]:
@@ -93,13 +115,19 @@ def _run_tokenizer(ckpt: Path) -> Optional[Path]:
     return None
 
 
+def _import_tokenizer(extra: dict) -> Optional[Path]:
+    """The tokenizer of the Hugging Face dir a ``from_hf`` import came from (None if it has none)."""
+    source = extra.get("source")
+    return Path(source) if source and (Path(source) / "tokenizer.json").is_file() else None
+
+
 def load_tokenizer(src: ModelSource):
     """The model's ``data.tokenizer.Tokenizer``; one-line errors when missing or too large."""
     from data.tokenizer import Tokenizer
 
     if src.tokenizer is None:
-        raise EvalError(f"{src.path}: no tokenizer found (none in the export, none in the run's config.yaml); "
-                        f"pass --tokenizer DIR")
+        raise EvalError(f"{src.path}: no tokenizer found (none in the export, the run's config.yaml or an "
+                        f"imported checkpoint's source); pass --tokenizer DIR")
     if not (src.tokenizer / "tokenizer.json").is_file():
         raise EvalError(f"--tokenizer {src.tokenizer}: no tokenizer.json there")
     tok = Tokenizer(str(src.tokenizer))
@@ -167,5 +195,36 @@ def _megatron_checkpoint(src: ModelSource) -> Iterator[Path]:
     from checkpoints_convert.from_hf import import_hf
 
     with tempfile.TemporaryDirectory(prefix="nosa_eval_") as tmp:
-        out = import_hf(str(src.path), str(Path(tmp) / "ckpt"), log=lambda *_: None)
+        out = import_hf(str(src.path), str(Path(tmp) / "ckpt"), log=lambda *_: None, longrope=src.longrope)
         yield out / "iter_0000000"
+
+
+@contextmanager
+def lm_eval_dir(src: ModelSource, log=print) -> Iterator[Path]:
+    """A Hugging Face dir of ``src`` that lm-evaluation-harness loads with ``trust_remote_code`` running
+    only this project's code: a stock Llama dir or an export whose modeling code is byte-identical to
+    ours as it is; any other form (Megatron checkpoint, reference-format dir, an export with other
+    modeling code) exported into a temporary NOSA-format dir (fp32, the model's tokenizer)."""
+    if src.kind == "hf" and _runs_our_code(src.path):
+        yield src.path
+        return
+    from checkpoints_convert.to_hf import export
+
+    log(f"  exporting {src.path} to a temporary Hugging Face dir for lm-eval")
+    with _megatron_checkpoint(src) as ckpt, tempfile.TemporaryDirectory(prefix="nosa_lm_eval_") as tmp:
+        yield export(str(ckpt), str(Path(tmp) / "hf"), "fp32", str(src.tokenizer) if src.tokenizer else None,
+                     log=lambda *_: None)
+
+
+def _runs_our_code(hf_dir: Path) -> bool:
+    """No modeling code (stock Llama), or an ``auto_map`` and files identical to what this project ships."""
+    from checkpoints_convert.mapping import ConversionError
+    from checkpoints_convert.verify import is_reference_export, trust_remote_code
+
+    if is_reference_export(hf_dir):
+        return False
+    try:
+        trust_remote_code(hf_dir)
+    except ConversionError:
+        return False
+    return True

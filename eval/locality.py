@@ -1,6 +1,6 @@
 """Decode-time locality and offload cost of a trained model on real long documents.
 
-    python -m eval.locality --ckpt <run dir | checkpoint | HF export> --data <prefix | jsonl> \\
+    python -m eval.locality --ckpt <run dir | checkpoint | HF model dir> --data <prefix | jsonl> \\
         --length 16384 [--docs 4] [--split 95,5,0] [--capacity C] [--bandwidth-gbs 55] --out DIR
 
 For each document: one forward pass (the prefill) records every NOSA layer's post-RoPE q/k and
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m eval.locality", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir, iter_* dir or HF export")
+    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir, iter_* dir or Hugging Face model dir")
     ap.add_argument("--data", required=True, help="indexed dataset prefix or JSONL (text field)")
     ap.add_argument("--length", type=int, required=True, help="tokens per document")
     ap.add_argument("--docs", type=int, default=4)

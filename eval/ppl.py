@@ -1,6 +1,6 @@
 """Perplexity by position bucket on held-out long documents.
 
-    python -m eval.ppl --ckpt <run dir | checkpoint | HF export> --data <prefix | jsonl> --length 16384 \\
+    python -m eval.ppl --ckpt <run dir | checkpoint | HF model dir> --data <prefix | jsonl> --length 16384 \\
         [--docs 8] [--split 95,5,0] --out DIR
 
 Each document of ``length`` tokens is scored in one forward pass; the loss of predicting token

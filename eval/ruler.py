@@ -1,13 +1,14 @@
 """Score a model on a RULER-style task set, directly on the Megatron model or through lm-eval.
 
-    python -m eval.ruler --ckpt <run dir | checkpoint | HF export> --tasks DIR [--lengths 4096,8192]
+    python -m eval.ruler --ckpt <run dir | checkpoint | HF model dir> --tasks DIR [--lengths 4096,8192]
         [--harness direct | lm-eval] [--limit N] --out DIR
 
 ``direct`` runs one forward pass per sample on the Megatron model (any checkpoint form) and scores
 every answer item from it; ``lm-eval`` runs lm-evaluation-harness (``HFLM``, ``trust_remote_code``)
-on an HF export with the task set's local YAML configs. Both score an item as lm-eval's ``acc`` of a
-loglikelihood request (greedy decoding reproduces the item's tokens) and give the same numbers
-(tested). A task's score is 100 x the mean over its items; the average is over tasks and lengths.
+with the task set's local YAML configs on the HF dir (any other form is exported to a temporary
+one). Both score an item as lm-eval's ``acc`` of a loglikelihood request (greedy decoding
+reproduces the item's tokens) and give the same numbers (tested). A task's score is 100 x the mean
+over its items; the average is over tasks and lengths.
 Writes ``ruler.json``, ``ruler.md`` and ``items.jsonl`` (one line per item: loglikelihood, greedy).
 """
 
@@ -200,7 +201,7 @@ def markdown(summary: dict, title: str) -> str:
 
 def run(ckpt: str, tasks_dir: str, out: str, lengths: Optional[list[int]] = None, harness: str = "direct",
         limit: Optional[int] = None, tokenizer: Optional[str] = None, dtype: str = "auto", log=print) -> dict:
-    from eval.load import load_model, load_tokenizer, resolve_source
+    from eval.load import lm_eval_dir, load_model, load_tokenizer, resolve_source
     from eval.tasks import load_task_set
 
     if harness not in HARNESSES:
@@ -214,10 +215,8 @@ def run(ckpt: str, tasks_dir: str, out: str, lengths: Optional[list[int]] = None
     if harness == "direct":
         items = score_direct(load_model(src, dtype=dtype), tok, ts, chosen, ts.tasks, limit, log)
     else:
-        if src.kind != "hf":
-            raise EvalError(f"--harness lm-eval scores Hugging Face exports; export {ckpt} with "
-                            f"python -m checkpoints_convert.to_hf or use --harness direct")
-        items = score_lm_eval(str(src.path), ts, chosen, ts.tasks, limit, dtype=dtype, log=log)
+        with lm_eval_dir(src, log) as hf_dir:
+            items = score_lm_eval(str(hf_dir), ts, chosen, ts.tasks, limit, dtype=dtype, log=log)
     result = write_outputs(items, Path(out), src, harness, {"tasks_dir": str(ts.root), "limit": limit})
     g = result["graded"]
     log(f"RULER average {result['average']:.1f} ± {result['average_stderr']:.1f} over {len(result['cells'])} "

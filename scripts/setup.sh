@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates ./.venv with Python 3.12 and installs the project (editable) with its dev extras.
-# Idempotent: a second run only re-checks the install. Finds Python 3.12 as `python3.12` on PATH,
+# Creates ./.venv with Python 3.12 and installs the project (editable) with its dev extras, at the exact
+# versions of constraints.txt. Idempotent: a second run only re-checks the install (it reinstalls when
+# pyproject.toml or constraints.txt is newer than the last install). Finds Python 3.12 as `python3.12` on PATH,
 # or through pyenv (PYENV_VERSION=3.12.x), or via $NOSA_PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ fi
 free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }'; }
 
 stamp=.venv/.nosa-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   # A first install (torch's CUDA build) needs about 7 GiB in .venv plus its download in the temp dir:
   # say so in one line instead of pip's "No space left on device" halfway through.
   if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
@@ -46,7 +47,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   echo "setup: installing dependencies (first run downloads torch, several GB)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
   touch "$stamp"
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch, megatron.core as m; print("torch", torch.__version__, "| megatron-core", m.__version__)'))"

@@ -14,6 +14,8 @@ import difflib
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from runtime.dataclass_io import from_dict
 from train.config import RunConfig
 
@@ -123,8 +125,31 @@ def load_config(overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> RunCon
     return from_dict(RunConfig, raw)
 
 
-def to_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML (what ``print_config=true`` shows and the run dir keeps)."""
-    from omegaconf import OmegaConf
+COMMANDS = ("print_config", "dry_run")  # switches of one launch, not settings of the run
 
-    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))
+
+class _FlowNumbersDumper(yaml.SafeDumper):
+    """YAML with every list of numbers in flow style (``[1.0, 1.02, ...]``), everything else in block style."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, seq: list):
+    numbers = bool(seq) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in seq)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", seq, flow_style=numbers)
+
+
+_FlowNumbersDumper.add_representer(list, _represent_list)
+
+
+def to_yaml(cfg: RunConfig, omit: tuple[str, ...] = ()) -> str:
+    """The resolved config as YAML (what ``print_config=true`` / ``--cfg job`` show, without ``omit``,
+    and the run dir keeps). Lists of numbers (LongRoPE factors, data weights) are written in flow style,
+    a few lines instead of one line per number."""
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    data = {k: plain(v) for k, v in dataclasses.asdict(cfg).items() if k not in omit}
+    return yaml.dump(data, Dumper=_FlowNumbersDumper, sort_keys=False, default_flow_style=False, width=120,
+                     allow_unicode=True)

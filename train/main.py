@@ -26,8 +26,11 @@ if __package__ in (None, ""):  # `python train/main.py` / `torchrun train/main.p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.third_party_noise import quiet_third_party
     from train.cli import CliError, help_text, parse_cli
     from train.compose import group_options
+
+    quiet_third_party()  # megatron-core's optional-package and deprecation warnings: one line
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -43,15 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         jobs = plan_jobs(cli)
         if cli.cfg == "job" or any(cfg.print_config for _, cfg in jobs):
             if rank0:
-                from train.compose import to_yaml
+                from train.compose import COMMANDS, to_yaml
 
-                for job, cfg in jobs:
-                    print(f"# {' '.join(job)}\n{to_yaml(cfg)}" if cli.multirun else to_yaml(cfg))
+                for job, cfg in jobs:  # the config without the switches that asked for it
+                    text = to_yaml(cfg, omit=COMMANDS)
+                    print(f"# {' '.join(job)}\n{text}" if cli.multirun else text)
             return 0
         if any(cfg.dry_run for _, cfg in jobs):
             from train.dry_run import dry_run
+            from train.multirun import header
 
-            return max(dry_run(cfg) for _, cfg in jobs)
+            rcs = []
+            for i, (job, cfg) in enumerate(jobs):
+                if cli.multirun and rank0:
+                    print(header(i, len(jobs), job, cfg.run_dir), flush=True)
+                rcs.append(dry_run(cfg))
+            return max(rcs)
         from train.config import validate
         from train.distributed import world_size_from_env
 
@@ -60,16 +70,43 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if not cli.multirun:
+        return train(jobs[0][1])
+    return run_multirun(cli, jobs, rank0)
+
+
+def run_multirun(cli, jobs: list, rank0: bool) -> int:
+    """Every job in turn (a header each); jobs that already finished are skipped; the sweep stops at
+    the first failure; a summary table at the end."""
+    from train.cli import override_dirname
+    from train.compose import expand_sweep
+    from train.multirun import FAILED, FINISHED, NOT_RUN, TRAINED, finished_step, header, summary
+
+    done = [finished_step(cfg) for _, cfg in jobs]  # read once, before any job runs: every rank agrees
+    to_run = [i for i, step in enumerate(done) if step is None]
+    status = [NOT_RUN] * len(jobs)
+    rc = 0
     for i, (job, cfg) in enumerate(jobs):
-        if cli.multirun and rank0:
-            print(f"[multirun] job {i + 1}/{len(jobs)}: {' '.join(job)} -> run.dir={cfg.run_dir}", flush=True)
-        rc = train(cfg, last=i == len(jobs) - 1)
+        if rank0:
+            print(header(i, len(jobs), job, cfg.run_dir), flush=True)
+        if done[i] is not None:
+            status[i] = FINISHED
+            if rank0:
+                print(f"[multirun] job {i + 1}/{len(jobs)} already finished: its checkpoint is at step {done[i]} = "
+                      f"train.max_steps (raise train.max_steps to continue it)", flush=True)
+            continue
+        rc = train(cfg, last=i == to_run[-1])
+        status[i] = TRAINED if rc == 0 else f"{FAILED} (exit {rc})"
         if rc:
-            if cli.multirun and rank0 and i + 1 < len(jobs):
+            if rank0 and i + 1 < len(jobs):
                 print(f"error: multirun job {i + 1}/{len(jobs)} failed (exit {rc}); the {len(jobs) - i - 1} "
                       f"job(s) after it were not run", file=sys.stderr, flush=True)
-            return rc
-    return 0
+            break
+    if rank0:
+        swept = expand_sweep(cli.overrides)[1]
+        print(summary([(override_dirname(job, swept), cfg.run_dir, st) for (job, cfg), st in zip(jobs, status)]),
+              flush=True)
+    return rc
 
 
 def plan_jobs(cli) -> list[tuple[list[str], object]]:

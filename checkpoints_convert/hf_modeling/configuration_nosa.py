@@ -37,6 +37,15 @@ class NOSALlamaConfig(LlamaConfig):
     model_type = MODEL_TYPE
     nosa_config: dict | None = None
 
+    def __init__(self, *args, **kwargs):
+        # LongRoPE exports keep rope_theta inside rope_scaling (no top-level key, so that transformers' generic
+        # config can read config.json); LlamaConfig of transformers 4.x reads only the top-level key
+        rs = kwargs.get("rope_scaling")
+        if isinstance(rs, dict) and "rope_theta" in rs:
+            kwargs["rope_scaling"] = {k: v for k, v in rs.items() if k != "rope_theta"}
+            kwargs.setdefault("rope_theta", rs["rope_theta"])
+        super().__init__(*args, **kwargs)
+
 
 def is_reference_config(config) -> bool:
     """No ``nosa_config`` block, and ``architectures`` or ``auto_map`` name the reference class."""

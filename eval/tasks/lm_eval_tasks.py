@@ -3,7 +3,9 @@
 For every (task, length) a YAML ``nosa_ruler_<task>_<length>.yaml`` reads the items file
 ``<task>_<length>.items.jsonl`` (one loglikelihood request per answer item: ``context``,
 ``continuation``) with the ``json`` builder of ``datasets`` (no hub access) and reports ``acc``
-(greedy match) and ``perplexity``; the group ``nosa_ruler`` holds them all. Run them with the
+(greedy match; lm-eval's ``perplexity`` of a multi-token answer is exp of its summed negative
+loglikelihood, a number without meaning here, so it is not reported); the group ``nosa_ruler``
+holds them all. Run them with the
 harness itself, e.g.::
 
     lm_eval --model hf --model_args pretrained=<HF export>,trust_remote_code=True \\
@@ -38,9 +40,6 @@ def task_yaml(name: str, items_file: Path, cache_dir: Path) -> str:
         "  - metric: acc",
         "    aggregation: mean",
         "    higher_is_better: true",
-        "  - metric: perplexity",
-        "    aggregation: perplexity",
-        "    higher_is_better: false",
         "metadata:",
         "  version: 1.0",
         "",

@@ -22,6 +22,7 @@ from checkpoints_convert.hf_modeling.configuration_nosa import REFERENCE_GEOMETR
 from checkpoints_convert.mapping import ConversionError
 from checkpoints_convert.reference_format import to_reference_config
 from checkpoints_convert.to_hf import export
+from checkpoints_convert.verify import main as verify_main
 from checkpoints_convert.verify import shipped_model_class
 from nosa_layers.config import NOSAConfig
 from tests.convert._reference_ckpt import (
@@ -99,6 +100,14 @@ def test_reference_checkpoint_round_trip(pipeline):
     assert _record("reference: Megatron import", p.megatron["reference"], want) <= FP32_REL
     report = json.loads((p.work / "verify.json").read_text())  # verify --hf <reference checkpoint> --ckpt <import>
     assert report["ok"] and report["tensor_roundtrip"] == "ok" and report["logits_vs_megatron"]["rel"] <= FP32_REL
+    # 300 tokens are dense at the reference geometry (budget 64 blocks of 64): verify says so
+    assert report["sparse"] == {"share": 0.0, "from_position": 4096, "sparse_layers": LAYERS, "layers": LAYERS}
+    log = (p.root / "worker.log").read_text()
+    assert "0.0% of them attend sparsely (positions >= 4096 in 2 of 2 layers) (use --seq-len 8192 for half)" in log
+    # the import says what config.json did not: the geometry the reference code hard-codes
+    assert (f"assumed (not in {p.ref / 'config.json'}): NOSA geometry block_size=64,kernel_size=32,kernel_stride=16,"
+            "init_blocks=1,local_blocks=16,select_blocks=16,topk=64, eviction head ed_dma (reference format, "
+            "recognised by its architectures; its code hard-codes them; --geometry overrides)") in log
 
     out = export(str(p.work / "reference"), str(p.root / "hf_nosa"), **QUIET)
     cfg = json.loads((out / "config.json").read_text())
@@ -108,11 +117,16 @@ def test_reference_checkpoint_round_trip(pipeline):
     assert type(model.config).__name__ == "NOSALlamaConfig"
     assert _record("reference: to_hf nosa", _logits(model, tokens), want) <= FP32_REL
 
-    back = export(str(p.work / "reference"), str(p.root / "hf_ref"), fmt="reference", **QUIET)
+    lines = []
+    back = export(str(p.work / "reference"), str(p.root / "hf_ref"), dtype="fp32", fmt="reference", log=lines.append)
+    assert lines[-1].startswith("note: --format reference ships no modeling code: add the authors' "
+                                "modeling_llama_nosa.py and cis_pooling.py") and "dense Llama" in lines[-1]
     src_cfg, back_cfg = json.loads((p.ref / "config.json").read_text()), json.loads((back / "config.json").read_text())
     for key in ("architectures", "auto_map", "model_type", "num_hidden_layers", "num_key_value_heads", "head_dim",
-                "rope_theta", "max_position_embeddings", "tie_word_embeddings"):
+                "rope_theta", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert back_cfg[key] == src_cfg[key], key
+    gen = json.loads((back / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (src_cfg["bos_token_id"], src_cfg["eos_token_id"])
     for key, value in src_cfg["rope_scaling"].items():
         assert back_cfg["rope_scaling"][key] == pytest.approx(value), key
     assert back_cfg["original_max_position_embeddings"] == ORIGINAL_MAX_POS and "nosa_config" not in back_cfg
@@ -121,6 +135,10 @@ def test_reference_checkpoint_round_trip(pipeline):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     again = p.cls.from_pretrained(str(back), dtype=torch.float32).eval()
     assert _record("reference: to_hf --format reference", _logits(again, tokens), want) <= FP32_REL
+    bf16 = export(str(p.work / "reference"), str(p.root / "hf_ref_bf16"), fmt="reference", **QUIET)  # the default
+    assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert all(torch.equal(t, a[k].to(t.dtype)) and t.dtype == (torch.float32 if k.endswith(".A") else torch.bfloat16)
+               for k, t in load_safetensors_dir(bf16).items())  # A, the eviction scale, stays fp32
 
 
 def test_sparse_exports_need_remote_code_dense_stay_llama(pipeline):
@@ -156,6 +174,12 @@ def test_geometry_override(pipeline):
     out = export(str(p.work / "tiny"), str(p.root / "hf_tiny"), **QUIET)
     got = _logits(_load_remote(out), tokens)
     assert _record("--geometry tiny: to_hf nosa", got, want) <= FP32_REL
+    # verify's default length is twice the selection budget (6 blocks of 16 tokens): half of it is sparse
+    report = p.root / "verify_tiny.json"
+    assert verify_main(["--hf", str(out), "--random", "1", "--decode-steps", "4", "--json", str(report)]) == 0
+    rep = json.loads(report.read_text())
+    assert rep["tokens"] == [1, 192] and rep["sparse"]["share"] == 0.5 and rep["sparse"]["from_position"] == 96
+    assert rep["decode_vs_forward"]["rel"] <= 1e-4
     assert _record("--geometry tiny: Megatron import", p.megatron["tiny"], want) <= FP32_REL
     with pytest.raises(ConversionError) as e:
         export(str(p.work / "tiny"), str(p.root / "hf_tiny_ref"), fmt="reference", **QUIET)
@@ -170,7 +194,8 @@ def test_unfold_mup_of_a_checkpoint_without_record(pipeline):
     p = pipeline
     m, _, _ = read_model_config(p.work / "mup" / "iter_0000000")
     assert m.use_mup and (m.scale_emb, m.scale_depth, m.dim_model_base) == (12.0, 1.4, 16)
-    back = load_safetensors_dir(export(str(p.work / "mup"), str(p.root / "hf_mup"), fmt="reference", **QUIET))
+    back = load_safetensors_dir(export(str(p.work / "mup"), str(p.root / "hf_mup"), dtype="fp32", fmt="reference",
+                                       **QUIET))
     src = load_safetensors_dir(p.ref)
     assert set(back) == set(src)
     for k in src:

@@ -49,11 +49,34 @@ def test_ruler_and_ppl_errors(tiny_ablation, small_demo, other_tokenizer, tmp_pa
         (["--tasks", str(tmp_path)], "no task set there"),
         (["--tasks", tasks, "--lengths", "1024"], "has no length(s) [1024]"),
         (["--tasks", tasks, "--tokenizer", other_tokenizer], "tokenizer mismatch"),
-        (["--tasks", tasks, "--harness", "lm-eval"], "scores Hugging Face exports"),
     ]
     for argv, msg in cases:
         assert ruler.main(["--ckpt", ckpt, *argv, "--out", str(out)]) == 2
         assert msg in _one_line(capsys, "eval.ruler"), argv
     assert ppl.main(["--ckpt", ckpt, "--data", small_demo["corpus"], "--length", "5000", "--out", str(out)]) == 2
     assert "exceeds the model's max_position_embeddings" in _one_line(capsys, "eval.ppl")
+    assert not out.exists()
+
+
+def test_unusable_hugging_face_dirs_are_one_line(tmp_path, capsys):
+    """A model dir without safetensors weights, or of an architecture the converter does not map."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eval import ppl
+
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    hf.mkdir()
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    argv = ["--ckpt", str(hf), "--data", str(tmp_path / "docs.jsonl"), "--length", "64", "--out", str(out)]
+    assert ppl.main(argv) == 2
+    assert "config.json but no *.safetensors weights" in _one_line(capsys, "eval.ppl")
+    save_file({"lm_head.weight": torch.zeros(64, 32)}, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    assert ppl.main(argv) == 2
+    assert "unsupported Hugging Face config: model_type='gpt2'" in _one_line(capsys, "eval.ppl")
     assert not out.exists()

@@ -109,10 +109,30 @@ def test_tensorboard_without_the_package_is_one_line():
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard package")
 def test_tensorboard_writer_records_logged_rows(tmp_path):
+    """Every numeric field of a logged row is a scalar at its step (no step, flags or non-finite values);
+    a resumed run's logger drops the events past its checkpoint, as metrics.jsonl does."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from train.metrics import MetricsLogger
 
+    def scalars(tag: str) -> list[tuple[int, float]]:
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars(tag)]
+
     log = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
-    log.log({"step": 1, "loss": 2.5, "lr": 1e-3, "skipped": False})
+    log.log({"step": 1, "loss": 2.5, "lr": 1e-3, "skipped": False, "grad_norm": float("nan")})
+    log.log({"step": 2, "loss": 2.25, "lr": 2e-3, "skipped": False, "grad_norm": 0.5})
+    log.log({"step": 3, "loss": 2.0, "lr": 3e-3, "skipped": False, "grad_norm": 0.25})
     log.close()
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.5
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "lr", "grad_norm"}
+    assert scalars("loss") == [(1, 2.5), (2, 2.25), (3, 2.0)]
+    assert scalars("grad_norm") == [(2, 0.5), (3, 0.25)]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 2.5
+
+    again = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True, resume_step=1)  # resumed at step 1
+    again.log({"step": 2, "loss": 1.75, "lr": 2e-3})
+    again.close()
+    assert scalars("loss") == [(1, 2.5), (2, 1.75)]
