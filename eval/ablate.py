@@ -464,7 +464,7 @@ def _row_numbers(row: dict) -> dict:
     by_len = ruler.get("by_length_detail") or {}
     return {"train_loss": row["train_loss"], "val_loss": row["val_loss"],
             **{f"ppl {b['range']}": b["ppl"] for b in ppl},
-            **{f"RULER {int(n) // 1024}K": _pm(d) for n, d in by_len.items()},
+            **{f"RULER {_length_label(int(n))}": _pm(d) for n, d in by_len.items()},
             "ruler": ruler.get("average"), "ruler_se": ruler.get("average_stderr"),
             "needles": (ruler.get("needles") or {}).get("score"),
             "token_match": (ruler.get("graded") or {}).get("token_match"),
@@ -472,6 +472,10 @@ def _row_numbers(row: dict) -> dict:
             "fetched": loc.get("fetched_per_step"),
             "mb_per_token": None if loc.get("bytes_per_token") is None else loc["bytes_per_token"] / 1e6,
             "tok_s": loc.get("decode_tokens_per_s"), "vs_dense": loc.get("throughput_ratio_vs_dense")}
+
+
+def _length_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def _pm(d: dict) -> Optional[str]:
@@ -510,7 +514,7 @@ def ablation_markdown(table: dict) -> str:
     keys = list(dict.fromkeys(k for n in nums.values() for k in n))
     buckets = sorted((k for k in keys if k.startswith("ppl ")),
                      key=lambda k: int(k.split()[1].split("-")[0].rstrip("K") or 0))
-    lengths = [k for k in keys if k.startswith("RULER ") and k.endswith("K")]
+    lengths = [k for k in keys if k.startswith("RULER ") and k != "RULER avg"]
     head = ["variant", "status", "train loss", "val loss", *buckets, *lengths, "RULER avg", "needles",
             "answer tokens matched", "gamma mean", "gamma p5", "gamma min", "fetched blocks/step", "MB/token H2D",
             "decode tok/s (PCIe)", "x dense"]
