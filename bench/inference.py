@@ -20,10 +20,18 @@ score equal). Rows:
   decode tokens/s at each, and the host -> device bytes per generated token (first step = whole
   selections; steady state = the blocks a step adds).
 
+Trained models (``--model EXPORT[,EXPORT...]``: our NOSA exports and dense Llama exports with their
+weights; ``bench.exports``): the prompts are held-out text (``--data PREFIX``, the validation part of
+``--split``), the offload rows add the cache hit rate, and ``--budget-batch N`` sets every model's device
+budget to the peak of the (first) dense export's GPU-resident cache holding ``N`` sequences at the long
+context. Dense models also get the decode that transformers documents as its fast path: a static KV
+cache and ``torch.compile`` (``bench.decode_baseline``), at batch 1 / 4 and every context.
+
 Every row records its error instead of stopping the table. Writes ``inference.json`` and
 ``inference.md`` into ``--out`` (temp name, then rename).
 
 Usage: python -m bench.inference --out DIR [--quick] [--mem-limit-gib 12] [--host-mem-limit-gib 48]
+       [--model EXPORT,... --data PREFIX [--split 95,5,0] [--budget-batch 16]] [--baseline static|none]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
        [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--part-fetch-grid N]
        [--profile] [--memory-profile]
@@ -47,7 +55,8 @@ from pathlib import Path
 
 import torch
 
-from bench import memory_trace
+from bench import exports, memory_trace
+from bench.decode_baseline import static_decode
 from checkpoints_convert.random_export import (
     load_random_model,
     stock_llama,
@@ -93,8 +102,10 @@ class Bench:
         self.args = args
         self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
-        self.shape = model_shape(args)
+        self.models = [m for m in (args.model or "").split(",") if m]
+        self.shape = exports.export_shape(self.models[0]) if self.models else model_shape(args)
         self.geo = tiny_geometry() if args.quick else NOSAConfig()
+        self.text = None  # held-out tokens of --data (trained models), else random prompts
         self.ctx = [256, 512] if args.quick else [4096, 16384]
         self.long = args.long_context or self.ctx[-1]
         self.rows: list = []
@@ -111,6 +122,8 @@ class Bench:
             torch.cuda.empty_cache()
 
     def prompt(self, n: int, batch: int = 1) -> torch.Tensor:
+        if self.text is not None and n <= self.text.numel():
+            return self.text[:n].repeat(batch, 1).to(self.dev)
         g = torch.Generator().manual_seed(n)
         return torch.randint(10, self.shape.vocab_size, (batch, n), generator=g).to(self.dev)
 
@@ -256,7 +269,10 @@ class Bench:
         if self.dev.type == "cuda":
             return torch.cuda.max_memory_allocated()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        return weights + cache.memory_bytes()["device"]
+        held = cache.memory_bytes()["device"] if hasattr(cache, "memory_bytes") else sum(
+            t.numel() * t.element_size() for layer in getattr(cache, "layers", []) for t in
+            (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+        return weights + held
 
     @torch.no_grad()
     def probe(self, model, batch: int, offload: bool) -> dict:
@@ -266,7 +282,8 @@ class Bench:
         if self.dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.decode_rate(model, cache, tok, steps=1, warm=1)
-        r = {"batch": batch, "peak_bytes": self.peak_bytes(model, cache), **cache.memory_bytes()}
+        held = cache.memory_bytes() if hasattr(cache, "memory_bytes") else {"device": 0, "host": 0}
+        r = {"batch": batch, "peak_bytes": self.peak_bytes(model, cache), **held}
         del cache, tok
         return r
 
@@ -330,6 +347,9 @@ class Bench:
 
     # ------------------------------------------------------------------ rows
     def run(self) -> None:
+        if self.models:
+            self.run_exports()
+            return
         only = set(self.args.only.split(","))
         log(f"device {self.dev} ({torch.cuda.get_device_name() if self.dev.type == 'cuda' else 'cpu'}), "
             f"{self.dtype}, shape {self.shape.num_layers}L h{self.shape.hidden_size} "
@@ -343,6 +363,45 @@ class Bench:
             self.model_rows(kind, model, only)
             del model
             self.free()
+
+    def run_exports(self) -> None:
+        """Rows of trained exports: decode (and the static-cache baseline for dense ones), then the largest
+        batch under one device budget, its decode rate, bytes per token and hit rate."""
+        only = set(self.args.only.split(","))
+        a = self.args
+        if a.data:
+            tokenizer = a.tokenizer or self.models[0]
+            self.text = exports.text_tokens(a.data, tokenizer, max(self.ctx[-1], self.long) + 8, a.split,
+                                            self.shape.vocab_size)
+        order = sorted(self.models, key=lambda m: exports.export_kind(m) != "llama")  # dense first: the budget
+        for path in order:
+            kind = exports.export_kind(path)
+            name = f"{kind}:{Path(path).name}"
+            log(f"loading {name} ({path})")
+            model = exports.load_export(path, self.dtype, self.dev)
+            if a.budget_batch and kind == "llama" and not getattr(self, "budget_from", None):
+                self.row(f"budget {name} gpu_kv b{a.budget_batch} ctx{self.long}",
+                         lambda model=model, name=name: self.set_budget(model, name))
+            self.model_rows(name, model, only)
+            del model
+            self.free()
+
+    def set_budget(self, model, name: str) -> dict:
+        """``--mem-limit-gib`` := the peak of ``model``'s GPU-resident cache at ``--budget-batch`` sequences."""
+        p = self.probe(model, self.args.budget_batch, offload=False)
+        self.args.mem_limit_gib = p["peak_bytes"] / GIB
+        self.budget_from = name
+        return {"model": name, "batch": self.args.budget_batch, "context": self.long,
+                "peak_gib": round(p["peak_bytes"] / GIB, 3), "note": "the device budget of every model below"}
+
+    def baseline_rows(self, kind: str, model) -> None:
+        """Static KV cache + torch.compile (transformers' documented fast decode) at batch 1 / 4."""
+        compiled = self.args.baseline == "static" and self.dev.type == "cuda"
+        for n in self.ctx:
+            for B in (1, 4):
+                self.row(f"decode {kind} static{'+compile' if compiled else ''} ctx{n} b{B}",
+                         lambda n=n, B=B: {"model": kind, "context": n,
+                                           **static_decode(model, self.prompt(n, B), self.args.steps, compiled)})
 
     def model_rows(self, kind: str, model, only: set) -> None:
         backend = self.attention_backend(model)
@@ -359,6 +418,8 @@ class Bench:
                         return {"model": kind, "context": n, **path,
                                 **self.decode_rate(model, cache, tok, self.args.steps)}
                     self.row(f"decode {kind} ctx{n} b{B}", dec)
+            if not hasattr(model, "new_cache") and self.args.baseline != "none":
+                self.baseline_rows(kind, model)
             if kind == "nosa" and self.dev.type == "cuda":
                 self.row("check nosa decode: graph / offload vs eager", lambda: self.graph_check(model))
                 model.set_cache_options(cuda_graphs=False)
@@ -368,10 +429,28 @@ class Bench:
                         return {"model": kind, "context": n, **self.decode_rate(model, cache, tok, self.args.steps)}
                     self.row(f"decode nosa_eager ctx{n} b4", eager)
                 model.set_cache_options()
-        if kind == "nosa" and "offload" in only:
-            self.offload_rows(model)
+        if "offload" in only:
+            if hasattr(model, "new_cache"):
+                self.offload_rows(model, kind)
+            elif self.models:  # a dense export: its largest batch under the same budget
+                self.dense_rows(model, kind)
 
-    def offload_rows(self, model) -> None:
+    def dense_rows(self, model, kind: str) -> None:
+        found = {}
+
+        def search():
+            r = self.largest_batch(model, offload=False)
+            found["batch"] = r["batch"]
+            return {"model": kind, "mode": "gpu_kv", "context": self.long, **r}
+
+        self.row(f"max batch {kind} gpu_kv ctx{self.long}", search)
+        if "batch" in found:
+            self.row(f"decode {kind} gpu_kv ctx{self.long} max batch", lambda: {
+                "model": kind, "mode": "gpu_kv", "context": self.long,
+                **self.decode_rate(model, *self.prefilled_cache(model, self.long, found["batch"]),
+                                   self.args.offload_steps)})
+
+    def offload_rows(self, model, kind: str = "nosa") -> None:
         found = {}
         for offload in (False, True):
             slots = self.args.gpu_blocks
@@ -380,9 +459,9 @@ class Bench:
             def search(offload=offload, mode=mode):
                 r = self.largest_batch(model, offload)
                 found[mode] = r["batch"]
-                return {"model": "nosa", "mode": mode, "context": self.long, **r}
+                return {"model": kind, "mode": mode, "context": self.long, **r}
 
-            self.row(f"max batch nosa {mode} ctx{self.long}", search)
+            self.row(f"max batch {kind} {mode} ctx{self.long}", search)
             if mode not in found:
                 continue
 
@@ -392,7 +471,7 @@ class Bench:
                 first = self.decode_rate(model, cache, tok, 1, warm=0)  # offload: fetches whole selections
                 blocks0 = cache.fetched_blocks()
                 r = self.decode_rate(model, cache, tok, self.args.offload_steps, warm=1)
-                out = {"model": "nosa", "mode": mode, "context": self.long, **r,
+                out = {"model": kind, "mode": mode, "context": self.long, **r,
                        "first_step_ms": first["step_ms"], "attention": cache.attention}
                 if offload:
                     block_bytes = cache.fetched_block_bytes()  # K, V and the block's bias row
@@ -404,6 +483,10 @@ class Bench:
                         "d2h_bytes_per_token": cache.token_d2h_bytes(),
                         "fetched_blocks_per_step_per_head": round(
                             steady / (B * self.shape.num_kv_heads * self.shape.num_layers), 2),
+                        "hit_rate": round(exports.hit_rate(steady, B, self.shape.num_layers, self.shape.num_kv_heads,
+                                                           model.config.nosa_config["topk"]
+                                                           if hasattr(model.config, "nosa_config") else self.geo.topk),
+                                          4),
                     })
                 if self.args.profile:
                     out.update(self.kernel_profile(model, cache, tok))
@@ -411,7 +494,7 @@ class Bench:
                         log(f"  {r['ms_per_step']:9.3f} ms x{r['calls_per_step']:<5d} {r['name']}")
                 return out
 
-            self.row(f"decode nosa {mode} ctx{self.long} max batch", rate)
+            self.row(f"decode {kind} {mode} ctx{self.long} max batch", rate)
             if self.args.memory_profile:
                 self.row(f"memory nosa {mode} ctx{self.long} max batch",
                          lambda offload=offload, mode=mode: self.step_memory(model, found[mode], offload, mode))
@@ -472,7 +555,7 @@ class Bench:
 
 COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib",
            "per_seq_device_mib", "per_seq_cache_mib", "first_step_h2d_mib", "h2d_bytes_per_token",
-           "d2h_bytes_per_token", "fetched_blocks_per_step_per_head",
+           "d2h_bytes_per_token", "fetched_blocks_per_step_per_head", "hit_rate",
            "attention", "max_abs_logit_diff", "offload_max_abs_logit_diff", "error")
 
 
@@ -517,6 +600,14 @@ def main(argv=None) -> int:
                    help="with --decode-streams: programs per SM of a part's host fetch (cache default 2)")
     p.add_argument("--memory-profile", action="store_true",
                    help="offload rows (CUDA): what the decode steps allocate at the largest batch, by line")
+    p.add_argument("--model", default=None, help="trained HF exports (comma-separated): NOSA and dense Llama")
+    p.add_argument("--data", default=None, help="with --model: held-out text for the prompts (indexed prefix or JSONL)")
+    p.add_argument("--tokenizer", default=None, help="with --data: tokenizer dir (default: the first export's)")
+    p.add_argument("--split", default=None, help="with --data: the training data.split (its validation part is used)")
+    p.add_argument("--budget-batch", type=int, default=None,
+                   help="with --model: device budget = the dense export's GPU-resident peak at this batch")
+    p.add_argument("--baseline", default="static", choices=("static", "none"),
+                   help="dense models: also decode with a static KV cache + torch.compile (compile on CUDA only)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
     args = p.parse_args(argv)
@@ -536,6 +627,16 @@ def main(argv=None) -> int:
     if args.memory_profile and not torch.cuda.is_available():
         print("error: --memory-profile needs a CUDA device (the allocator history of the caching allocator)",
               file=sys.stderr)
+        return 2
+    missing = [m for m in (args.model or "").split(",") if m and not (Path(m) / "config.json").is_file()]
+    if missing:
+        print(f"error: --model {missing[0]}: no export there (config.json missing)", file=sys.stderr)
+        return 2
+    if (args.data or args.budget_batch) and not args.model:
+        print("error: --data and --budget-batch go with --model (trained exports)", file=sys.stderr)
+        return 2
+    if args.budget_batch is not None and args.budget_batch < 1:
+        print(f"error: --budget-batch must be >= 1, got {args.budget_batch}", file=sys.stderr)
         return 2
     if args.gpu_blocks is not None and args.gpu_blocks < 1:
         print(f"error: --gpu-blocks must be >= 1, got {args.gpu_blocks}", file=sys.stderr)
