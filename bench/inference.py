@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import inspect
 import json
 import shutil
 import statistics
@@ -55,7 +54,10 @@ from pathlib import Path
 
 import torch
 
-from bench import exports, memory_trace
+from bench import exports
+from bench.batch_search import BatchSearch
+from bench.decode_checks import DecodeChecks
+from bench.inference_util import GIB, cache_kw, log, out_cache
 from bench.decode_baseline import static_decode
 from checkpoints_convert.random_export import (
     load_random_model,
@@ -67,13 +69,6 @@ from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 from runtime.outputs import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
-
-GIB = 1 << 30
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
 
 def model_shape(args) -> ModelConfig:
     if args.quick:
@@ -88,16 +83,7 @@ def model_shape(args) -> ModelConfig:
     return dataclasses.replace(m, **over)
 
 
-def cache_kw(model) -> str:
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def out_cache(out):
-    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-
-
-class Bench:
+class Bench(BatchSearch, DecodeChecks):
     def __init__(self, args) -> None:
         self.args = args
         self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -212,138 +198,6 @@ class Bench:
         self.last_steps = per_step
         return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
                 "tok_per_s": round(B * steps / total, 1)}
-
-    @torch.no_grad()
-    def kernel_profile(self, model, cache, tok, steps: int = 3) -> dict:
-        """Device time per decode step by kernel (eager steps under ``torch.profiler``; the captured
-        graph replays the same kernels): the 20 largest, in ms per step."""
-        from torch.profiler import ProfilerActivity, profile
-
-        graphs = model.model.cache_options.get("cuda_graphs", True)
-        model.set_cache_options(cuda_graphs=False)
-        name = cache_kw(model)
-        try:
-            for _ in range(2):
-                out = model(tok, use_cache=True, **{name: cache})
-                cache, tok = out_cache(out), out.logits[:, -1:].argmax(-1)
-            self.sync()
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == "cuda" else [])
-            with profile(activities=acts) as prof:
-                for _ in range(steps):
-                    out = model(tok, use_cache=True, **{name: cache})
-                    cache, tok = out_cache(out), out.logits[:, -1:].argmax(-1)
-                self.sync()
-        finally:
-            model.set_cache_options(cuda_graphs=graphs)
-        rows = []
-        for ev in prof.key_averages():
-            t = (getattr(ev, "self_device_time_total", 0) or 0) if self.dev.type == "cuda" else ev.self_cpu_time_total
-            if t > 0:
-                rows.append((ev.key[:90], round(t / 1e3 / steps, 3), ev.count // steps))
-        rows.sort(key=lambda r: -r[1])
-        total = sum(r[1] for r in rows)
-        return {"profile_total_ms_per_step": round(total, 3),
-                "profile_top": [{"name": n, "ms_per_step": ms, "calls_per_step": c} for n, ms, c in rows[:20]]}
-
-    @torch.no_grad()
-    def graph_check(self, model, steps: int = 6) -> dict:
-        """Max |logit difference| vs the eager GPU-resident decode (same fixed tokens) of the captured
-        decode step and of the offloaded cache (its default transfer path, captured too when it can be)."""
-        feed = self.prompt(steps, 4).T.reshape(steps, 4, 1)
-        runs = []
-        for graphs, offload in ((False, False), (True, False), (True, True)):
-            model.set_cache_options(cuda_graphs=graphs)
-            cache, _ = self.prefilled_cache(model, self.ctx[0], 4, offload=offload)
-            logits = []
-            for j in range(steps):
-                out = model(feed[j], use_cache=True, **{cache_kw(model): cache})
-                cache = out_cache(out)
-                logits.append(out.logits[:, -1].float())
-            runs.append(torch.stack(logits))
-        model.set_cache_options()
-        return {"max_abs_logit_diff": (runs[1] - runs[0]).abs().max().item(),
-                "offload_max_abs_logit_diff": (runs[2] - runs[0]).abs().max().item(), "offload_fetch": cache.fetch,
-                "logit_scale": round(runs[0].abs().max().item(), 3)}
-
-    def peak_bytes(self, model, cache) -> int:
-        if self.dev.type == "cuda":
-            return torch.cuda.max_memory_allocated()
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        held = cache.memory_bytes()["device"] if hasattr(cache, "memory_bytes") else sum(
-            t.numel() * t.element_size() for layer in getattr(cache, "layers", []) for t in
-            (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
-        return weights + held
-
-    @torch.no_grad()
-    def probe(self, model, batch: int, offload: bool) -> dict:
-        """Peak device bytes of a batch at the long context (cache built, 2 decode steps)."""
-        self.free()
-        cache, tok = self.prefilled_cache(model, self.long, batch, offload=offload)
-        if self.dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        self.decode_rate(model, cache, tok, steps=1, warm=1)
-        held = cache.memory_bytes() if hasattr(cache, "memory_bytes") else {"device": 0, "host": 0}
-        r = {"batch": batch, "peak_bytes": self.peak_bytes(model, cache), **held}
-        del cache, tok
-        return r
-
-    def largest_batch(self, model, offload: bool) -> dict:
-        """Largest batch whose peak stays under the device limit (and host limit when offloading)."""
-        limit = int(self.args.mem_limit_gib * GIB)
-        p1, p2 = self.probe(model, 1, offload), self.probe(model, 2, offload)
-        slope = max(1, p2["peak_bytes"] - p1["peak_bytes"])
-        guess = 1 + (limit - p1["peak_bytes"]) // slope
-        host_cap = None
-        if offload:
-            host_cap = int(self.args.host_mem_limit_gib * GIB) // max(1, p2["host"] - p1["host"])
-            guess = min(guess, host_cap)
-        guess = max(1, int(guess))
-        info = {"per_seq_device_mib": round(slope / 2**20, 1),
-                "per_seq_cache_mib": round((p2["device"] - p1["device"]) / 2**20, 1),  # the rest: step buffers
-                "base_device_gib": round((p1["peak_bytes"] - slope) / GIB, 2),
-                "host_batch_cap": host_cap, "predicted": guess}
-        fits = None
-        for _ in range(4):
-            try:
-                p = self.probe(model, guess, offload)
-                if p["peak_bytes"] <= limit:
-                    fits = (guess, p)
-                    break
-                log(f"batch {guess}: peak {p['peak_bytes'] / GIB:.2f} GiB > limit; trying smaller")
-            except torch.cuda.OutOfMemoryError:
-                log(f"batch {guess}: out of memory; trying smaller")
-            self.free()
-            guess = max(1, int(guess * 0.9))
-        if fits is None:
-            raise RuntimeError("no batch fits under --mem-limit-gib")
-        # the slope of batches 1 -> 2 can overstate the per-sequence cost (fixed step buffers): re-predict
-        # from the slope up to the fitting batch and take a larger batch while it still fits; once a batch
-        # does not fit, bisect between the largest that fits and it
-        too_big = None
-        for _ in range(12):
-            B, p = fits
-            if B < 2 or (host_cap is not None and B >= host_cap):
-                break
-            if too_big is None:
-                nxt = 1 + (limit - p1["peak_bytes"]) * (B - 1) // max(1, p["peak_bytes"] - p1["peak_bytes"])
-                nxt = min(int(nxt), host_cap) if host_cap is not None else int(nxt)
-            else:
-                nxt = (B + too_big) // 2
-            if nxt <= B:
-                break
-            self.free()
-            try:
-                q = self.probe(model, nxt, offload)
-            except torch.cuda.OutOfMemoryError:
-                q = None
-            if q is None or q["peak_bytes"] > limit:
-                log(f"batch {nxt}: over the limit; the largest batch lies in [{B}, {nxt})")
-                too_big = nxt
-                continue
-            fits = (nxt, q)
-        B, p = fits
-        info["per_seq_device_mib_at_batch"] = round((p["peak_bytes"] - p1["peak_bytes"]) / max(1, B - 1) / 2**20, 1)
-        return {**info, "batch": B, "peak_gib": round(p["peak_bytes"] / GIB, 2), "host_gib": round(p["host"] / GIB, 2)}
 
     # ------------------------------------------------------------------ rows
     def run(self) -> None:
@@ -498,46 +352,6 @@ class Bench:
             if self.args.memory_profile:
                 self.row(f"memory nosa {mode} ctx{self.long} max batch",
                          lambda offload=offload, mode=mode: self.step_memory(model, found[mode], offload, mode))
-
-    @torch.no_grad()
-    def step_memory(self, model, batch: int, offload: bool, mode: str) -> dict:
-        """Device memory at the peak of two decode steps (warm-up and capture) at ``batch``: the
-        blocks live then, by the Python line that allocated them (``bench.memory_trace``). The
-        history starts before the cache is built, so what the prefill and the batch repeat leave
-        behind is listed next to the cache itself; ``step_*`` is what the steps add on top."""
-        self.free()
-        built = {}
-
-        def run(mark):
-            built["cache"], built["tok"] = self.prefilled_cache(model, self.long, batch, offload=offload)
-            mark()
-            built["allocated"] = torch.cuda.memory_allocated(self.dev)
-            self.decode_rate(model, built["cache"], built["tok"], steps=1, warm=1)
-
-        events, start = memory_trace.record(run, self.dev, marked=True)
-        live_before, _ = memory_trace.peak_allocations(events[:start], start=start)
-        peak, blocks = memory_trace.peak_allocations(events, start=start)
-        step_peak, _ = memory_trace.peak_allocations(events[start:])
-        cache_mib = built["cache"].memory_bytes()["device"] / 2**20
-        sites = memory_trace.top_sites(blocks, 20)
-        for s in sites:
-            log(f"  {s['mib']:10.2f} MiB in {s['blocks']:5d} blocks  {s['site']}")
-        # live before the steps and not the cache's tensors: what the build left behind
-        other = live_before / 2**20 - cache_mib
-        # allocated before the history started (weights, cuBLAS workspaces of the streams used so far, ...)
-        weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if t.is_cuda)
-        unrecorded = (built["allocated"] - live_before - weights) / 2**20
-        log(f"  at the steps' start: {live_before / 2**20:.1f} MiB recorded live, cache {cache_mib:.1f} MiB, "
-            f"other {other:.1f} MiB ({other / batch:.2f} MiB per sequence); allocated before the record, "
-            f"not weights: {unrecorded:.1f} MiB")
-        built.clear()  # the cache's device memory is released before the caller's next build
-        return {"model": "nosa", "mode": mode, "batch": batch, "context": self.long,
-                "step_peak_mib": round(step_peak / 2**20, 1),
-                "step_peak_mib_per_seq": round(step_peak / 2**20 / batch, 2),
-                "cache_mib": round(cache_mib, 1), "live_at_step_start_mib": round(live_before / 2**20, 1),
-                "other_at_step_start_mib_per_seq": round(other / batch, 2),
-                "allocated_before_record_not_weights_mib": round(unrecorded, 1),
-                "peak_recorded_mib": round(peak / 2**20, 1), "peak_sites": sites}
 
     # ------------------------------------------------------------------ output
     def write(self, quiet: bool = False) -> None:

@@ -52,3 +52,40 @@ def test_batch_search_finds_the_largest_batch_under_a_nonlinear_memory_curve():
         want = max(b for b in range(1, 200) if peak(b) <= 12 * gib)
         assert got["batch"] == want, (jump_at, probed)
         assert len(probed) <= 12
+
+
+def test_trained_exports_rows(tmp_path):
+    """``--model`` with a NOSA and a dense export (weights on disk), held-out text prompts and one device
+    budget from the dense export: every row runs; the offload rows report a hit rate; the dense export
+    gets its static-cache decode (eager on a CPU) beside the dynamic-cache one."""
+    from safetensors.torch import save_file
+
+    from checkpoints_convert.random_export import load_random_model, stock_llama, write_random_export
+    from data.tokenizer import train_bpe
+    from nosa_layers.config import tiny_geometry
+    from nosa_layers.megatron.config import AttentionConfig
+
+    texts = [p.read_text() for p in sorted((inference.REPO / "eval").glob("*.py"))]
+    tok = train_bpe(texts, 400, str(tmp_path / "tok"))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in texts))
+    args = inference.main.__globals__["argparse"].Namespace(quick=True, layers=None, kv_heads=None)
+    shape = inference.model_shape(args)
+    nosa = write_random_export(tmp_path / "nosa", shape, AttentionConfig(variant="nosa", nosa=tiny_geometry()))
+    save_file({k: v.contiguous() for k, v in load_random_model(nosa, eviction_scale=1.0).state_dict().items()},
+              str(nosa / "model.safetensors"))
+    stock_llama(shape).save_pretrained(str(tmp_path / "dense"))
+    out = tmp_path / "out"
+    assert inference.main(["--out", str(out), "--quick", "--model", f"{nosa},{tmp_path / 'dense'}", "--data",
+                           str(corpus), "--tokenizer", str(tok), "--budget-batch", "2",
+                           "--only", "decode,offload"]) == 0
+    rows = {r["row"]: r for r in json.loads((out / "inference.json").read_text())["rows"]}
+    assert not [r for r in rows.values() if "error" in r], rows
+    budget = next(r for name, r in rows.items() if name.startswith("budget llama:dense"))
+    assert budget["batch"] == 2 and budget["peak_gib"] > 0
+    assert rows["decode llama:dense static ctx512 b4"]["tok_per_s"] > 0
+    assert rows["max batch llama:dense gpu_kv ctx512"]["batch"] >= 2
+    off = rows["decode nosa:nosa offload ctx512 max batch"]
+    assert 0 <= off["hit_rate"] <= 1 and off["h2d_bytes_per_token"] > 0
+    assert inference.main(["--out", str(out), "--model", str(tmp_path / "nowhere")]) == 2
+    assert inference.main(["--out", str(out), "--data", str(corpus)]) == 2
