@@ -9,9 +9,11 @@ def run_cli(prog: str, fn, *args) -> int:
     """Run a command's work ``fn(*args)``: 0 when it returns; a bad input (``ValueError`` and its subclasses,
     the commands' one-message errors, or ``FileNotFoundError``) is one ``<prog>: error: ...`` line on stderr
     and exit code 2, with no traceback. Known third-party warnings are one line (``runtime.third_party_noise``)."""
+    from runtime.megatron_cpu import lean_megatron_import
     from runtime.third_party_noise import quiet_third_party
 
     quiet_third_party()
+    lean_megatron_import()
     try:
         fn(*args)
     except (ValueError, FileNotFoundError) as e:

@@ -6,12 +6,17 @@ tensor factories, CUDA RNG tracker, ``torch.cuda.current_stream()``, ``Tensor.ty
 numbered items below: 1. current device, 2. the stock causal mask, 3. the RNG tracker, 4. device
 factories, 5. synchronisation, 6. type checks, 7. streams). It is a no-op when CUDA is available,
 so GPU runs never see it. Call it once, before building models, in CPU tests and the CPU demo.
+:func:`lean_megatron_import` (called where a command starts) makes megatron-core's import on a CPU
+skip its GPU-only compile machinery.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import logging
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -108,4 +113,59 @@ def apply_cpu_shim(force: bool = False) -> bool:
     _MODE.__enter__()
     _APPLIED = True
     logger.info("runtime.megatron_cpu: megatron-core patched for CPU/gloo")
+    return True
+
+
+def _no_compile(model=None, **kwargs):
+    """``torch.compile`` as megatron-core's fused ops see it on a CPU: the function itself (they run
+    unfused there anyway), so importing them builds no dynamo / inductor machinery."""
+    return model if model is not None else (lambda fn: fn)
+
+
+class _LeanMegatronImport(importlib.abc.MetaPathFinder):
+    """Runs the first import of ``megatron.core`` with ``torch.compile`` as :func:`_no_compile` and
+    ``wandb`` (which ``megatron.core.timers`` imports) loaded lazily, on first use."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "megatron.core":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            _lazy_module("wandb")
+            real, torch.compile = torch.compile, _no_compile
+            try:
+                run(module)
+            finally:
+                torch.compile = real
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _lazy_module(name: str) -> None:
+    """Put ``name`` in ``sys.modules`` as a module that executes on its first attribute access."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        return
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def lean_megatron_import() -> bool:
+    """On a CPU-only machine, make this process's first ``import megatron.core`` skip what only GPU
+    runs use (about half of its import time: the compile machinery behind megatron-core's fused ops,
+    and wandb until something uses it). A no-op with CUDA, or once megatron-core is imported."""
+    if not cpu_shim_needed() or "megatron.core" in sys.modules:
+        return False
+    if not any(isinstance(f, _LeanMegatronImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LeanMegatronImport())
     return True

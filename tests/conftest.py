@@ -18,6 +18,9 @@ from tests.cpu_time import cpu_seconds, summary_lines  # noqa: E402
 # chosen before any kernel module is imported; nothing else runs Triton on a CPU machine.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from runtime.megatron_cpu import lean_megatron_import  # noqa: E402
+
+    lean_megatron_import()  # megatron-core's import in this process without its GPU-only compile machinery
 
 # Under pytest-xdist each worker shares the machine's cores with the others (and with the training
 # runs they launch, which take one thread each): one intra-op thread per worker, not one per core.

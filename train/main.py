@@ -26,11 +26,13 @@ if __package__ in (None, ""):  # `python train/main.py` / `torchrun train/main.p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.megatron_cpu import lean_megatron_import
     from runtime.third_party_noise import quiet_third_party
     from train.cli import CliError, help_text, parse_cli
     from train.compose import group_options
 
     quiet_third_party()  # megatron-core's optional-package and deprecation warnings: one line
+    lean_megatron_import()  # CPU only: megatron-core's import without its GPU-only compile machinery
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:

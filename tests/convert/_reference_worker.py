@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.megatron_cpu import lean_megatron_import  # noqa: E402
+
+lean_megatron_import()  # before anything imports megatron-core
+
 from checkpoints_convert.common import read_model_config
 from checkpoints_convert.from_hf import main as from_hf
 from checkpoints_convert.megatron_io import megatron_logits

@@ -19,6 +19,10 @@ import traceback
 
 import torch
 
+from runtime.megatron_cpu import lean_megatron_import  # noqa: E402
+
+lean_megatron_import()  # before anything imports megatron-core
+
 from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
 from runtime.megatron_cpu import apply_cpu_shim
 

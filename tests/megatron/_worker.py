@@ -23,6 +23,10 @@ from dataclasses import replace
 
 import torch
 
+from runtime.megatron_cpu import lean_megatron_import  # noqa: E402
+
+lean_megatron_import()  # before anything imports megatron-core
+
 from runtime.megatron_cpu import apply_cpu_shim
 
 apply_cpu_shim()

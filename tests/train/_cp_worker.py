@@ -23,6 +23,10 @@ import sys
 import traceback
 
 import torch
+
+from runtime.megatron_cpu import lean_megatron_import  # noqa: E402
+
+lean_megatron_import()  # before anything imports megatron-core
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
