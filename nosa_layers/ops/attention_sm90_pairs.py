@@ -7,7 +7,7 @@ The two K blocks of a pair of entries ``(2j, 2j + 1)`` arrive by TMA side by sid
 the pair's scores are one ``[M, 128]`` product ``Q K^T`` and its ``P V`` one product over 128 keys, the
 shape of a dense kernel's step (FlashAttention-3 takes 128-176 keys per step at head dim 128), with one
 row max, one rescale of the output accumulator and one row sum per pair. Measured on the H200
-(``bench/attention.py --fwd-sweep``): 6% faster than one entry per step at 32K/32 on the P1 lists, 3-5%
+(``python -m bench.attention --fwd-sweep``): 6% faster than one entry per step at 32K/32 on the P1 lists, 3-5%
 on real selections; two 64-key products per pair instead of one 128-key product gained nothing, so the
 width of the product, not the softmax's per-step work, is what pays.
 
