@@ -34,8 +34,8 @@ CONFIG_CLASS = "NOSALlamaConfig"
 AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
 # modules copied next to the modeling file, each as ``shipped_name(module)``
 SHIPPED = (
-    "nosa_layers.config", "nosa_layers.eviction", "nosa_layers.query_chunks", "nosa_layers.selection",
-    "nosa_layers.reference", "nosa_layers.dispatch", "nosa_layers.decode",  # the NOSA reference
+    "nosa_layers.config", "nosa_layers.eviction", "nosa_layers.selection", "nosa_layers.reference",
+    "nosa_layers.dispatch", "nosa_layers.decode", "nosa_layers.query_chunks",  # the NOSA reference
     "nosa_layers.ops.decode_attention", "nosa_layers.ops.offload_copy",  # the decode kernels (optional Triton)
     "inference.storage", "inference.stats", "inference.streams", "inference.transfers", "inference.decode_select",
     "inference.decode_step", "inference.decode_graph", "inference.block_cache",  # the decode engine
