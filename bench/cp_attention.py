@@ -1,7 +1,7 @@
 """Context-parallel NOSA attention on one GPU, and the communication of all-gather context parallelism.
 
 On one GPU (``--out DIR``; one process emulates the CP ranks), one layer of the 8B attention shape
-(``--hq 32 --hkv 2``, D = 128, bf16) on synthetic smooth inputs (``bench/attention.py``), selection + index
+(``--hq 32 --hkv 2``, D = 128, bf16) on synthetic smooth inputs (``bench.attention``), selection + index
 + forward + backward (with the bias gradient):
 
 * ``equality``: at ``--equality-len`` (65536) and each ``--cp`` size, every rank's share (its two zigzag
@@ -100,7 +100,7 @@ def _ms(fn) -> float:
 
 
 def synthetic_inputs(T: int, hq: int, hkv: int, device, dtype, seed: int = 2):
-    """q, k with a slowly varying shared component (smooth selections, ``bench/attention.py``), v, bias."""
+    """q, k with a slowly varying shared component (smooth selections, ``bench.attention``), v, bias."""
     import torch
     import torch.nn.functional as F
 

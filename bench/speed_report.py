@@ -63,10 +63,10 @@ def shape_name(T: int, HQ: int) -> str:
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    """The ``rows`` of a ``bench/attention.py`` JSON file (``{"meta": ..., "rows": [...]}``)."""
+    """The ``rows`` of a ``bench.attention`` JSON file (``{"meta": ..., "rows": [...]}``)."""
     doc = json.loads(Path(path).read_text())
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ValueError(f"{path}: not a bench/attention.py result (no 'rows' list)")
+        raise ValueError(f"{path}: not a bench.attention result (no 'rows' list)")
     return doc["rows"]
 
 
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for speed_report.json (and the runs of --run)")
     ap.add_argument("--run", action="store_true", help="measure first (one GPU), then report")
-    ap.add_argument("--attention", nargs="+", default=[], help="bench/attention.py default-mode JSON files")
-    ap.add_argument("--selection", nargs="+", default=[], help="bench/attention.py --selection JSON files")
+    ap.add_argument("--attention", nargs="+", default=[], help="bench.attention default-mode JSON files")
+    ap.add_argument("--selection", nargs="+", default=[], help="bench.attention --selection JSON files")
     ap.add_argument("--train-16k", help="bench/train_throughput.py JSON of a 16K NOSA / dense pair")
     ap.add_argument("--train-32k", help="bench/train_throughput.py JSON of a 32K NOSA / dense pair")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is not met")

@@ -40,9 +40,7 @@ def capture_selection_inputs(model) -> Iterator[dict[int, LayerCapture]]:
 
     def hook(module, args, kwargs):
         query, key = args[0], args[1]  # [s, b, h, D], post-RoPE (unpacked input)
-        score = kwargs.get("evict_score")
-        if score is None and module.pending_eviction is not None:
-            score = module.pending_eviction.score
+        score = kwargs.get("evict_score")  # handed over by the layer's pre-hook, registered before this one
         got[module.layer_number - 1] = LayerCapture(
             layer=module.layer_number - 1, cfg=module.cfg, q=query.detach().transpose(0, 1),
             k=key.detach().transpose(0, 1), score=None if score is None else score.detach().float())

@@ -75,32 +75,33 @@ def value_gated_score(v: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor)
     return A.float() * F.softplus(z)
 
 
-class _ValueGatedHead(EvictionHead):
+class ValueGatedHead(EvictionHead):
     """Shared by ED-DMA, DMA and S-DMA: ``s = A * softplus(delta(concat_h v_h))``.
 
     ``delta`` reads the whole value row (all KV heads, head-major), so the score of one KV head
     depends on the values of every KV head (the reference's coupling). ``A`` starts at zero, so
     at initialisation only ``A`` receives gradient and the ranking is decided by tie-breaking.
+    ``score_op`` computes ``s``: the reference :func:`value_gated_score`, or a fused kernel of the
+    same signature and semantics (the megatron layer spec passes one under ``train.fusions``).
     """
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
-                 detach_value: bool = False) -> None:
+                 detach_value: bool = False, score_op: Callable[..., Tensor] = value_gated_score) -> None:
         super().__init__(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          bias=bias, detach_value=detach_value)
         self.A = nn.Parameter(torch.zeros(num_kv_heads))
         self.delta = nn.Linear(num_kv_heads * head_dim, num_kv_heads, bias=bias)
-        self.score_op: Callable[..., Tensor] = value_gated_score
+        self.score_op = score_op
 
     def gated_score(self, v: Tensor) -> Tensor:
-        """``A * softplus(delta(v))`` in fp32, ``[B, T, Hkv]``, by ``score_op`` (the reference
-        :func:`value_gated_score`, or a fused kernel of the same semantics set by the layer spec)."""
+        """``A * softplus(delta(v))`` in fp32, ``[B, T, Hkv]``, by ``score_op``."""
         if self.detach_value:
             v = v.detach()
         return self.score_op(v, self.delta.weight, self.delta.bias, self.A)
 
 
 @register_eviction_head("ed_dma")
-class EDDMAHead(_ValueGatedHead):
+class EDDMAHead(ValueGatedHead):
     """NOSA: rank on ``s`` and add ``s`` to the logits (probabilities scaled by ``exp(s)``)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> EvictionOutput:
@@ -109,7 +110,7 @@ class EDDMAHead(_ValueGatedHead):
 
 
 @register_eviction_head("dma")
-class DMAHead(_ValueGatedHead):
+class DMAHead(ValueGatedHead):
     """Doge's dynamic mask attention: rank on ``exp(s)`` and add ``exp(s)`` to the logits."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> EvictionOutput:
@@ -118,7 +119,7 @@ class DMAHead(_ValueGatedHead):
 
 
 @register_eviction_head("s_dma")
-class StraightThroughDMAHead(_ValueGatedHead):
+class StraightThroughDMAHead(ValueGatedHead):
     """Straight-through: rank on ``s``; the forward adds 0 to the logits, the backward treats
     ``s`` as an additive bias (``bias = s - stopgrad(s)``), so the head learns as in ED-DMA
     without changing the attention output."""

@@ -41,7 +41,9 @@ FUSED_OPS = {"nosa_layers.ops.rms_norm", "nosa_layers.ops.rope", "nosa_layers.op
 
 # Known exceptions, (importer, imported) -> why. Reported until fixed; see docs/ARCHITECTURE.md.
 KNOWN_FLOOR_BREAKS = {
-    ("bench.attention", "train.profiling"): "reuses the profiler's kernel classification and device_ms_per_call",
+    ("bench.attention.breakdown", "train.profiling"): "reuses the profiler's kernel classification and "
+                                                      "device_ms_per_call",
+    ("bench.attention.selection", "train.profiling"): "reuses the profiler's device_ms_per_call",
     ("bench.probes.layer_host", "train.host_time"): "reuses the launch-function prefixes of the host-time breakdown",
     ("bench.probes.host_syncs", "train.main"): "runs the trainer in its own process under CUDA's sync debug mode",
     ("bench.probes.host_syncs", "train.trainer"): "runs the trainer in its own process under CUDA's sync debug mode",

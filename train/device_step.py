@@ -16,8 +16,9 @@ same step is queued with nothing read back:
   the device: torch's fused AdamW takes a ``found_inf`` tensor and then leaves the weights, the moments and
   the step count as they were.
 
-The trainer reads the loss, the skip and the norm later (at the log, evaluation, checkpoint and stop
-points) and applies its non-finite policy there. Needs the fused AdamW (``optim.fused``) and no fp16 loss
+:func:`queue_step` queues one step and a non-blocking copy of its loss, skip and norm; the trainer reads
+them later with :func:`read_queued` (at the log, evaluation, checkpoint and stop points) and applies its
+non-finite policy there. Needs the fused AdamW (``optim.fused``) and no fp16 loss
 scaler (its unscale reads ``found_inf`` on the host)."""
 
 from __future__ import annotations
@@ -88,3 +89,29 @@ def step_on_device(optimizer, bad: torch.Tensor, device: torch.device) -> tuple[
         for adam in adams:
             del adam.found_inf
     return norm, skipped
+
+
+def queue_step(optimizer, loss: torch.Tensor, grads_nonfinite: torch.Tensor, device: torch.device) -> tuple:
+    """Queue ``optimizer``'s step (:func:`step_on_device`), skipped for a non-finite ``loss`` (``[1]``) or a
+    set ``grads_nonfinite`` flag (``[1]``). Returns ``(values, event)``: ``[loss, skipped, grad_norm]``
+    float64, copied to pinned host memory without blocking (on the CPU the tensor itself, ``event`` None)."""
+    bad = torch.cat([grads_nonfinite.double(), (~torch.isfinite(loss)).double()])
+    norm, skipped = step_on_device(optimizer, bad, device)
+    values = torch.stack([loss.reshape(()), skipped.double(), norm.double()])
+    event = None
+    if values.is_cuda:
+        host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        values = host
+    return values, event
+
+
+def read_queued(queued: tuple) -> tuple[float, bool, float]:
+    """``(loss, skipped, grad_norm)`` of a :func:`queue_step`, waiting for the GPU only as far as that step."""
+    values, event = queued
+    if event is not None:
+        event.synchronize()
+    loss, skipped, norm = values.tolist()
+    return loss, bool(skipped), norm

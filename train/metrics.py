@@ -148,6 +148,29 @@ def format_eta(seconds: float) -> str:
 WANDB_ID_FILE = "wandb_id"
 
 
+def format_row(r: dict, max_steps: int) -> str:
+    """The console line of one logged step (``r``: the row the metrics logger writes)."""
+    parts = [f"step {r['step']:>6}/{max_steps}", f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss -",
+             f"lr {r['lr']:.3e}"]
+    if r.get("grad_norm") is not None:
+        parts.append(f"grad_norm {r['grad_norm']:.3f}")
+    parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+    if r.get("eta_s") is not None:
+        parts.append(f"ETA {format_eta(r['eta_s'])}")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("peak_mem_gib") is not None:
+        parts.append(f"peak {r['peak_mem_gib']:.1f} GiB")
+    if r.get("val_loss") is not None:
+        parts.append(f"val_loss {r['val_loss']:.4f}")
+    if r.get("nosa_gamma_mean") is not None:
+        parts.append(f"NOSA gamma {r['nosa_gamma_mean']:.3f} (min {r['nosa_gamma_min']:.3f}, "
+                     f"{r['nosa_fetched_per_step']:.2f} fetches/step)")
+    if r.get("skipped"):
+        parts.append("SKIPPED")
+    return " | ".join(parts)
+
+
 def wandb_run_id(run_dir: str, name: str, resumed: bool) -> str:
     """The W&B run id of ``run_dir``: kept in ``<run_dir>/wandb_id`` and reused when the run resumes
     from its own checkpoint (``resumed``); otherwise a new unique id ``<name>-<8 hex>`` is written, so

@@ -1,10 +1,11 @@
-"""The training loop on megatron-core: model chunks, DDP, optimizer, schedules, checkpoints.
+"""The training loop on megatron-core: steps, non-finite policy, evaluation, checkpoints.
 
-``Trainer(cfg, env).run()`` builds everything, resumes or initialises from the previous stage,
-trains ``train.max_steps`` optimizer steps (or stops after ``train.exit_after_steps`` with a
-checkpoint), validates, logs and saves. Forward/backward over micro-batches and pipeline stages
-is megatron-core's ``get_forward_backward_func``; the loss is a per-token mean over the whole
-global batch (``calculate_per_token_loss``), so SFT masks of any density weigh tokens equally.
+``Trainer(cfg, env).run()`` builds the model, optimizer and loaders (``train.build``), resumes or
+initialises from the previous stage, trains ``train.max_steps`` optimizer steps (or stops after
+``train.exit_after_steps`` with a checkpoint), validates, logs and saves. Forward/backward over
+micro-batches and pipeline stages is megatron-core's ``get_forward_backward_func`` with the forward step
+of ``train.forward_step``; the loss is a per-token mean over the whole global batch
+(``calculate_per_token_loss``), so SFT masks of any density weigh tokens equally.
 """
 
 from __future__ import annotations
@@ -22,20 +23,19 @@ import torch.distributed as dist
 from runtime.checkpoint_files import configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig
-from train.context_parallel import locality_positions, split_microbatch
-from train.device_step import step_on_device, supports_device_step
+from train.build import build_loaders, build_model
+from train.context_parallel import locality_positions
+from train.device_step import queue_step, read_queued, supports_device_step
 from train.distributed import DistEnv
 from train.finite import grads_nonfinite_flag, weights_nonfinite
 from train.gc_control import GarbageCollection
-from train.metrics import IntervalStats, MetricsLogger, format_eta, local_peak_memory_gib, max_over_ranks
+from train.forward_step import forward_step, to_microbatch
+from train.metrics import IntervalStats, MetricsLogger, format_row, local_peak_memory_gib, max_over_ranks
 from train.metrics import causal_attention_work, peak_flops, train_flops_per_token
 from train.optim import adam_is_fused, build_optimizer, build_scheduler, mixed_precision, use_fused_adam
 from train.preemption import StopSignal
 from train.profiling import StepProfiler
 from train.read_ahead import StepBatches
-
-
-SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
 
 
 class NonFiniteError(RuntimeError):
@@ -45,61 +45,6 @@ class NonFiniteError(RuntimeError):
 def log0(env: DistEnv, msg: str) -> None:
     if env.is_main:
         print(msg, flush=True)
-
-
-def to_microbatch(batch: dict, device: torch.device, cp: tuple[int, int] = (1, 0)) -> dict:
-    """Loader batch -> model inputs. Packed batches become one THD row with flat cu_seqlens. ``cp``:
-    ``(size, rank)`` of the context-parallel group: this rank keeps its chunks (``train.context_parallel``).
-
-    On a GPU every tensor goes through pinned memory: a copy from pageable memory (beyond a few KiB, e.g.
-    a 16K-token row) waits for the GPU's whole queue (the previous step's backward and update), a copy
-    from pinned memory does not."""
-    def to_device(t: torch.Tensor) -> torch.Tensor:
-        return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
-
-    out = {k: to_device(batch[k]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-    if "cu_seqlens" in batch:
-        from data.packing import flat_cu_seqlens
-
-        out = {k: v.reshape(1, -1) for k, v in out.items()}
-        cu = flat_cu_seqlens(batch)
-        out["cu_seqlens"] = to_device(cu)
-        _hand_over_cu_seqlens(out["cu_seqlens"], cu.tolist())
-        out["max_seqlen"] = int(batch["max_seqlen"])
-    return split_microbatch(out, *cp)
-
-
-def _hand_over_cu_seqlens(device_cu: torch.Tensor, values: list) -> None:
-    """Give the NOSA kernels' block table the host values of ``cu_seqlens`` (then the layers never read
-    it back from the GPU); without Triton there are no kernels and nothing to hand over."""
-    try:
-        from nosa_layers.ops.layout import remember_host_values
-    except ImportError:
-        return
-    remember_host_values(device_cu, values)
-
-
-def forward_step(data_iterator, model):
-    """megatron-core forward step: returns the per-token losses and the loss function."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    mb = next(data_iterator)
-    psp = None
-    if "cu_seqlens" in mb:
-        cu = mb["cu_seqlens"]
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                              max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
-    with torch.profiler.record_function("train.forward_first" if mb.get("first") else "train.forward"):
-        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp)
-    return output, partial(_loss_func, mb["loss_mask"])
-
-
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = (losses * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
 
 class Trainer:
@@ -113,100 +58,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def build(self) -> "Trainer":
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.transformer.module import Float16Module
-
-        from nosa_layers.megatron import build_model
-        from runtime.megatron_compat import provide_gradient_accumulation_fusion
 
         cfg, env = self.cfg, self.env
-        model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
-                                        .get(self.precision, "float32"))
-        overrides = dict(calculate_per_token_loss=True)
-        if cfg.run.cpu_init or env.device.type == "cpu":  # initial weights independent of the layout
-            overrides.update(use_cpu_initialization=True, init_seed=cfg.run.seed)
-        if cfg.train.recompute == "selective":
-            overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-        elif cfg.train.recompute == "full":
-            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        vpp = cfg.parallel.virtual_pipeline_model_parallel_size
-        fusions = cfg.train.fusions and env.device.type == "cuda"  # CPU runs keep the reference layers
-        if fusions and cfg.train.transformer_impl == "local":  # TE's layers fuse the weight gradients themselves
-            provide_gradient_accumulation_fusion()
-            overrides.update(gradient_accumulation_fusion=True)
-        chunks = []
-        for i in range(vpp or 1):
-            m = build_model(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
-                            seq_length=cfg.train.seq_length, use_te=cfg.train.transformer_impl == "te",
-                            fusions=fusions, **overrides)
-            if env.device.type == "cuda":
-                m.cuda(torch.cuda.current_device())
-            if self.precision in ("bf16", "fp16"):
-                m = Float16Module(m.config, m)
-            chunks.append(m)
-        self.model_config = chunks[0].config
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-            overlap_param_gather=cfg.parallel.overlap_param_gather,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-        self.model = [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m,
-                                              disable_bucketing=i > 0) for i, m in enumerate(chunks)]
-        for m in self.model:
-            m.broadcast_params()
+        self.model = build_model(cfg, env, self.precision, log=partial(log0, env))
+        self.model_config = mc = self.model[0].config
         self.optimizer = build_optimizer(cfg, self.model, self.precision)
         use_fused_adam(self.optimizer, cfg.optim.fused)  # torch has the kernel for CPUs too
         self.scheduler = build_scheduler(cfg, self.optimizer)
-        mc = self.model_config
         mc.finalize_model_grads_func = finalize_model_grads
         mc.grad_scale_func = self.optimizer.scale_loss
         mc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-
-        n_params = sum(p.numel() for m in self.model for p in m.parameters())
-        init = ("from (seed, layer) on the CPU: the same for every layout" if "init_seed" in overrides
-                else "drawn per TP rank on the GPU")
-        log0(env, f"model: {cfg.model.family}_{cfg.model.size}, attention={cfg.attention.variant}"
-                  f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
-                  f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
-                  f"PP={ps.get_pipeline_model_parallel_world_size()} CP={env.cp[0]} DP={env.dp_size}), "
-                  f"precision={self.precision}, "
-                  f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
-                  f"{'on' if fusions else 'off'}, initial weights {init}")
-        self._build_data()
+        self.train_loader, self.valid_loader = build_loaders(cfg, env, log=partial(log0, env))
+        self.train_batches = StepBatches(self.train_loader, self.micro_batches)
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.attention, cfg.train.seq_length)
         self.peak = peak_flops(env.device)
         return self
-
-    def _build_data(self) -> None:
-        """The loaders; bad data (empty split, no usable SFT row, ...) is a one-line ``BadInputError``."""
-        from data.sources import BadInputError
-
-        try:
-            self._build_loaders()
-        except BadInputError:
-            raise
-        except ValueError as e:
-            raise BadInputError(str(e)) from None
-
-    def _build_loaders(self) -> None:
-        cfg, env = self.cfg, self.env
-        if cfg.stage.kind == "sft":
-            from data.loader import build_sft_loaders
-
-            self.train_loader, self.valid_loader = build_sft_loaders(
-                dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size), env.dp_rank, env.dp_size,
-                log=partial(log0, env))
-        else:
-            from data.loader import build_pretrain_loaders
-
-            need = cfg.train.max_steps * cfg.train.global_batch_size
-            dcfg = dataclasses.replace(cfg.data, model_vocab_size=cfg.model.vocab_size,
-                                       train_samples=cfg.data.train_samples or need,
-                                       valid_samples=cfg.data.valid_samples or max(
-                                           1, cfg.train.eval_iters * cfg.train.global_batch_size))
-            self.train_loader, self.valid_loader = build_pretrain_loaders(dcfg, env.dp_rank, env.dp_size)
-        self.train_batches = StepBatches(self.train_loader, self.micro_batches)
 
     # ------------------------------------------------------------------ start point
     def restore(self) -> None:
@@ -348,25 +215,14 @@ class Trainer:
 
     def _queue_update(self, total: torch.Tensor | None) -> tuple:
         """``train.step_reads=at_log``: the update with nothing read by the host: clipped, and skipped for a
-        non-finite loss or gradient, on the device (``train.device_step``). Returns ``(values, event)``: the
-        loss, the skip and the norm, copied to pinned host memory without blocking (the CPU tensor itself on
-        the CPU, ``event`` None), for :meth:`_settle`."""
+        non-finite loss or gradient, on the device (``train.device_step.queue_step``); read by :meth:`_settle`."""
         with torch.profiler.record_function("train.checks"):
             loss = self._loss_tensor_on_all_ranks(total)
             flag = grads_nonfinite_flag(self.model, self.env.device)
         with torch.profiler.record_function("train.optimizer"):
-            bad = torch.cat([flag.double(), (~torch.isfinite(loss)).double()])
-            norm, skipped = step_on_device(self.optimizer, bad, self.env.device)
+            queued = queue_step(self.optimizer, loss, flag, self.env.device)
             self.scheduler.step(increment=1)
-        values = torch.stack([loss.reshape(()), skipped.double(), norm.double()])
-        event = None
-        if values.is_cuda:
-            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            values = host
-        return values, event
+        return queued
 
     def _settle(self, pending: list) -> list:
         """Read the values of the ``(step, result, dt)`` steps queued by :meth:`_queue_update` (waiting for
@@ -374,11 +230,8 @@ class Trainer:
         raise) and return them with ``loss``, ``skipped`` and ``grad_norm`` filled in."""
         out = []
         for step, res, dt in pending:
-            values, event = res.pop("reads")
-            if event is not None:
-                event.synchronize()
-            loss, skipped, norm = values.tolist()
-            res.update(loss=loss, skipped=bool(skipped), grad_norm=norm)
+            loss, skipped, norm = read_queued(res.pop("reads"))
+            res.update(loss=loss, skipped=skipped, grad_norm=norm)
             if skipped:
                 what = f"loss is {loss}" if not math.isfinite(loss) else (
                     f"loss is {loss:.4f} but the gradients or their norm ({norm}) hold NaN/inf")
@@ -541,7 +394,7 @@ class Trainer:
                             self.peak * env.world_size)
                     logger.log(row)
                     if env.owns_loss:
-                        print(_format_row(row, t.max_steps), flush=True)
+                        print(format_row(row, t.max_steps), flush=True)
                 last = row
                 if save_now:
                     self.save()
@@ -565,25 +418,3 @@ class Trainer:
                     print(f"loss curve: {png}", flush=True)
             logger.close()
         return last
-
-
-def _format_row(r: dict, max_steps: int) -> str:
-    parts = [f"step {r['step']:>6}/{max_steps}", f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss -",
-             f"lr {r['lr']:.3e}"]
-    if r.get("grad_norm") is not None:
-        parts.append(f"grad_norm {r['grad_norm']:.3f}")
-    parts.append(f"{r['tokens_per_s']:.0f} tok/s")
-    if r.get("eta_s") is not None:
-        parts.append(f"ETA {format_eta(r['eta_s'])}")
-    if r.get("mfu") is not None:
-        parts.append(f"MFU {100 * r['mfu']:.1f}%")
-    if r.get("peak_mem_gib") is not None:
-        parts.append(f"peak {r['peak_mem_gib']:.1f} GiB")
-    if r.get("val_loss") is not None:
-        parts.append(f"val_loss {r['val_loss']:.4f}")
-    if r.get("nosa_gamma_mean") is not None:
-        parts.append(f"NOSA gamma {r['nosa_gamma_mean']:.3f} (min {r['nosa_gamma_min']:.3f}, "
-                     f"{r['nosa_fetched_per_step']:.2f} fetches/step)")
-    if r.get("skipped"):
-        parts.append("SKIPPED")
-    return " | ".join(parts)

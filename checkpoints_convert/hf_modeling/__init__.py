@@ -1,7 +1,8 @@
 """The modeling code shipped into NOSA / InfLLM-V2 exports.
 
-``write_modeling_files(out_dir)`` writes ``modeling_nosa.py`` and ``configuration_nosa.py`` (this folder; the
-config class gives sparse exports their own ``model_type``) and COPIES of the modules they use: the NOSA
+``write_modeling_files(out_dir)`` writes ``modeling_nosa.py``, ``attention_nosa.py`` (its attention layer) and
+``configuration_nosa.py`` (this folder, ``OWN_FILES``; the config class gives sparse exports their own
+``model_type``) and COPIES of the modules they use: the NOSA
 reference of ``nosa_layers`` (the single source of the NOSA math), the decode kernels of ``nosa_layers.ops``
 and the decode engine of ``inference`` (``SHIPPED``), each as ``nosa_<module>.py`` next to the modeling file
 (transformers loads remote code from one flat folder), with its imports of shipped modules made relative, so
@@ -25,7 +26,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODELING_FILE = "modeling_nosa.py"
+ATTENTION_FILE = "attention_nosa.py"
 CONFIG_FILE = "configuration_nosa.py"
+OWN_FILES = (MODELING_FILE, ATTENTION_FILE, CONFIG_FILE)  # this folder's files an export ships
 MODEL_CLASS = "NOSALlamaForCausalLM"
 CONFIG_CLASS = "NOSALlamaConfig"
 AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCausalLM": f"modeling_nosa.{MODEL_CLASS}"}
@@ -118,7 +121,7 @@ def reference_sources() -> dict:
     """``{file name: source}`` of every file an export ships (modeling file included)."""
     header = ("# Copied from {path} by checkpoints_convert.to_hf (imports made relative).\n"
               "# Do not edit: the framework's module is the single source of this code.\n")
-    files = {name: rewrite_source((HERE / name).read_text(), name) for name in (MODELING_FILE, CONFIG_FILE)}
+    files = {name: rewrite_source((HERE / name).read_text(), name) for name in OWN_FILES}
     for module in SHIPPED:
         name = shipped_name(module)
         if name in files:

@@ -4,7 +4,8 @@
 ``DenseCoreAttention`` is the local-spec (no Transformer Engine) causal attention of dense
 layers. Both take megatron's post-RoPE ``q [s,b,np,D]``, ``k/v [s,b,ng,D]`` (packed ``thd``:
 ``[t, h, D]``) and return ``[s, b, np*D]`` (packed: ``[t, np*D]``). The eviction score/bias of
-NOSA layers come from :class:`~nosa_layers.megatron.self_attention.NOSAMegatronSelfAttention`.
+NOSA layers come from :class:`~nosa_layers.megatron.self_attention.NOSAMegatronSelfAttention` as the
+keyword tensors ``evict_score`` / ``evict_bias`` ``[b, s, Hkv_local]`` fp32.
 
 Context parallelism (megatron-core's CP group, ``context_parallel.py``): the layer's tokens are this
 rank's zigzag chunks; keys, values and the eviction score/bias are all-gathered over the group (reduce-
@@ -22,7 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from nosa_layers import EvictionOutput, NOSAConfig, PreparedSelection, nosa_attention, prepare_selection
+from nosa_layers import NOSAConfig, PreparedSelection, nosa_attention, prepare_selection
 from nosa_layers.megatron.context_parallel import ContextParallelPlan, context_parallel_plan, cp_group_of
 from nosa_layers.megatron.dense_varlen import (
     causal_varlen_attention,
@@ -147,7 +148,6 @@ class NOSACoreAttention(_CausalCoreAttention):
         self.num_q_heads = num_q_heads or config.num_attention_heads
         self.num_kv_heads = num_kv_heads or config.num_query_groups
         self.tp_group, self.layout = tp_head_layout(pg_collection, self.num_q_heads, self.num_kv_heads)
-        self.pending_eviction: Optional[EvictionOutput] = None
         self.record_selection = False  # debug/test hook: keep the last selection in last_selection
         self.last_selection: Optional[Tensor] = None
 
@@ -158,9 +158,6 @@ class NOSACoreAttention(_CausalCoreAttention):
                 **unused) -> Tensor:
         if attention_bias is not None:
             raise ValueError("NOSA attention does not take megatron's attention_bias")
-        if evict_score is None and evict_bias is None and self.pending_eviction is not None:
-            evict_score, evict_bias = self.pending_eviction.score, self.pending_eviction.bias
-        self.pending_eviction = None
         cu = _packed_cu_seqlens(packed_seq_params)
         packed = cu is not None
         plan = self._cp_plan(query, packed_seq_params, cu)

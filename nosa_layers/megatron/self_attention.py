@@ -8,9 +8,12 @@ Data flow of one layer (``s`` tokens, ``b`` sequences, per-rank head counts)::
     otherwise megatron applies RoPE (LongRoPE attention factor as RoPE ``mscale`` in both cases)
     NOSACoreAttention(q, k, v, ...)                         -> nosa_attention(...)  [s,b,Hq/tp*D]
 
-The eviction outputs travel from this module to the core attention through
-``core_attention.pending_eviction`` (set right before, consumed once) or, under selective
-recompute, through checkpointed keyword tensors (``evict_score`` / ``evict_bias``). Under selective
+The eviction head is the layer's ``eviction_head`` submodule (a ``ModuleSpec`` of the layer spec, built
+with megatron's ``build_module``). Its outputs reach the core attention as the keyword tensors
+``evict_score`` / ``evict_bias``: megatron's ``Attention.forward`` calls the core attention with fixed
+arguments, so this layer holds them from the QKV projection until the core attention's forward
+pre-hook (:meth:`NOSAMegatronSelfAttention._hand_over_eviction`) adds them (consumed once), or, under
+selective recompute, passes them through the checkpoint itself. Under selective
 recompute the selection (and the Triton index) is computed once before the checkpoint and handed
 over as ``prepared``, so the recompute does not select again. The megatron-core internals used
 here (``_checkpointed_attention_forward``, ``_yarn_concentration_factor``,
@@ -44,10 +47,10 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
-from nosa_layers import EvictionOutput, build_eviction_head
+from nosa_layers import EvictionOutput
 from nosa_layers.megatron.context_parallel import context_parallel_plan, cp_group_of, local_document_positions
 from nosa_layers.megatron.core_attention import NOSACoreAttention
 from nosa_layers.megatron.heads import gather_heads, replicate_grad, tp_head_layout
@@ -61,20 +64,6 @@ class NOSAMegatronSelfAttentionSubmodules(SelfAttentionSubmodules):
     """``SelfAttentionSubmodules`` plus the eviction head (None for dense and InfLLM-V2 layers)."""
 
     eviction_head: Optional[Union[ModuleSpec, type]] = None
-
-
-def eviction_head_builder(name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                          detach_value: bool, dtype: torch.dtype = torch.float32, fused: bool = False):
-    """The registry's eviction head with the FULL head counts (replicated on every TP rank);
-    ``fused`` (``train.fusions``): value-gated heads compute their score with the fused Triton kernels
-    (``nosa_layers.ops.gated_score``) on inputs the kernels run on."""
-    head = build_eviction_head(name, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               bias=bias, detach_value=detach_value)
-    if fused and hasattr(head, "score_op"):
-        from nosa_layers.ops.gated_score import fused_gated_score
-
-        head.score_op = fused_gated_score
-    return head.to(dtype)
 
 
 def packed_positions(packed_seq_params, cu_seqlens: Tensor, num_tokens: int, cp_group=None) -> Tensor:
@@ -145,12 +134,11 @@ class NOSAMegatronSelfAttention(SelfAttention):
         self.fused_rope = fused_rope
         self.cp_group_ = cp_group_of(self.pg_collection)
         self._pending_rope = None  # ((q_freqs, k_freqs), packed_seq_params or None) while RoPE is applied here
+        self._pending_eviction: Optional[EvictionOutput] = None  # from the QKV projection to the core attention
         self.eviction_head = None
         if getattr(submodules, "eviction_head", None) is not None:
-            spec = submodules.eviction_head
-            self.eviction_head = spec.module(**spec.params) if isinstance(spec, ModuleSpec) else spec()
-            if not any(True for _ in self.eviction_head.parameters()) and not self.eviction_head.has_score:
-                self.eviction_head = None  # InfLLM-V2 ("none" head): nothing to run
+            self.eviction_head = build_module(submodules.eviction_head)
+            self.core_attention.register_forward_pre_hook(self._hand_over_eviction, with_kwargs=True)
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         """megatron's forward; RoPE moves into :meth:`get_query_key_value_tensors` when it can."""
@@ -204,7 +192,7 @@ class NOSAMegatronSelfAttention(SelfAttention):
             return out
         query, key, value = out[0], out[1], out[2]
         if self.eviction_head is not None:
-            self.core_attention.pending_eviction = self._eviction(query, key, value)
+            self._pending_eviction = self._eviction(query, key, value)
         if self._pending_rope is not None:
             out = (*self._rope(query, key), *out[2:])
         return out
@@ -255,13 +243,20 @@ class NOSAMegatronSelfAttention(SelfAttention):
             return EvictionOutput(score=s, bias=s)
         return EvictionOutput(score=local(ev.score), bias=local(ev.bias))
 
+    def _hand_over_eviction(self, core_attention, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """Forward pre-hook of the core attention: adds the eviction outputs of this forward's QKV
+        projection as ``evict_score`` / ``evict_bias`` (once; nothing when none is pending)."""
+        ev, self._pending_eviction = self._pending_eviction, None
+        if ev is None:
+            return None
+        return args, {**kwargs, "evict_score": ev.score, "evict_bias": ev.bias}
+
     def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
                                         attn_mask_type=None, attention_bias=None, packed_seq_params=None,
                                         core_attention_extra_kwargs=None):
-        ev = getattr(self.core_attention, "pending_eviction", None)
+        ev, self._pending_eviction = self._pending_eviction, None
         extra = dict(core_attention_extra_kwargs or {})
         if ev is not None:
-            self.core_attention.pending_eviction = None
             extra.update(evict_score=ev.score, evict_bias=ev.bias)
         if isinstance(self.core_attention, NOSACoreAttention):
             # Select once here, outside the checkpoint: the recompute in the backward reuses the

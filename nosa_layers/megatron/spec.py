@@ -8,8 +8,8 @@ Entry points:
 
 Both start from megatron-core's own GPT layer submodules (TE when importable, local otherwise)
 and replace only ``self_attention`` (-> :class:`NOSAMegatronSelfAttention` with a dense, InfLLM-V2 or
-NOSA core attention), the local norms (-> SP-capable RMSNorm) and, with muP, the residual
-``*_bda`` (-> :class:`ScaledBiasDropoutAdd`).
+NOSA core attention and, for NOSA, the eviction head of :func:`eviction_head_spec`), the local norms
+(-> SP-capable RMSNorm) and, with muP, the residual ``*_bda`` (-> :class:`ScaledBiasDropoutAdd`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
+from nosa_layers.config import NOSAConfig
+from nosa_layers.eviction import EVICTION_HEADS, ValueGatedHead
 from nosa_layers.megatron.core_attention import DenseCoreAttention, NOSACoreAttention
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 from nosa_layers.megatron.mup import ScaledBiasDropoutAdd
 from nosa_layers.megatron.norm import RMSNorm
-from nosa_layers.megatron.self_attention import (
-    NOSAMegatronSelfAttention,
-    NOSAMegatronSelfAttentionSubmodules,
-    eviction_head_builder,
-)
+from nosa_layers.megatron.self_attention import NOSAMegatronSelfAttention, NOSAMegatronSelfAttentionSubmodules
 
 
 def have_te() -> bool:
@@ -56,6 +54,24 @@ def rope_attention_factor(model: ModelConfig) -> float:
 def _norm_spec(fused_norm: bool):
     """The local spec's RMSNorm, fused (one Triton kernel on CUDA inputs) or the reference formula."""
     return ModuleSpec(module=RMSNorm, params={"fused": True}) if fused_norm else RMSNorm
+
+
+def eviction_head_spec(nosa_cfg: NOSAConfig, model: ModelConfig, attn: AttentionConfig,
+                       fused: bool = False) -> Optional[ModuleSpec]:
+    """The registry's eviction head ``nosa_cfg.eviction_head`` with the FULL head counts (replicated on
+    every TP rank), or ``None`` for a head without a score (InfLLM-V2's ``none``: nothing to run).
+    ``fused`` (``train.fusions``): value-gated heads compute their score with the fused Triton kernel
+    (``nosa_layers.ops.gated_score``), which falls back to the reference off the GPU."""
+    head = EVICTION_HEADS[nosa_cfg.eviction_head]
+    if not head.has_score:
+        return None
+    params = dict(num_q_heads=model.num_attention_heads, num_kv_heads=model.num_kv_heads,
+                  head_dim=model.kv_channels, bias=attn.eviction_bias, detach_value=nosa_cfg.detach_value)
+    if fused and issubclass(head, ValueGatedHead):
+        from nosa_layers.ops.gated_score import fused_gated_score
+
+        params["score_op"] = fused_gated_score
+    return ModuleSpec(module=head, params=params)
 
 
 def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
@@ -89,10 +105,7 @@ def get_nosa_layer_spec(model: ModelConfig, attn: AttentionConfig, variant: str,
             nosa_config=nosa_cfg, backend=attn.backend, num_q_heads=model.num_attention_heads,
             num_kv_heads=model.num_kv_heads))
         if variant == "nosa":
-            eviction = ModuleSpec(module=eviction_head_builder, params=dict(
-                name=nosa_cfg.eviction_head, num_q_heads=model.num_attention_heads,
-                num_kv_heads=model.num_kv_heads, head_dim=model.kv_channels, bias=attn.eviction_bias,
-                detach_value=nosa_cfg.detach_value, fused=fusions))
+            eviction = eviction_head_spec(nosa_cfg, model, attn, fusions)
     else:
         raise ValueError(f"unknown attention variant {variant!r}; use dense, infllm_v2 or nosa")
 

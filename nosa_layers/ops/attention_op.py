@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ._common import LOG2E, check_device
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
-from .launch import CONFIG, arch, hopper_device, launch_config, sm90_kernels, sm90_pair_kernels, triton_settings
+from .launch import CONFIG, arch, hopper_device, launch_config, sm90_kernels, triton_settings
 from .sparse_index import SparseIndex, largest_divisor
 
 
@@ -93,9 +93,8 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
-        pairs = sm90_pair_kernels()
-        if cfg.get("keys_per_step", 64) == 128 and pairs.supported(hp * idx.qt):
-            pairs.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
+        if cfg.get("keys_per_step", 64) == 128 and sm90.supported_pairs(hp * idx.qt):
+            sm90.launch_forward_pairs(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
         else:
             sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
                                 cfg["regs"], cfg.get("maxnreg"))

@@ -1,13 +1,13 @@
 """Hopper (sm90) forward that takes two list entries (128 keys) per online-softmax step: the default
 forward on Hopper for 64-row query tiles.
 
-Same programs, lists, masks and outputs as ``attention_sm90._fwd_kernel_sm90`` (one list entry, 64
+Same programs, lists, masks and outputs as ``attention_sm90_fwd_dq._fwd_kernel_sm90`` (one list entry, 64
 keys, per step, which stays for 128-row tiles and as ``keys_per_step = 64``); what changes is the step.
 The two K blocks of a pair of entries ``(2j, 2j + 1)`` arrive by TMA side by side in shared memory, so
 the pair's scores are one ``[M, 128]`` product ``Q K^T`` and its ``P V`` one product over 128 keys, the
 shape of a dense kernel's step (FlashAttention-3 takes 128-176 keys per step at head dim 128), with one
 row max, one rescale of the output accumulator and one row sum per pair. Measured on the H200
-(``bench/attention.py --fwd-sweep``): 6% faster than one entry per step at 32K/32 on the P1 lists, 3-5%
+(``python -m bench.attention --fwd-sweep``): 6% faster than one entry per step at 32K/32 on the P1 lists, 3-5%
 on real selections; two 64-key products per pair instead of one 128-key product gained nothing, so the
 width of the product, not the softmax's per-step work, is what pays.
 
@@ -25,8 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ._common import UNSPECIALIZED
-from .attention_sm90 import (_bias_args, _online_softmax, _query_program, _store_forward, _tile_operand,
-                             kv_descriptor, warps_for)
+from .attention_sm90_fwd_dq import _online_softmax, _query_program, _store_forward, _tile_operand
 
 
 @gluon.jit
@@ -46,7 +45,7 @@ def _pair_keys(ksa, ksb, offs_n, BS: gl.constexpr):
 
 @gluon.jit
 def _pair_bias(bbase, ksa, ksb, offs_n, BS: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """The bias ``[2 * BS]`` of a pair's keys (zero without a bias), as ``attention_sm90._entry_bias``."""
+    """The bias ``[2 * BS]`` of a pair's keys (zero without a bias), as ``attention_sm90_fwd_dq._entry_bias``."""
     if HAS_BIAS:
         return gl.load(bbase + _pair_keys(ksa, ksb, offs_n, BS))
     else:
@@ -56,7 +55,7 @@ def _pair_bias(bbase, ksa, ksb, offs_n, BS: gl.constexpr, HAS_BIAS: gl.constexpr
 @gluon.jit
 def _pair_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale, FULL: gl.constexpr,
                  BS: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """Scores ``[M, 2 * BS]`` of a pair in the log2 domain: ``attention_sm90._entry_scores`` with each
+    """Scores ``[M, 2 * BS]`` of a pair in the log2 domain: ``attention_sm90_fwd_dq._entry_scores`` with each
     half's mask word and key positions."""
     if HAS_BIAS:
         s = s * qk_scale + gl.expand_dims(bias, 0)
@@ -164,22 +163,3 @@ def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStar
 
     _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, M, D,
                    o_layout)
-
-
-def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float) -> None:
-    """Launch ``_fwd_kernel_sm90_pairs`` over ``grid`` programs (the default Hopper forward's grid,
-    64-row query tiles: ``supported``); ``bias``: ``attention_sm90.key_major_bias``'s or ``None``."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    Bias, s_bb, s_bh = _bias_args(q, bias)
-    _fwd_kernel_sm90_pairs[(grid,)](
-        q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
-        idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
-        *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
-        HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
-        num_warps=warps_for(hp * idx.qt))
-
-
-def supported(rows: int) -> bool:
-    """Query tiles the pair forward is written for: 64 rows (one warpgroup)."""
-    return rows == 64

@@ -196,8 +196,9 @@ GLUON_MIN_TRITON = "3.6"  # the Hopper kernels' Gluon API: written and compiled 
 
 @functools.cache
 def sm90_kernels():
-    """The ``attention_sm90`` module, or ``None`` (with one warning) where the installed triton is older
-    than ``GLUON_MIN_TRITON`` or has no Gluon Hopper API: then every kernel takes the Triton path."""
+    """The ``attention_sm90`` module (the Hopper kernels' launches), or ``None`` (with one warning) where the
+    installed triton is older than ``GLUON_MIN_TRITON`` or has no Gluon Hopper API: then every kernel takes
+    the Triton path."""
     why = None
     if Version(triton.__version__).release < Version(GLUON_MIN_TRITON).release:
         why = f"triton {triton.__version__} is older than {GLUON_MIN_TRITON}"
@@ -211,13 +212,6 @@ def sm90_kernels():
                       f"{why}; using the Triton kernels", stacklevel=2)
         return None
     return attention_sm90
-
-
-@functools.cache
-def sm90_pair_kernels():
-    """The ``attention_sm90_pairs`` module (call where ``sm90_kernels()`` is not ``None``: same Gluon API)."""
-    from . import attention_sm90_pairs
-    return attention_sm90_pairs
 
 
 def hopper_device(device: torch.device) -> bool:

@@ -134,7 +134,7 @@ def test_shipped_modules_keep_their_own_names_and_imports(monkeypatch):
     from checkpoints_convert import hf_modeling
 
     names = [hf_modeling.shipped_name(m) for m in hf_modeling.SHIPPED]
-    assert len(set(names)) == len(names) and not {hf_modeling.MODELING_FILE, hf_modeling.CONFIG_FILE} & set(names)
+    assert len(set(names)) == len(names) and not set(hf_modeling.OWN_FILES) & set(names)
     monkeypatch.setattr(hf_modeling, "SHIPPED", (*hf_modeling.SHIPPED, "inference.decode"))
     with pytest.raises(RuntimeError, match="name clash: inference.decode would ship as nosa_decode.py"):
         hf_modeling.reference_sources()

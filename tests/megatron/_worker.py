@@ -269,9 +269,7 @@ def check_core_attention(out: dict) -> None:
         captured = []
 
         def pre_hook(mod, args, kwargs):
-            ev = mod.pending_eviction
-            captured.append({"args": [a.detach().clone() for a in args[:3]], "kwargs": kwargs, "ev": ev,
-                             "mod": mod})
+            captured.append({"args": [a.detach().clone() for a in args[:3]], "kwargs": kwargs, "mod": mod})
 
         def hook(mod, args, kwargs, output):
             captured[-1]["out"] = output.detach().clone()
@@ -291,9 +289,10 @@ def check_core_attention(out: dict) -> None:
             psp = c["kwargs"].get("packed_seq_params")
             cu = None if psp is None else psp.cu_seqlens_q
             to = (lambda x: x.unsqueeze(0)) if cu is not None else (lambda x: x.transpose(0, 1))
-            ev = c["ev"]
-            ref = nosa_attention(to(q), to(k), to(v), None if ev is None else ev.score, c["mod"].cfg, cu_seqlens=cu,
-                                 backend="reference", attn_bias=None if ev is None else ev.bias,
+            score, bias = c["kwargs"].get("evict_score"), c["kwargs"].get("evict_bias")  # the layer's hand-over
+            assert (score is not None) == (case_name != "infllm_v2"), f"{case_name}: eviction score not handed over"
+            ref = nosa_attention(to(q), to(k), to(v), score, c["mod"].cfg, cu_seqlens=cu,
+                                 backend="reference", attn_bias=bias,
                                  softmax_scale=c["mod"].softmax_scale)
             ref = ref.squeeze(0).flatten(-2) if cu is not None else ref.transpose(0, 1).flatten(-2)
             worst = max(worst, ((c["out"] - ref).norm() / ref.norm()).item())

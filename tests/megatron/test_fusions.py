@@ -25,23 +25,34 @@ def test_fusions_reach_the_norms_and_the_megatron_config():
     assert plain.submodules.input_layernorm is RMSNorm
     assert fused.submodules.self_attention.params["fused_rope"] is True
     assert plain.submodules.self_attention.params["fused_rope"] is False
-    assert fused.submodules.self_attention.submodules.eviction_head.params["fused"] is True
-    assert plain.submodules.self_attention.submodules.eviction_head.params["fused"] is False
     assert fused_config(model)["bias_activation_fusion"] and "cross_entropy_loss_fusion" not in fused_config(model)
     bf16 = fused_config(replace(model, params_dtype="bfloat16"))
     assert bf16["cross_entropy_loss_fusion"] and bf16["cross_entropy_fusion_impl"] == "native"
 
 
 def test_fused_eviction_heads_take_the_fused_score_and_others_keep_theirs():
-    from nosa_layers.eviction import value_gated_score
-    from nosa_layers.megatron.self_attention import eviction_head_builder
+    """The layer spec's eviction head, built with megatron's ``build_module``: value-gated heads get the
+    fused score as a constructor argument under ``train.fusions``, the others are built unchanged."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from nosa_layers.eviction import EVICTION_HEADS, value_gated_score
+    from nosa_layers.megatron.spec import get_nosa_layer_spec
     from nosa_layers.ops.gated_score import fused_gated_score
 
+    model = model_recipe("llama3_1b")
+
     def build(name, fused):
-        return eviction_head_builder(name, num_q_heads=8, num_kv_heads=2, head_dim=16, bias=True,
-                                     detach_value=True, fused=fused)
+        attn = replace(NOSA, nosa=replace(NOSA.nosa, eviction_head=name))
+        spec = get_nosa_layer_spec(model, attn, "nosa", use_te=False, fusions=fused)
+        head = build_module(spec.submodules.self_attention.submodules.eviction_head)
+        assert type(head) is EVICTION_HEADS[name]
+        assert (head.num_q_heads, head.num_kv_heads) == (model.num_attention_heads, model.num_kv_heads)
+        return head
 
     for name in ("ed_dma", "dma", "s_dma"):
         assert build(name, True).score_op is fused_gated_score
         assert build(name, False).score_op is value_gated_score
     assert not hasattr(build("locret", True), "score_op")
+    for variant in ("infllm_v2", "dense"):
+        spec = get_nosa_layer_spec(model, NOSA, variant, use_te=False, fusions=True)
+        assert getattr(spec.submodules.self_attention.submodules, "eviction_head", None) is None

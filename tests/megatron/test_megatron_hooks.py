@@ -7,8 +7,9 @@ megatron-core 0.19 has no public seam for four things NOSA needs, so the NOSA la
   (``core_attention_extra_kwargs``) and where the selection can be prepared outside it;
 * ``Attention._yarn_concentration_factor`` (set): the RoPE ``mscale`` that carries LongRoPE's
   attention factor into ``apply_rotary_pos_emb``;
-* the ``pending_eviction`` hand-off: ``get_query_key_value_tensors`` (overridden) computes the
-  eviction outputs, which relies on ``Attention.forward`` calling it before the core attention;
+* the eviction hand-off: ``get_query_key_value_tensors`` (overridden) computes the eviction outputs,
+  which a forward pre-hook of the core attention adds to its keyword arguments; this relies on
+  ``Attention.forward`` calling it before the core attention;
 * ``rope_utils._apply_rotary_pos_emb_bshd`` (called): the sync-free packed RoPE passes
   ``rotary_pos_emb=None`` to ``Attention.forward`` (which then applies no RoPE) and applies this
   function itself, the one megatron's THD RoPE applies per document (hence bitwise equal).
@@ -63,9 +64,9 @@ def hook_problems(attention_cls: type, self_attention_cls: type, rope_utils) -> 
     need(f"mscale=self.{YARN}" in forward, YARN, "Attention.forward no longer passes it as the RoPE mscale")
 
     qkv = getattr(self_attention_cls, QKV, None)
-    need(params(qkv) == QKV_PARAMS, f"pending_eviction ({QKV})", f"parameters {params(qkv)}, expected {QKV_PARAMS}")
+    need(params(qkv) == QKV_PARAMS, f"eviction hand-off ({QKV})", f"parameters {params(qkv)}, expected {QKV_PARAMS}")
     first = {name: forward.find(f"self.{name}") for name in (QKV, "core_attention", CHECKPOINTED)}
-    need(-1 < first[QKV] < min(first["core_attention"], first[CHECKPOINTED]), f"pending_eviction ({QKV})",
+    need(-1 < first[QKV] < min(first["core_attention"], first[CHECKPOINTED]), f"eviction hand-off ({QKV})",
          "Attention.forward no longer computes q/k/v before running the core attention")
 
     bshd, thd = getattr(rope_utils, BSHD, None), getattr(rope_utils, "_apply_rotary_pos_emb_thd", None)
@@ -117,5 +118,5 @@ def test_a_changed_hook_is_named():
 
     rope_utils = types.SimpleNamespace(_apply_rotary_pos_emb_bshd=lambda t, freqs, interleaved=False: t)
     problems = "\n".join(hook_problems(Attention, SelfAttention, rope_utils))
-    for hook in (CHECKPOINTED, YARN, f"pending_eviction ({QKV})", BSHD):
+    for hook in (CHECKPOINTED, YARN, f"eviction hand-off ({QKV})", BSHD):
         assert f"megatron-core hook {hook}:" in problems, problems

@@ -1,6 +1,7 @@
 """Compile every NOSA Triton kernel for the sm80 (A100 / A800) and sm90 (H100 / H200) targets with
 the launch configuration each would get, without a GPU, and the hand-scheduled Gluon kernels
-(``attention_sm90``, ``attention_sm90_pairs``) for sm90; prints one JSON line per kernel and target
+(``attention_sm90_fwd_dq``, ``attention_sm90_pairs``, ``attention_sm90_dkdv``, with the descriptors of
+``attention_sm90``) for sm90; prints one JSON line per kernel and target
 (shared memory in bytes).
 Arguments get the specialisation a real launch gives them (pointers and strides that are multiples of
 16 marked so, unit strides constant), so loads vectorise and pipeline as on the GPU and the shared
@@ -19,7 +20,8 @@ from triton.runtime.jit import mangle_type
 from nosa_layers.ops import attention_kernels as ak
 from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
-from nosa_layers.ops import attention_sm90, attention_sm90_pairs, gated_score, rms_norm, rope, topk
+from nosa_layers.ops import attention_sm90, attention_sm90_dkdv, attention_sm90_fwd_dq, attention_sm90_pairs
+from nosa_layers.ops import gated_score, rms_norm, rope, topk
 from nosa_layers.ops.attention_op import heads_per_program
 from nosa_layers.ops.launch import CONFIG, SEL_CONFIG, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
@@ -128,7 +130,8 @@ def gluon_cases(G: int):
     qt, _ = query_tile(G, 64, cfg["tile"]["rows"])
     desc = kv_descriptor_type()
     ptr = {"k_desc": desc, "v_desc": desc, "Word": "*i64" if qt > 32 else "*i32"}
-    for name, fn in (("fwd", attention_sm90._fwd_kernel_sm90), ("dq", attention_sm90._bwd_dq_kernel_sm90)):
+    fwd_dq = attention_sm90_fwd_dq
+    for name, fn in (("fwd", fwd_dq._fwd_kernel_sm90), ("dq", fwd_dq._bwd_dq_kernel_sm90)):
         c = cfg[name]
         const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
                      STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
@@ -141,7 +144,7 @@ def gluon_cases(G: int):
                  HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)
     rows = mangle_type(attention_sm90.rows_descriptor(torch.empty(1, 256, 2 * G, 128, dtype=torch.bfloat16), qt,
                                                       const["HP"]))
-    yield "dkdv_sm90", GluonASTSource, attention_sm90._bwd_dkdv_kernel_sm90, const, \
+    yield "dkdv_sm90", GluonASTSource, attention_sm90_dkdv._bwd_dkdv_kernel_sm90, const, \
         dict(ptr, q_desc=rows, do_desc=rows), 4, 1, dict(maxnreg=attention_sm90.dkdv_maxnreg(c["blocks"]))
 
 

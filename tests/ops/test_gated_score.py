@@ -127,12 +127,11 @@ def test_bad_parameter_shapes_raise(dev):
 
 @pytest.mark.parametrize("name", ["ed_dma", "dma", "s_dma"])
 def test_heads_with_the_fused_score_match_the_reference_heads(dev, name):
-    """The builder's ``fused`` switch (``train.fusions``) changes the head's score op only."""
-    from nosa_layers.megatron.self_attention import eviction_head_builder
+    """The head's ``score_op`` constructor argument (the layer spec's ``train.fusions``) changes its score op only."""
     from nosa_layers.ops.gated_score import fused_gated_score
 
-    kw = dict(name=name, num_q_heads=4, num_kv_heads=2, head_dim=32, bias=True, detach_value=False)
-    fused, plain = eviction_head_builder(**kw, fused=True), eviction_head_builder(**kw)
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, bias=True, detach_value=False)
+    fused, plain = build_eviction_head(name, **kw, score_op=fused_gated_score), build_eviction_head(name, **kw)
     assert fused.score_op is fused_gated_score and plain.score_op is value_gated_score
     plain.load_state_dict(fused.state_dict())
     torch.manual_seed(11)

@@ -40,7 +40,7 @@ def test_an_in_place_change_invalidates_the_remembered_values(monkeypatch):
 
 def test_trainer_microbatch_hands_over_its_cu_seqlens(monkeypatch):
     from data.packing import assemble_row, collate
-    from train.trainer import to_microbatch
+    from train.forward_step import to_microbatch
 
     rows = [assemble_row([torch.arange(30).numpy(), torch.arange(50).numpy()], None, 96, 0) for _ in range(2)]
     mb = to_microbatch(collate(rows), torch.device("cpu"))
@@ -75,7 +75,7 @@ def test_trainer_microbatch_copies_do_not_wait_for_the_gpu_queue():
     """The next step's batches go to the GPU while the previous step's work still runs: a copy from
     pageable memory would wait for the whole queue (here a long sleep kernel) before returning."""
     from data.packing import assemble_row, collate
-    from train.trainer import to_microbatch
+    from train.forward_step import to_microbatch
 
     # 16K-token rows: 128 KiB per int64 tensor (a copy of a few KiB from pageable memory is staged without waiting)
     rows = [assemble_row([torch.arange(7000).numpy(), torch.arange(9000).numpy()], None, 16384, 0) for _ in range(2)]

@@ -1,0 +1,104 @@
+"""What a run trains with, built from its config: the megatron-core model chunks wrapped in DDP
+(:func:`build_model`) and the data loaders (:func:`build_loaders`).
+
+The model: one chunk per virtual pipeline stage of this rank, in the run's precision (``Float16Module`` for
+bf16 / fp16), with the recompute and fusion settings of ``train.*``; on a CPU (or with ``run.cpu_init``)
+the initial weights are drawn per ``(seed, layer)``, so every parallel layout starts from the same ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from train.config import RunConfig
+from train.distributed import DistEnv
+
+SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
+
+
+def build_model(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str], None]) -> list:
+    """The model chunks of this rank, each a megatron-core ``DistributedDataParallel`` with its parameters
+    broadcast over the data-parallel group; logs one line on what was built."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from nosa_layers.megatron import build_model as build_gpt
+    from runtime.megatron_compat import provide_gradient_accumulation_fusion
+
+    model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
+                                    .get(precision, "float32"))
+    overrides = dict(calculate_per_token_loss=True)
+    if cfg.run.cpu_init or env.device.type == "cpu":  # initial weights independent of the layout
+        overrides.update(use_cpu_initialization=True, init_seed=cfg.run.seed)
+    if cfg.train.recompute == "selective":
+        overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif cfg.train.recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    fusions = cfg.train.fusions and env.device.type == "cuda"  # CPU runs keep the reference layers
+    if fusions and cfg.train.transformer_impl == "local":  # TE's layers fuse the weight gradients themselves
+        provide_gradient_accumulation_fusion()
+        overrides.update(gradient_accumulation_fusion=True)
+    chunks = []
+    for i in range(vpp or 1):
+        m = build_gpt(model_cfg, cfg.attention, cfg.parallel.model_parallel(), vp_stage=i if vpp else None,
+                      seq_length=cfg.train.seq_length, use_te=cfg.train.transformer_impl == "te",
+                      fusions=fusions, **overrides)
+        if env.device.type == "cuda":
+            m.cuda(torch.cuda.current_device())
+        if precision in ("bf16", "fp16"):
+            m = Float16Module(m.config, m)
+        chunks.append(m)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    model = [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
+             for i, m in enumerate(chunks)]
+    for m in model:
+        m.broadcast_params()
+
+    n_params = sum(p.numel() for m in model for p in m.parameters())
+    init = ("from (seed, layer) on the CPU: the same for every layout" if "init_seed" in overrides
+            else "drawn per TP rank on the GPU")
+    log(f"model: {cfg.model.family}_{cfg.model.size}, attention={cfg.attention.variant}"
+        f"({cfg.attention.nosa.eviction_head if cfg.attention.variant == 'nosa' else '-'}), "
+        f"{n_params / 1e6:.2f}M params on rank 0 (TP={ps.get_tensor_model_parallel_world_size()} "
+        f"PP={ps.get_pipeline_model_parallel_world_size()} CP={env.cp[0]} DP={env.dp_size}), "
+        f"precision={precision}, "
+        f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
+        f"{'on' if fusions else 'off'}, initial weights {init}")
+    return model
+
+
+def build_loaders(cfg: RunConfig, env: DistEnv, log: Callable[[str], None]) -> tuple:
+    """``(train_loader, valid_loader)`` of this data-parallel rank (SFT or pretraining); bad data (empty
+    split, no usable SFT row, ...) is a one-line ``BadInputError``."""
+    from data.sources import BadInputError
+
+    try:
+        return _loaders(cfg, env, log)
+    except BadInputError:
+        raise
+    except ValueError as e:
+        raise BadInputError(str(e)) from None
+
+
+def _loaders(cfg: RunConfig, env: DistEnv, log: Callable[[str], None]) -> tuple:
+    if cfg.stage.kind == "sft":
+        from data.loader import build_sft_loaders
+
+        return build_sft_loaders(dataclasses.replace(cfg.sft, model_vocab_size=cfg.model.vocab_size),
+                                 env.dp_rank, env.dp_size, log=log)
+    from data.loader import build_pretrain_loaders
+
+    need = cfg.train.max_steps * cfg.train.global_batch_size
+    dcfg = dataclasses.replace(cfg.data, model_vocab_size=cfg.model.vocab_size,
+                               train_samples=cfg.data.train_samples or need,
+                               valid_samples=cfg.data.valid_samples or max(
+                                   1, cfg.train.eval_iters * cfg.train.global_batch_size))
+    return build_pretrain_loaders(dcfg, env.dp_rank, env.dp_size)
