@@ -23,6 +23,7 @@ from torch import Tensor
 from checkpoints_convert.mapping import NON_MODEL_PREFIXES, ConversionError, Geometry
 
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, configs_to_dict  # noqa: F401
+from runtime import disk_space
 from runtime.checkpoint_files import CheckpointError, read_configs, select_checkpoint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +35,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir,
     verified against its manifest (a damaged one is refused in one line naming the newest intact one)."""
     try:
-        ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr))
+        ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr),
+                                 foreign_hint=f"the converters read the checkpoints of this trainer ({MODEL_CONFIG})")
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     if ckpt is None:
@@ -56,13 +58,32 @@ def read_model_config(ckpt: Path):
 
 
 def run_cli(prog: str, fn, *args) -> int:
-    """Run a converter's work; a bad input is one ``<prog>: error: ...`` line on stderr and exit code 2."""
+    """Run a converter's work; a bad input or a file it cannot write is one ``<prog>: error: ...`` line on stderr
+    and exit code 2."""
     try:
         fn(*args)
-    except (ConversionError, ValueError, FileNotFoundError) as e:
+    except (ConversionError, ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def source_run(ckpt: Path) -> Path:
+    """The run a checkpoint belongs to: the run dir of ``<run>/checkpoints/iter_*``, the folder of a
+    ``latest`` pointer (a ``from_hf`` output), else the checkpoint dir itself."""
+    root = Path(ckpt).resolve().parent
+    if root.name == "checkpoints":
+        return root.parent
+    return root if (root / LATEST).exists() else Path(ckpt).resolve()
+
+
+def check_out_apart(out: str | os.PathLike, source: str | os.PathLike, flag: str) -> None:
+    """Refuse (one line, whatever ``--overwrite`` says) an output that is, contains or lies inside ``source``."""
+    out, src = Path(out).resolve(), Path(source).resolve()
+    how = "is" if out == src else "lies inside" if src in out.parents else "contains" if out in src.parents else None
+    if how:
+        raise ConversionError(f"--out {out} {how} the source {src} ({flag}): writing there would replace or mix "
+                              f"with what it reads; choose an --out outside it")
 
 
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:
@@ -139,12 +160,13 @@ def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
 
 
 @contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, need_bytes: int | None = None) -> Iterator[Path]:
     """Write into a sibling temp dir and rename it to ``out`` only on success (never a partial dir).
 
     An existing ``out`` is replaced only when it is empty, an earlier conversion output, or
     ``overwrite`` is set; anything else (a typo naming a run dir) is refused before any work.
     The result gets the usual permissions (0777 / 0666 minus the umask), not the temp dir's 0700.
+    A full disk is one ``ConversionError`` line (``need_bytes``: about what the output takes).
     """
     out = check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,8 +174,16 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     try:
         yield tmp
         _normal_permissions(tmp)
-    except BaseException:
+    except BaseException as e:
+        full = not isinstance(e, (ConversionError, KeyboardInterrupt, SystemExit))  # a writer's error
+        full = full and disk_space.is_disk_full(e, out.parent)
+        free, written = disk_space.free_bytes(out.parent), disk_space.tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            need = disk_space.human(need_bytes) if need_bytes else f"more than {disk_space.human(written)}"
+            raise ConversionError(f"disk full writing {out} ({disk_space.human(free)} free, after "
+                                  f"{disk_space.human(written)}): the partial output was removed and {out} is as it "
+                                  f"was; free about {need} there and run again") from None
         raise
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
