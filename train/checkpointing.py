@@ -204,7 +204,7 @@ def _save_failed(e: BaseException, tmp: Path, step: int, newest_verified: Path |
 
 
 def _my_share(names: list[str]) -> list[str]:
-    return names[dist.get_rank()::dist.get_world_size()]
+    return names[_rank()::dist.get_world_size() if dist.is_initialized() else 1]
 
 
 def _hash_shared(ckpt: Path) -> dict:
@@ -216,13 +216,16 @@ def _hash_shared(ckpt: Path) -> dict:
 
 
 def verify_shared(ckpt: Path) -> str | None:
-    """``runtime.checkpoint_manifest.verify`` with the hashing split over the ranks (all ranks call this)."""
+    """``runtime.checkpoint_manifest.verify`` with the hashing split over the ranks (all ranks call this; without a
+    process group, this process hashes everything)."""
     try:
         entries = manifest.read_manifest(ckpt)
     except ValueError as e:
         return str(e)
     names = sorted(entries)
     mine = manifest.check_entries(ckpt, {n: entries[n] for n in _my_share(names)})
+    if not dist.is_initialized():
+        return manifest.first_problem(mine)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return manifest.first_problem([p for part in parts for p in part])
