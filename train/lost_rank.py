@@ -49,6 +49,13 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _answered(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # noqa: BLE001 - a store that went away meanwhile: no answer
+        return False
+
+
 class Peers:
     """Host and pid of every rank (a collective: every rank builds it once, after the process group)."""
 
@@ -58,30 +65,28 @@ class Peers:
         dist.all_gather_object(self.table, (self.host, os.getpid()))
 
     def lost(self, wait_s: float = ROLL_CALL_S) -> dict[int, str]:
-        """``{rank: how it is known lost}`` after a failed collective (no collective: the peers may be gone)."""
-        out, remote = {}, []
-        for r, (host, pid) in enumerate(self.table):
-            if r != self.rank and host == self.host and not _alive(pid):
-                out[r] = f"pid {pid} on {host} exited"
-            elif r != self.rank and host != self.host:
-                remote.append(r)
-        if remote:
-            out.update(self._roll_call(remote, wait_s))
-        return out
+        """``{rank: how it is known lost}`` after a failed collective (no collective: the peers may be gone).
 
-    def _roll_call(self, ranks: list[int], wait_s: float) -> dict[int, str]:
-        key = "nosa_roll_call/{}".format
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(key(self.rank), "here")
-            deadline = time.monotonic() + wait_s
-            missing = list(ranks)
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([key(r)])]
-                time.sleep(0.1)
-        except Exception:  # noqa: BLE001 - the store lived with a lost rank: nothing more to learn
-            return {r: f"on {self.table[r][0]}, unknown (the rendezvous store is gone too)" for r in ranks}
-        return {r: f"on {self.table[r][0]}, no answer within {wait_s:.0f}s" for r in missing}
+        Polls until a rank of this host has exited (a killed process closes its sockets before it is gone)
+        and every rank of another host has answered the roll call, or ``wait_s`` passes."""
+        local = {r: pid for r, (host, pid) in enumerate(self.table) if r != self.rank and host == self.host}
+        remote = [r for r, (host, _) in enumerate(self.table) if host != self.host]
+        store, key = None, "nosa_roll_call/{}".format
+        if remote:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                store.set(key(self.rank), "here")
+            except Exception:  # noqa: BLE001 - the store lived with a lost rank: nothing to learn from it
+                store = None
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = {r: f"pid {pid} on {self.host} exited" for r, pid in local.items() if not _alive(pid)}
+            silent = list(remote) if store is None else [r for r in remote if not _answered(store, key(r))]
+            if (gone and not silent) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        how = f"no answer within {wait_s:.0f}s" if store is not None else "unknown (the rendezvous store is gone too)"
+        return {**gone, **{r: f"on {self.table[r][0]}, {how}" for r in silent}}
 
     def reporter(self, lost: dict[int, str]) -> bool:
         """Whether this rank is the one that reports (the lowest rank not lost)."""
@@ -89,10 +94,10 @@ class Peers:
 
 
 def lost_rank_line(lost: dict[int, str], step: int, exc: BaseException, newest_verified: str) -> str:
-    """The one line a survivor prints: who was lost, at which step, where the run can resume from."""
+    """The one line a survivor prints: who was lost after which completed ``step``, where the run can resume from."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     first = first.split("] ", 1)[-1].split(". ")[0][:160]  # gloo prefixes its source location, appends advice
     who = "; ".join(f"rank {r} ({how})" for r, how in sorted(lost.items()))
     what = f"lost {who}" if lost else f"a collective failed and no rank is known lost ({first})"
-    return (f"{what} during step {step}; {newest_verified}; launch again with the same run.dir to resume "
+    return (f"{what} after step {step}; {newest_verified}; launch again with the same run.dir to resume "
             f"(torchrun --max-restarts does so by itself)" + (f" [{first}]" if lost else ""))

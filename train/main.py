@@ -147,14 +147,14 @@ def train(cfg, last: bool = True) -> int:
             print(trainer.interrupted() if trainer else "interrupted while starting: nothing was trained, no "
                   "checkpoint was changed", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:
-        if peers is None or not is_collective_failure(e):
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if peers is None or isinstance(e, SystemExit) or not is_collective_failure(e):
             raise
         broken = True
         lost = peers.lost()
         if peers.reporter(lost):
             newest = trainer.newest_verified(scan=True) if trainer else "no checkpoint was changed"
-            print(f"error: {lost_rank_line(lost, trainer.step + 1 if trainer else 0, e, newest)}",
+            print(f"error: {lost_rank_line(lost, trainer.step if trainer else 0, e, newest)}",
                   file=sys.stderr, flush=True)
         return 1
     finally:
