@@ -89,7 +89,7 @@ def preprocess(
             flush(batch)
         writer.close()
         if bar is not None:
-            bar.close()
+            bar.close()  # before the summary
         if writer.documents == 0:
             raise ValueError(f"no usable documents in {input_path!r} ({'; '.join(stats.summary_lines())}); "
                              f"check --text-key (nothing was written to {out_prefix}.*)")
@@ -122,6 +122,8 @@ def preprocess(
                          f" of it: the temporary files were removed and an existing {out_prefix}.* is untouched; "
                          f"free {need} there and run again") from None
     finally:
+        if bar is not None:
+            bar.close()  # before any error line
         try:
             writer.discard()
         except OSError:  # closing flushes: on a full disk that fails too
@@ -201,7 +203,7 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt as e:
         how = e.args[0] if e.args else "Ctrl-C"
-        print(f"\n[preprocess] interrupted ({how}): the temporary files were removed and an existing {args.out}.* "
+        print(f"[preprocess] interrupted ({how}): the temporary files were removed and an existing {args.out}.* "
               f"is untouched", file=sys.stderr)
         return 143 if how == "SIGTERM" else 130
     finally:
