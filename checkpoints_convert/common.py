@@ -33,7 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir,
-    verified against its manifest (a damaged one is refused in one line naming the newest intact one)."""
+    verified against its manifest (a damaged one is refused in one line naming the newest verified one)."""
     try:
         ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr),
                                  foreign_hint=f"the converters read the checkpoints of this trainer ({MODEL_CONFIG})")
