@@ -181,9 +181,9 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, need_bytes: int 
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             need = disk_space.human(need_bytes) if need_bytes else f"more than {disk_space.human(written)}"
-            raise ConversionError(f"disk full writing {out} ({disk_space.human(free)} free, after "
-                                  f"{disk_space.human(written)}): the partial output was removed and {out} is as it "
-                                  f"was; free about {need} there and run again") from None
+            raise ConversionError(f"disk full writing {out} ({disk_space.human(free)} free, "
+                                  f"{disk_space.human(written)} written): the partial output was removed and {out} is "
+                                  f"as it was; free about {need} there and run again") from None
         raise
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"

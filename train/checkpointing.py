@@ -195,8 +195,8 @@ def _save_failed(e: BaseException, tmp: Path, step: int, newest_verified: Path |
                 if need else f"free more than the {disk_space.human(partial)} it had written")
         raise CheckpointError(f"disk full while saving the step-{step} checkpoint into {root} "
                               f"({disk_space.human(free)} free): removed the partial {tmp.name}, the earlier "
-                              f"checkpoints are as they were ({kept}); {what} there (or lower "
-                              f"checkpoint.keep_last) and launch again to resume") from None
+                              f"checkpoints are as they were ({kept}); {what} there (checkpoint.keep_last=N keeps "
+                              f"fewer) and launch again to resume") from None
     from runtime.safe_unpickling import load_error_line
 
     raise CheckpointError(f"cannot save the step-{step} checkpoint into {root} ({load_error_line(e)}): removed "
