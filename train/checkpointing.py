@@ -118,11 +118,8 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
     """
     root = checkpoints_dir(run_dir)
     final, tmp = root / iter_name(step), root / (iter_name(step) + ".tmp")
-    try:
-        _write_checkpoint(tmp, step, model_chunks, optimizer, scheduler, loader_state, extra, model_config)
-    except BaseException as e:
-        _save_failed(e, tmp, step, newest_verified)
-    if dist.get_rank() == 0:
+
+    def publish():  # the complete checkpoint under its name, then `latest` moved to it
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -131,7 +128,12 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
         os.replace(pointer_tmp, root / LATEST)
         manifest.fsync_dir(root)
         log(f"saved checkpoint {final}")
-    dist.barrier()
+
+    try:
+        _write_checkpoint(tmp, step, model_chunks, optimizer, scheduler, loader_state, extra, model_config)
+        _on_rank0(publish)
+    except BaseException as e:
+        _save_failed(e, tmp, step, newest_verified)
     _prune(root, keep_last, keep=final, log=log)
     return final
 
@@ -197,8 +199,6 @@ def _save_failed(e: BaseException, tmp: Path, step: int, newest_verified: Path |
                               f"({disk_space.human(free)} free): removed the partial {tmp.name}, the earlier "
                               f"checkpoints are as they were ({kept}); {what} there (checkpoint.keep_last=N keeps "
                               f"fewer) and launch again to resume") from None
-    from runtime.safe_unpickling import load_error_line
-
     raise CheckpointError(f"cannot save the step-{step} checkpoint into {root} ({load_error_line(e)}): removed "
                           f"the partial {tmp.name}, the earlier checkpoints are as they were ({kept})") from None
 
@@ -262,7 +262,8 @@ def _prune(root: Path, keep_last: int, keep: Path, log=print, verify=None) -> No
             log(f"warning: checkpoint {d} is damaged ({problem}): rotation does not count it")
     if len(verified) < keep_last:
         return
-    gone = [d for d in done if _step_of(d) < _step_of(verified[-1]) and d != keep]
+    gone = [d for d in done if _step_of(d) < _step_of(verified[-1]) and d != keep  # only what this trainer wrote
+            and any((d / name).exists() for name in (manifest.MANIFEST, MODEL_CONFIG))]
     if gone and _rank() == 0:
         for d in gone:
             shutil.rmtree(d, ignore_errors=True)

@@ -477,12 +477,12 @@ class Trainer:
         if weights_nonfinite(self.model, self.env.device):
             raise NonFiniteError(f"the weights hold NaN/inf at step {self.step}: not saving a checkpoint "
                                  f"({self.newest_verified()})")
-        self.verified = ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
-                             self.train_batches.state_dict(),
-                             {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
-                             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
-                             model_config={**configs_to_dict(self.cfg.model, self.cfg.attention),
-                                           "recipe": self.cfg.recipe}, newest_verified=self.verified)
+        self.verified = ckpt.save_checkpoint(
+            str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler, self.train_batches.state_dict(),
+            {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
+            keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
+            model_config={**configs_to_dict(self.cfg.model, self.cfg.attention), "recipe": self.cfg.recipe},
+            newest_verified=self.verified)
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: StopSignal | None = None) -> dict:
