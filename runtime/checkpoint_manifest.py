@@ -74,15 +74,17 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def read_manifest(ckpt: str | os.PathLike) -> dict:
     """The ``files`` entries of a checkpoint's manifest; ``ValueError`` (one line) when absent or unreadable."""
     path = Path(ckpt) / MANIFEST
-    if not path.is_file():
-        raise ValueError(f"{Path(ckpt).name} has no {MANIFEST} (an incomplete save, or written before manifests)")
+    if not path.exists():
+        raise ValueError(f"{MANIFEST} is missing")
     try:
         raw = json.loads(path.read_text())
         files = raw["files"]
         if raw.get("hash") != HASH or not isinstance(files, dict):
             raise ValueError(f"hash {raw.get('hash')!r}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is unreadable ({e})") from None
+        if not all(isinstance(v, dict) for v in files.values()):
+            raise ValueError("an entry is not an object")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__ if isinstance(e, OSError) else e})") from None
     return files
 
 
