@@ -20,9 +20,9 @@ from typing import Optional
 
 import numpy as np
 
+from data import disk_space
 from data.sources import ReadStats, iter_texts
 from data.tokenizer import Tokenizer
-from runtime import disk_space
 
 PIECE_CHARS = 1 << 18  # longest text handed to the tokenizer at once (it needs ~200 bytes per char)
 

@@ -25,16 +25,16 @@ import fcntl
 import json
 import os
 import shutil
-from collections import Counter
 import time
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from data import file_hashes
 from data.sft import SFTData, check_losses, tokenize_inputs
 from data.sources import BadInputError, ReadStats
-from runtime import checkpoint_manifest as manifest
 
 CACHE_VERSION = 2  # 2: meta.json holds each array's size and xxh3-128 hash
 ARRAYS = ("tokens.npy", "masks.npy", "offsets.npy", "sources.npy")
@@ -92,7 +92,7 @@ def write_entry(data: SFTData, entry: Path, replace: bool = False) -> bool:
         np.save(tmp / "masks.npy", np.concatenate(data.masks).astype(np.uint8) if data.masks else np.zeros(0, np.uint8))
         np.save(tmp / "sources.npy", np.asarray(data.sources, dtype=np.int32))
         meta = {"version": CACHE_VERSION, "stats": dict(data.stats), "read": data.read.as_dict(),
-                "files": manifest.hash_files(tmp, list(ARRAYS))}
+                "files": file_hashes.hash_files(tmp, list(ARRAYS))}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -142,7 +142,7 @@ def check_entry(entry: Path) -> tuple[SFTData | None, str | None]:
         return None, "meta.json is missing"
     except (OSError, ValueError) as e:
         return None, f"meta.json is unreadable ({type(e).__name__})"
-    problem = _meta_problem(meta) or manifest.first_problem(manifest.check_entries(entry, meta["files"]))
+    problem = _meta_problem(meta) or file_hashes.first_problem(file_hashes.check_entries(entry, meta["files"]))
     if problem:
         return None, problem
     try:

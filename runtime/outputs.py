@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from runtime import disk_space
+from data import disk_space
 
 
 class DiskFullError(OSError):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime import disk_space
+from data import disk_space
 from runtime import checkpoint_manifest as manifest
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
 from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
