@@ -29,9 +29,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run dir, its ``checkpoints/`` dir (``latest`` pointer) or an ``iter_*`` dir -> the checkpoint dir,
-    verified against its manifest (a damaged one is refused in one line naming the newest intact one)."""
+    verified against its manifest (a damaged one is refused in one line naming the newest verified one)."""
     try:
-        ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr))
+        ckpt = select_checkpoint(path, fallback=False, log=lambda m: print(m, file=sys.stderr),
+                                 foreign_hint=f"the converters read the checkpoints of this trainer ({MODEL_CONFIG})")
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     if ckpt is None:
@@ -50,6 +51,24 @@ def read_model_config(ckpt: Path):
         raise ConversionError(f"{Path(ckpt) / MODEL_CONFIG} is missing: the converter needs the model + attention "
                               f"config the trainer writes next to the tensors")
     return got
+
+
+def source_run(ckpt: Path) -> Path:
+    """The run a checkpoint belongs to: the run dir of ``<run>/checkpoints/iter_*``, the folder of a
+    ``latest`` pointer (a ``from_hf`` output), else the checkpoint dir itself."""
+    root = Path(ckpt).resolve().parent
+    if root.name == "checkpoints":
+        return root.parent
+    return root if (root / LATEST).exists() else Path(ckpt).resolve()
+
+
+def check_out_apart(out: str | os.PathLike, source: str | os.PathLike, flag: str) -> None:
+    """Refuse (one line, whatever ``--overwrite`` says) an output that is, contains or lies inside ``source``."""
+    out, src = Path(out).resolve(), Path(source).resolve()
+    how = "is" if out == src else "lies inside" if src in out.parents else "contains" if out in src.parents else None
+    if how:
+        raise ConversionError(f"--out {out} {how} the source {src} ({flag}): writing there would replace or mix "
+                              f"with what it reads; choose an --out outside it")
 
 
 def geometry(model, attn, fold_mup: bool = True) -> Geometry:

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoints_convert.common import DTYPES, check_out_dir, geometry, load_safetensors_dir, safetensors_names
+from checkpoints_convert.common import DTYPES, check_out_apart, check_out_dir, geometry, load_safetensors_dir
+from checkpoints_convert.common import safetensors_names
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, REFERENCE_ARCHITECTURE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
 from checkpoints_convert.reference_format import TOKEN_ID_KEYS, checkpoint_format, longrope_factors, parse_geometry
@@ -68,6 +69,7 @@ def configs_from_hf(cfg: dict, mup: str = "keep", make_vocab_size_divisible_by: 
     if geometry_override and fmt != "reference":
         raise ConversionError("--geometry applies to reference-format NOSA checkpoints (no nosa_config); this "
                               "checkpoint " + ("records its geometry in nosa_config" if fmt == "nosa" else "is dense"))
+    check_config_fields(cfg)
     export = cfg.get("nosa_export") or {}
     hq = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // hq
@@ -178,6 +180,59 @@ def assumed_fields(cfg: dict, fmt: str, model, attn, longrope_choice: str | None
     return out
 
 
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_OPTIONAL_INT = ("num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings")
+_OPTIONAL_NUMBER = ("rms_norm_eps", "rope_theta", "initializer_range")
+
+
+def check_config_fields(cfg: dict) -> None:
+    """Refuse, naming the field, a ``config.json`` without a field the model needs or with one of the wrong
+    type (the LongRoPE block's too), before anything reads them."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+
+    def is_number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    missing = [k for k in _REQUIRED if cfg.get(k) is None]
+    if missing:
+        raise ConversionError(f"config.json has no {', '.join(missing)} (needed to build the model)")
+    checks = [(k, cfg[k], is_int, "a whole number") for k in _REQUIRED + _OPTIONAL_INT if cfg.get(k) is not None]
+    checks += [(k, cfg[k], is_number, "a number") for k in _OPTIONAL_NUMBER if cfg.get(k) is not None]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise ConversionError(f"config.json rope_scaling is {rope!r}, expected an object")
+    if rope and rope.get("rope_type", rope.get("type")) == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(rope.get(key), list):
+                raise ConversionError(f"config.json rope_scaling (longrope) has no {key} list"
+                                      + (f" (it is {rope[key]!r})" if key in rope else ""))
+            checks += [(f"rope_scaling.{key}[{i}]", v, is_number, "a number") for i, v in enumerate(rope[key])]
+        if rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings")) is None:
+            raise ConversionError("config.json rope_scaling (longrope) has no original_max_position_embeddings")
+        for key in ("original_max_position_embeddings", "attention_factor", "factor"):
+            if rope.get(key) is not None:
+                checks.append((f"rope_scaling.{key}", rope[key], is_int if key.startswith("orig") else is_number,
+                               "a whole number" if key.startswith("orig") else "a number"))
+    for key, value, ok, what in checks:
+        if not ok(value):
+            raise ConversionError(f"config.json {key} is {value!r} ({type(value).__name__}); expected {what}")
+
+
+def budget_warning(model, attn) -> str | None:
+    """A warning when the NOSA selection budget (``topk`` blocks of ``block_size`` tokens) covers the whole
+    context: every position then attends to all of its keys and the sparse model runs densely."""
+    if "nosa" not in attn.layer_variants(model.num_layers) and "infllm_v2" not in attn.layer_variants(model.num_layers):
+        return None
+    n = attn.nosa
+    budget = n.topk * n.block_size
+    if budget < model.max_position_embeddings:
+        return None
+    return (f"the selection budget (topk {n.topk} x block_size {n.block_size} = {budget} tokens) is not below the "
+            f"model's context (max_position_embeddings {model.max_position_embeddings}): every position attends to "
+            f"all its keys, so this sparse model runs densely; pass --geometry topk=... for a budget that selects")
+
+
 def parse_mup_constants(text: str | None) -> dict:
     """``"scale_emb=12,scale_depth=1.4,dim_model_base=256"`` -> the dict of all three (MiniCPM4: these values)."""
     if not text:
@@ -200,9 +255,10 @@ def parse_mup_constants(text: str | None) -> dict:
 
 def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
               family=None, log=print, geometry_override: str | None = None, longrope: str | None = None,
-              mup_constants: str | None = None) -> Path:
+              mup_constants: str | None = None, allow_non_finite: bool = False) -> Path:
     t0 = time.time()
     src = Path(hf)
+    check_out_apart(out, src, "--hf")
     if not (src / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json there")
     cfg = json.loads((src / "config.json").read_text())
@@ -217,7 +273,14 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     geo = geometry(model, attn, fold_mup=True)
     if not model.use_mup:
         geo.mup = None
+    warning = budget_warning(model, attn) if fmt == "reference" else None
+    if warning:
+        log(f"warning: {warning}")
     hf_sd = load_safetensors_dir(src)
+    bad = [k for k, v in hf_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad and not allow_non_finite:
+        raise ConversionError(f"--hf {hf}: {len(bad)} tensor(s) hold NaN/inf (e.g. {bad[0]}); import a finite "
+                              f"checkpoint, or pass --allow-non-finite to import it anyway")
     if model.tie_embeddings and "lm_head.weight" in hf_sd and not model.use_mup:
         if not torch.equal(hf_sd["lm_head.weight"], hf_sd["model.embed_tokens.weight"]):
             raise ConversionError("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
@@ -226,7 +289,8 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     tensors = {k: v.to(torch_dtype) for k, v in tensors.items()}
     from checkpoints_convert.megatron_io import save_dist_checkpoint
 
-    with atomic_dir(check_out_dir(out)) as tmp:
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    with atomic_dir(check_out_dir(out), need_bytes=need) as tmp:
         save_dist_checkpoint(tensors, tmp, model, attn, extra={
             "source": str(src.resolve()), "source_format": fmt, "longrope": longrope,
             "token_ids": {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}})
@@ -253,12 +317,13 @@ def main(argv=None) -> int:
     ap.add_argument("--longrope", default=None, choices=["short", "switch"],
                     help="when short_factor != long_factor: short everywhere (the reference code) or switch to "
                          "long_factor past original_max_position_embeddings (transformers)")
+    ap.add_argument("--allow-non-finite", action="store_true", help="import weights that hold NaN/inf")
     ap.add_argument("--mup-constants", default=None, metavar="scale_emb=S,scale_depth=S,dim_model_base=N",
                     help="with --mup unfold: the muP constants a checkpoint without a record was folded with "
                          "(released NOSA-8B / MiniCPM4: scale_emb=12,scale_depth=1.4,dim_model_base=256)")
     args = ap.parse_args(argv)
     return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
-                   args.family, print, args.geometry, args.longrope, args.mup_constants)
+                   args.family, print, args.geometry, args.longrope, args.mup_constants, args.allow_non_finite)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ model is described by the ``nosa_config.json`` the trainer writes next to the te
   ``from_hf`` import recorded.
 
 Any mismatch (missing / extra tensors, shapes, unknown variant) raises one error listing the names;
-the output directory is written to a temp dir and renamed at the end, so it is never partial. An
-existing ``--out`` is replaced only if it is empty or an earlier export (``--overwrite`` for anything
-else); the checkpoint is verified against its manifest and weights holding NaN/inf are refused
-(``--allow-non-finite``).
+the output directory is written to a temp dir and renamed at the end, so it is never partial (a full
+disk is one line). An existing ``--out`` is replaced only if it is empty or an earlier export
+(``--overwrite`` for anything else); an ``--out`` that is, contains or lies inside the source run is
+refused even then. The checkpoint is verified against its manifest and weights holding NaN/inf are
+refused (``--allow-non-finite``).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ import torch
 from checkpoints_convert.common import (
     DTYPES,
     cast,
+    check_out_apart,
     check_out_dir,
     geometry,
     load_megatron_tensors,
     read_model_config,
     resolve_checkpoint,
     save_safetensors_sharded,
+    source_run,
 )
 from checkpoints_convert.hf_modeling import AUTO_MAP, MODEL_CLASS, write_modeling_files
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE
@@ -184,8 +187,10 @@ def export(ckpt: str, out: str, dtype: Optional[str] = None, tokenizer: Optional
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use one of fp32, bf16, fp16")
     torch_dtype = DTYPES[dtype]
+    check_out_apart(out, ckpt, "--ckpt")
     check_out_dir(out, overwrite)
     ck = resolve_checkpoint(ckpt)
+    check_out_apart(out, source_run(ck), "the run of --ckpt")
     model, attn, extra = read_model_config(ck)
     from nosa_layers.megatron.config import validate
 
@@ -206,7 +211,8 @@ def export(ckpt: str, out: str, dtype: Optional[str] = None, tokenizer: Optional
     cfg = hf_config(model, attn, torch_dtype, extra, tokens, None if fmt == "reference" else longrope)
     if fmt == "reference":
         cfg = to_reference_config(cfg, longrope)
-    with atomic_dir(check_out_dir(out, overwrite)) as tmp:
+    need = sum(t.numel() * t.element_size() for t in hf.values())
+    with atomic_dir(check_out_dir(out, overwrite), need_bytes=need) as tmp:
         files = save_safetensors_sharded(hf, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}

@@ -13,12 +13,14 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
 from typing import Optional
 
 import numpy as np
 
+from data import disk_space
 from data.sources import ReadStats, iter_texts
 from data.tokenizer import Tokenizer
 
@@ -87,7 +89,7 @@ def preprocess(
             flush(batch)
         writer.close()
         if bar is not None:
-            bar.close()
+            bar.close()  # before the summary
         if writer.documents == 0:
             raise ValueError(f"no usable documents in {input_path!r} ({'; '.join(stats.summary_lines())}); "
                              f"check --text-key (nothing was written to {out_prefix}.*)")
@@ -100,11 +102,32 @@ def preprocess(
         }
         with open(tmp_prefix + ".summary.json", "w") as f:
             json.dump(summary, f, indent=2)
-        for ext in (".bin", ".idx", ".summary.json"):  # the index after the data it describes
-            os.replace(tmp_prefix + ext, out_prefix + ext)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # all three or none
+        try:
+            for ext in (".bin", ".idx", ".summary.json"):  # the index after the data it describes
+                os.replace(tmp_prefix + ext, out_prefix + ext)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return summary
+    except OSError as e:
+        where = os.path.dirname(os.path.abspath(out_prefix))
+        if not disk_space.is_disk_full(e, where):
+            raise
+        written = sum(disk_space.tree_bytes(tmp_prefix + ext) for ext in (".bin", ".idx"))
+        plain = os.path.isfile(input_path) and not input_path.endswith((".gz", ".parquet"))
+        share = stats.bytes_read / max(os.path.getsize(input_path), 1) if plain else 0  # of the input read
+        need = f"about {disk_space.human(int(written / share))} in all" if share > 0 else "more than that"
+        raise ValueError(f"disk full writing {out_prefix}.bin in {where} "
+                         f"({disk_space.human(disk_space.free_bytes(where))} free) after {disk_space.human(written)}"
+                         f" of it: the temporary files were removed and an existing {out_prefix}.* is untouched; "
+                         f"free {need} there and run again") from None
     finally:
-        writer.discard()
+        if bar is not None:
+            bar.close()  # before any error line
+        try:
+            writer.discard()
+        except OSError:  # closing flushes: on a full disk that fails too
+            pass
         for ext in (".bin", ".idx", ".summary.json"):
             if os.path.exists(tmp_prefix + ext):
                 os.remove(tmp_prefix + ext)
@@ -171,14 +194,26 @@ def main(argv=None) -> int:
                     help="refuse tokenizers larger than the model's vocabulary")
     ap.add_argument("--strict", action="store_true", help="stop at the first bad row instead of skipping and counting")
     args = ap.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: temp files go
     try:
         s = preprocess(args.input, args.tokenizer, args.out, args.text_key, args.split, args.batch_docs,
                        args.max_docs, args.model_vocab_size, args.strict)
     except (ValueError, FileNotFoundError) as e:
         print(f"[preprocess] error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        how = e.args[0] if e.args else "Ctrl-C"
+        print(f"[preprocess] interrupted ({how}): the temporary files were removed and an existing {args.out}.* "
+              f"is untouched", file=sys.stderr)
+        return 143 if how == "SIGTERM" else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_summary(s)
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

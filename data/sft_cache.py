@@ -5,8 +5,10 @@ tokenizer's files (vocabulary, merges, chat template) and of the settings that c
 (chat template kind, ``seq_length``, over-long policy, bad-example policy, messages field). A cache
 entry ``<cache_dir>/sft-<key>/`` holds ``tokens.npy`` (int32, all conversations concatenated),
 ``masks.npy`` (uint8, same length), ``offsets.npy`` (int64 [n+1]), ``sources.npy`` (int32 [n]) and
-``meta.json`` (counts). It is written under a temporary name and renamed when complete, so a
-reader sees a whole entry or none.
+``meta.json`` (counts, and the size and xxh3-128 hash of each array file). It is written under a
+temporary name and renamed when complete, so a reader sees a whole entry or none. Every read checks
+the hashes first (the summary line says how long that took): a damaged entry (flipped bytes, a
+truncated array, an unreadable ``meta.json``) is never trained on; it is rebuilt, with one line.
 
 Who builds: with a process group, rank 0 (the only rank that reads the inputs to hash them; under
 a file lock, so concurrent jobs do not build the same entry twice) while the other ranks wait in a
@@ -23,16 +25,19 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from data import file_hashes
 from data.sft import SFTData, check_losses, tokenize_inputs
 from data.sources import BadInputError, ReadStats
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: meta.json holds each array's size and xxh3-128 hash
+ARRAYS = ("tokens.npy", "masks.npy", "offsets.npy", "sources.npy")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 KEY_SETTINGS = ("chat_template", "seq_length", "overlong", "on_bad_example", "messages_field")
 
@@ -73,9 +78,11 @@ def cache_root(cfg) -> Path:
     return Path(os.path.abspath(cfg.inputs()[0])).parent / ".sft_cache"
 
 
-def write_entry(data: SFTData, entry: Path) -> None:
-    """Write ``data`` as the cache entry ``entry`` (temp dir + rename; an existing entry is kept)."""
+def write_entry(data: SFTData, entry: Path, replace: bool = False) -> bool:
+    """Write ``data`` as the cache entry ``entry`` (temp dir + rename). An existing entry is kept (another
+    writer's: returns False) unless ``replace`` (a damaged one: moved aside, then deleted)."""
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    old = entry.with_name(f".{entry.name}.damaged-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover (same pid) only
     tmp.mkdir(parents=True)
     try:
@@ -84,40 +91,80 @@ def write_entry(data: SFTData, entry: Path) -> None:
         np.save(tmp / "tokens.npy", np.concatenate(data.ids).astype(np.int32) if data.ids else np.zeros(0, np.int32))
         np.save(tmp / "masks.npy", np.concatenate(data.masks).astype(np.uint8) if data.masks else np.zeros(0, np.uint8))
         np.save(tmp / "sources.npy", np.asarray(data.sources, dtype=np.int32))
-        meta = {"version": CACHE_VERSION, "stats": dict(data.stats), "read": data.read.as_dict()}
+        meta = {"version": CACHE_VERSION, "stats": dict(data.stats), "read": data.read.as_dict(),
+                "files": file_hashes.hash_files(tmp, list(ARRAYS))}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        if replace and entry.exists():
+            os.rename(entry, old)
         try:
             os.rename(tmp, entry)
         except OSError:
             if not (entry / "meta.json").is_file():  # not a concurrent writer's complete entry
                 raise
+            return False
+        return True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
-def read_entry(entry: Path) -> SFTData | None:
-    """The cached conversations (memory-mapped views), or None if ``entry`` is not a complete entry."""
+def _meta_problem(meta) -> str | None:
+    """What ``meta.json`` lacks (None when every field the reader needs is there, with its type)."""
+    if not isinstance(meta, dict):
+        return "meta.json is not an object"
+    if meta.get("version") != CACHE_VERSION:
+        return f"written by cache version {meta.get('version')!r}, this is version {CACHE_VERSION}"
+    read = meta.get("read")
+    need = {"stats": (meta.get("stats"), dict), "files": (meta.get("files"), dict), "read": (read, dict)}
+    if isinstance(read, dict):
+        need.update({f"read.{k}": (read.get(k), t) for k, t in
+                     (("rows", int), ("kept", int), ("rejected", dict), ("first_at", dict))})
+    bad = [k for k, (v, t) in need.items() if not isinstance(v, t)]
+    if bad:
+        return f"meta.json lacks {', '.join(bad)}"
+    if sorted(meta["files"]) != sorted(ARRAYS):
+        return f"meta.json lists {sorted(meta['files'])}, not {sorted(ARRAYS)}"
+    return None
+
+
+def check_entry(entry: Path) -> tuple[SFTData | None, str | None]:
+    """``(data, None)`` for an entry whose files match their hashes (memory-mapped views), ``(None, problem)``
+    for a damaged one (one line), ``(None, None)`` where there is none. Reads (hashes) every byte once."""
+    if not entry.exists():
+        return None, None
+    t0 = time.perf_counter()
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        if meta.get("version") != CACHE_VERSION:
-            return None
+    except FileNotFoundError:
+        return None, "meta.json is missing"
+    except (OSError, ValueError) as e:
+        return None, f"meta.json is unreadable ({type(e).__name__})"
+    problem = _meta_problem(meta) or file_hashes.first_problem(file_hashes.check_entries(entry, meta["files"]))
+    if problem:
+        return None, problem
+    try:
         off = np.load(entry / "offsets.npy")
-        mmap = "r" if off[-1] > 0 else None  # an empty array cannot be memory-mapped
+        mmap = "r" if len(off) and off[-1] > 0 else None  # an empty array cannot be memory-mapped
         tokens = np.load(entry / "tokens.npy", mmap_mode=mmap)
         masks = np.load(entry / "masks.npy", mmap_mode=mmap)
         sources = np.load(entry / "sources.npy").tolist()
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as e:
+        return None, f"an array is unreadable ({e})"
+    n = len(off) - 1
+    if not (n >= 0 and off[0] == 0 and np.all(np.diff(off) >= 0) and off[-1] == len(tokens) == len(masks)
+            and len(sources) == n):
+        return None, "its arrays disagree in length"
     read = ReadStats(rows=meta["read"]["rows"], kept=meta["read"]["kept"])
     read.rejected.update(meta["read"]["rejected"])
     read.first_at.update(meta["read"]["first_at"])
-    n = len(off) - 1
+    size, seconds = sum(v["size"] for v in meta["files"].values()), time.perf_counter() - t0
     return SFTData(ids=[tokens[off[i]:off[i + 1]] for i in range(n)],
                    masks=[masks[off[i]:off[i + 1]] for i in range(n)],
-                   sources=sources, stats=Counter(meta["stats"]), read=read, origin=f"from cache {entry}")
+                   sources=sources, stats=Counter(meta["stats"]), read=read,
+                   origin=f"from cache {entry}, {size / 2**20:.1f} MiB verified in {seconds:.2f}s"), None
 
 
 @contextmanager
@@ -131,22 +178,41 @@ def _file_lock(path: Path):
         os.close(fd)
 
 
+_CANNOT_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
 def _build_or_read(cfg, tok, entry: Path, progress: bool, warn) -> SFTData:
-    """Read ``entry``, or tokenize (with progress) and write it, under a file lock next to it."""
-    try:
-        with _file_lock(entry.with_name(entry.name + ".lock")):
-            data = read_entry(entry)
-            if data is None:
-                data = tokenize_inputs(cfg, tok, progress=progress)
-                write_entry(data, entry)
-                data.origin = f"tokenized, cached in {entry}"
+    """Read ``entry``, or tokenize (with progress) and write it, under a file lock next to it. A damaged entry
+    is never used: it is rebuilt (one warning line); a cache dir we may not write is read or bypassed."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(_file_lock(entry.with_name(entry.name + ".lock")))
+            unwritable = None
+        except OSError as e:
+            if e.errno not in _CANNOT_WRITE:
+                raise
+            unwritable = e.strerror
+        data, problem = check_entry(entry)
+        if data is not None:
             return data
-    except OSError as e:  # a cache dir we may not write: tokenize without a cache
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        warn(f"warning: cannot write the SFT cache in {entry.parent} ({e.strerror}); tokenizing without a cache "
+        if problem:
+            warn(f"warning: SFT cache entry {entry} is damaged ({problem}): "
+                 f"{'tokenizing without the cache' if unwritable else 'tokenizing again to replace it'}")
+        data = tokenize_inputs(cfg, tok, progress=progress)
+        if unwritable is None:
+            try:
+                written = write_entry(data, entry, replace=problem is not None)
+                data.origin = (f"tokenized, {'rebuilt' if problem else 'cached'} in {entry}" if written
+                               else f"tokenized; another job cached the same entry in {entry} meanwhile")
+                return data
+            except OSError as e:
+                if e.errno not in _CANNOT_WRITE:
+                    raise
+                unwritable = e.strerror
+        warn(f"warning: cannot write the SFT cache in {entry.parent} ({unwritable}); tokenized without a cache "
              f"(set sft.cache_dir to a writable directory shared by all nodes)")
-        return tokenize_inputs(cfg, tok, progress=progress)
+        data.origin = "tokenized, not cached"
+        return data
 
 
 def load_sft_cached(cfg, tok, log=None) -> SFTData:
@@ -177,10 +243,11 @@ def load_sft_cached(cfg, tok, log=None) -> SFTData:
         raise BadInputError(status[0])
     if data is None:
         entry = Path(status[1])
-        data = read_entry(entry)
+        data, problem = check_entry(entry)
         if data is None:
-            print(f"warning: rank {dist.get_rank()} finds no SFT cache entry {entry} (sft.cache_dir not shared "
-                  f"between nodes, or not writable); tokenizing on this rank", flush=True)
+            why = f"finds the SFT cache entry {entry} damaged ({problem})" if problem else (
+                f"finds no SFT cache entry {entry} (sft.cache_dir not shared between nodes, or not writable)")
+            print(f"warning: rank {dist.get_rank()} {why}; tokenizing on this rank", flush=True)
             data = tokenize_inputs(cfg, tok)
         data = check_losses(data, cfg, lambda m: None)  # rank 0 has reported
     return data

@@ -56,6 +56,8 @@ def load_documents(data: str, tok, length: int, count: int, vocab_size: int, spl
 
     ``join``: when fewer are that long, fill up with runs of consecutive shorter documents joined
     with their end-of-document token (a note says so)."""
+    if count < 1:
+        raise EvalError(f"--docs {count}: give at least 1 document to evaluate")
     docs = _token_documents(data, tok, split, text_key)
     longest = max((len(d) for d in docs), default=0)
     picked = [d[:length] for d in docs if len(d) >= length][:count]

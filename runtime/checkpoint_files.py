@@ -5,6 +5,10 @@
         nosa_config.json                  {"model": ModelConfig, "attention": AttentionConfig, ...} as dicts
         manifest.json                     size + checksum of every file (runtime.checkpoint_manifest)
 
+A checkpoint holding ``nosa_config.json`` was written by this project, which always writes the
+manifest too: without a (readable) manifest it is damaged. One without either was written by
+another tool; it is loaded (unverified) only when the caller allows it.
+
 Kept here (below both ``train/`` and ``checkpoints_convert/``) so neither restates the layout.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 from runtime.checkpoint_manifest import MANIFEST
@@ -29,9 +34,10 @@ class CheckpointError(ValueError):
 
 
 def _is_complete(d: Path) -> bool:
-    """A finished checkpoint dir: not a ``.tmp`` save in progress, with a manifest or megatron's metadata."""
+    """A finished checkpoint dir (not a ``.tmp`` save in progress) with a manifest, megatron's metadata
+    or our model config: intact or not, it is reported rather than skipped."""
     return d.is_dir() and not d.name.endswith(".tmp") and \
-        ((d / MANIFEST).is_file() or (d / "metadata.json").is_file())
+        any((d / name).exists() for name in (MANIFEST, "metadata.json", MODEL_CONFIG))
 
 
 def _step_of(d: Path) -> int:
@@ -85,20 +91,24 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     return ckpt
 
 
-def select_checkpoint(path: str | os.PathLike, verify=None, fallback: bool = True, log=None) -> Path | None:
-    """The newest intact checkpoint at ``path`` (run dir, ``checkpoints/`` dir or one ``iter_*`` dir).
+def select_checkpoint(path: str | os.PathLike, verify=None, fallback: bool = True, log=None,
+                      allow_foreign: bool = False, foreign_hint: str = "") -> Path | None:
+    """The newest verified checkpoint at ``path`` (run dir, ``checkpoints/`` dir or one ``iter_*`` dir).
 
-    ``verify(ckpt) -> problem | None`` (default: full manifest check). A checkpoint without a
-    manifest (written by another tool) is used with a warning. At a run dir, a damaged ``latest``
-    or checkpoint is reported in one line each and, with ``fallback``, the next newest intact one
-    is used; without ``fallback`` (or for an explicit ``iter_*`` dir) a :class:`CheckpointError`
-    names the problem and the newest intact checkpoint. None where there is no checkpoint at all.
+    ``verify(ckpt) -> problem | None`` (default: full manifest check). A checkpoint of this project
+    (``nosa_config.json``) without a readable manifest is damaged. One without manifest and model config
+    (written by another tool) is refused with :class:`CheckpointError` (``foreign_hint`` names the
+    flag that allows it), or used unverified with a warning when ``allow_foreign``. At a run dir, a damaged
+    ``latest`` or checkpoint is reported in one line each and, with ``fallback``, the next newest verified
+    one is used; without ``fallback`` (or for an explicit ``iter_*`` dir) a :class:`CheckpointError`
+    names the problem and the newest verified checkpoint. None where there is no checkpoint at all.
     """
     verify = verify or (lambda c: manifest_verify(c, deep=True))
     log = log or (lambda m: None)
+    usable = partial(_usable, verify=verify, allow_foreign=allow_foreign, hint=foreign_hint)
     p = Path(path)
     if _is_explicit(p):
-        problem = _usable(p, verify, log)
+        problem = usable(p, log=log)
         if problem:
             raise CheckpointError(f"checkpoint {p} is damaged: {problem}")
         return p
@@ -109,7 +119,7 @@ def select_checkpoint(path: str | os.PathLike, verify=None, fallback: bool = Tru
     problems = [problem] if problem else []
     order = ([pointed] if pointed else []) + [d for d in complete_checkpoints(root) if d != pointed]
     for ckpt in order:
-        bad = None if problems and not fallback else _usable(ckpt, verify, log)
+        bad = None if problems and not fallback else usable(ckpt, log=log)
         if bad is None and not problems:
             return ckpt
         if bad is None and fallback:
@@ -119,10 +129,10 @@ def select_checkpoint(path: str | os.PathLike, verify=None, fallback: bool = Tru
             problems.append(f"checkpoint {ckpt} is damaged: {bad}")
         if not fallback:
             rest = [d for d in order if not (bad and d == ckpt)]
-            good = next((d for d in rest if _usable(d, verify, lambda m: None) is None), None)
-            hint = f"; the newest intact checkpoint is {good}" if good else ""
+            good = next((d for d in rest if usable(d, log=lambda m: None) is None), None)
+            hint = f"; the newest verified checkpoint is {good}" if good else ""
             raise CheckpointError(f"{problems[0]}{hint}")
-    raise CheckpointError(f"no intact checkpoint in {root}: {'; '.join(problems[:3])}")
+    raise CheckpointError(f"no verified checkpoint in {root}: {'; '.join(problems[:3])}")
 
 
 def _is_explicit(p: Path) -> bool:
@@ -130,11 +140,17 @@ def _is_explicit(p: Path) -> bool:
     return (p / "metadata.json").is_file() or (_is_complete(p) and p.name.startswith("iter_"))
 
 
-def _usable(ckpt: Path, verify, log) -> str | None:
-    if not (ckpt / MANIFEST).is_file() and (ckpt / "metadata.json").is_file():
-        log(f"warning: {ckpt} has no {MANIFEST} (written by another tool or an older version): not verified")
-        return None
-    return verify(ckpt)
+def _usable(ckpt: Path, verify, allow_foreign: bool, hint: str, log) -> str | None:
+    """Why ``ckpt`` may not be loaded (one line), or None; a foreign checkpoint without ``allow_foreign``
+    raises :class:`CheckpointError` (falling back from it would hide the choice the user has to make)."""
+    if (ckpt / MANIFEST).exists() or (ckpt / MODEL_CONFIG).exists():
+        return verify(ckpt) if (ckpt / MANIFEST).exists() else (
+            f"{MANIFEST} is missing (this project writes it with every checkpoint: it was lost or deleted)")
+    if not allow_foreign:
+        raise CheckpointError(f"checkpoint {ckpt} has no {MANIFEST} and no {MODEL_CONFIG}: another tool wrote it, "
+                              f"so its files cannot be verified{'; ' + hint if hint else ''}")
+    log(f"warning: loading {ckpt} unverified: it has no {MANIFEST} (another tool wrote it), as allowed")
+    return None
 
 
 def configs_to_dict(model: ModelConfig, attn: AttentionConfig) -> dict:

@@ -9,7 +9,8 @@ shards and flipped bytes, not against someone who rewrites the manifest too.
     {"format": 1, "hash": "xxh3_128", "files": {"<relative path>": {"size": int, "xxh3_128": hex}}}
 
 Work can be split: :func:`hash_files` takes any subset (e.g. one share per rank) and
-:func:`check_entries` compares any subset of entries.
+:func:`check_entries` compares any subset of entries (both from ``data.file_hashes``, which the SFT
+token cache uses too).
 """
 
 from __future__ import annotations
@@ -18,23 +19,10 @@ import json
 import os
 from pathlib import Path
 
+from data.file_hashes import HASH, check_entries, first_problem, hash_file, hash_files  # noqa: F401 (re-exported)
+
 MANIFEST = "manifest.json"
-HASH = "xxh3_128"
 FORMAT = 1
-_CHUNK = 8 << 20
-
-
-def hash_file(path: str | os.PathLike) -> str:
-    """xxh3-128 of a file's bytes (hex), read in 8 MiB chunks."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def list_files(ckpt: str | os.PathLike) -> list[str]:
@@ -42,12 +30,6 @@ def list_files(ckpt: str | os.PathLike) -> list[str]:
     root = Path(ckpt)
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST
                   and not p.name.endswith(".tmp"))
-
-
-def hash_files(ckpt: str | os.PathLike, names: list[str]) -> dict:
-    """``{name: {"size", "xxh3_128"}}`` for the given relative paths."""
-    root = Path(ckpt)
-    return {n: {"size": (root / n).stat().st_size, HASH: hash_file(root / n)} for n in names}
 
 
 def write_manifest(ckpt: str | os.PathLike, entries: dict) -> Path:
@@ -74,31 +56,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def read_manifest(ckpt: str | os.PathLike) -> dict:
     """The ``files`` entries of a checkpoint's manifest; ``ValueError`` (one line) when absent or unreadable."""
     path = Path(ckpt) / MANIFEST
-    if not path.is_file():
-        raise ValueError(f"{Path(ckpt).name} has no {MANIFEST} (an incomplete save, or written before manifests)")
+    if not path.exists():
+        raise ValueError(f"{MANIFEST} is missing")
     try:
         raw = json.loads(path.read_text())
         files = raw["files"]
         if raw.get("hash") != HASH or not isinstance(files, dict):
             raise ValueError(f"hash {raw.get('hash')!r}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is unreadable ({e})") from None
+        if not all(isinstance(v, dict) for v in files.values()):
+            raise ValueError("an entry is not an object")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__ if isinstance(e, OSError) else e})") from None
     return files
-
-
-def check_entries(ckpt: str | os.PathLike, entries: dict, deep: bool = True) -> list[str]:
-    """Problems of the listed files (missing, size, hash with ``deep``); empty when they all match."""
-    root = Path(ckpt)
-    problems = []
-    for name, want in sorted(entries.items()):
-        p = root / name
-        if not p.is_file():
-            problems.append(f"{name} is missing")
-        elif p.stat().st_size != want.get("size"):
-            problems.append(f"{name} has {p.stat().st_size} bytes, the manifest says {want.get('size')}")
-        elif deep and hash_file(p) != want.get(HASH):
-            problems.append(f"{name} does not match its checksum")
-    return problems
 
 
 def verify(ckpt: str | os.PathLike, deep: bool = True) -> str | None:
@@ -109,9 +78,3 @@ def verify(ckpt: str | os.PathLike, deep: bool = True) -> str | None:
         return str(e)
     return first_problem(check_entries(ckpt, entries, deep))
 
-
-def first_problem(problems: list[str]) -> str | None:
-    """One line for a list of problems (the first, and how many more), or None."""
-    if not problems:
-        return None
-    return problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")

@@ -7,8 +7,9 @@ import sys
 
 def run_cli(prog: str, fn, *args) -> int:
     """Run a command's work ``fn(*args)``: 0 when it returns; a bad input (``ValueError`` and its subclasses,
-    the commands' one-message errors, or ``FileNotFoundError``) is one ``<prog>: error: ...`` line on stderr
-    and exit code 2, with no traceback. Known third-party warnings are one line (``runtime.third_party_noise``)."""
+    the commands' one-message errors) or a file it cannot read or write (``OSError``: a missing input, no
+    permission, a full disk) is one ``<prog>: error: ...`` line on stderr and exit code 2, with no traceback.
+    Known third-party warnings are one line (``runtime.third_party_noise``)."""
     from runtime.megatron_cpu import lean_megatron_import
     from runtime.third_party_noise import quiet_third_party
 
@@ -16,7 +17,7 @@ def run_cli(prog: str, fn, *args) -> int:
     lean_megatron_import()
     try:
         fn(*args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -4,7 +4,8 @@ error leaves what was there before and never a partial file.
 
 ``write_atomic`` / ``write_json`` for contents in memory, ``atomic_path`` for a writer that streams to a path
 (rows of a JSONL file, a profiler's trace, a plot), ``atomic_dir`` for a directory of files. None of them
-decides whether an existing output may be replaced: the caller checks that first.
+decides whether an existing output may be replaced: the caller checks that first. A directory that fills the
+disk is one :class:`DiskFullError` line (the partial output removed, what was there before kept).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from data import disk_space
+
+
+class DiskFullError(OSError):
+    """The disk (or a quota) filled up while an output was written; the message says what to free (one line)."""
 
 
 @contextmanager
@@ -57,18 +64,28 @@ def write_json(path: str | os.PathLike, obj, indent: int = 2) -> Path:
 
 
 @contextmanager
-def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, need_bytes: int | None = None) -> Iterator[Path]:
     """A sibling temporary directory for the caller to fill; renamed to ``out`` when the block ends (an existing
     ``out`` is replaced then: the caller has checked that it may be), removed on an error. The result gets the
-    usual permissions (0777 / 0666 minus the umask), not the temporary directory's 0700."""
+    usual permissions (0777 / 0666 minus the umask), not the temporary directory's 0700. A full disk is one
+    :class:`DiskFullError` line (``need_bytes``: about what the whole output takes, to say what to free)."""
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
         _normal_permissions(tmp)
-    except BaseException:
+    except BaseException as e:
+        # a writer's failure (not the caller's own one-line refusal, nor an interruption) on a disk that filled up
+        full = not isinstance(e, (ValueError, DiskFullError, KeyboardInterrupt, SystemExit))
+        full = full and disk_space.is_disk_full(e, out.parent)
+        free, written = disk_space.free_bytes(out.parent), disk_space.tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            need = f"about {disk_space.human(need_bytes)}" if need_bytes else f"more than {disk_space.human(written)}"
+            raise DiskFullError(f"disk full writing {out} ({disk_space.human(free)} free, "
+                                f"{disk_space.human(written)} written): the partial output was removed and {out} is "
+                                f"as it was; free {need} there and run again") from None
         raise
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"

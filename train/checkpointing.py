@@ -8,10 +8,13 @@ Layout under ``<run.dir>/checkpoints``::
 
 A save writes ``iter_N.tmp`` first; when every rank has finished, the ranks hash the files (each
 a share), rank 0 writes the manifest, renames the directory and moves the ``latest`` pointer, so
-a crash (even kill -9) during a save leaves the previous checkpoint and pointer intact. Loading
-verifies the manifest first (again split over the ranks); a damaged checkpoint is reported in
-one line and the resume falls back to the newest intact one (``checkpoint.on_corrupt=fallback``)
-or stops (``fail``). Rotation keeps the ``keep_last`` newest intact checkpoints.
+a crash (even kill -9) during a save leaves the previous checkpoint and pointer intact; a failed or
+interrupted save (a full disk) removes its ``iter_N.tmp`` and says so in one line. Loading
+verifies the manifest first (again split over the ranks); a checkpoint of this trainer without one
+is damaged. A damaged checkpoint is reported in one line and the resume falls back to the newest
+verified one (``checkpoint.on_corrupt=fallback``) or stops (``fail``). Rotation keeps the
+``keep_last`` newest verified checkpoints, re-hashing each older one it counts before it deletes
+anything older still (one previous checkpoint per save once the run is under way).
 
 ``resume`` restores everything; ``init_from`` loads model weights only (the next stage),
 tolerating parameters that the checkpoint lacks when they are new eviction-head parameters
@@ -25,15 +28,18 @@ import os
 import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from data import disk_space
 from runtime import checkpoint_manifest as manifest
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
 from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
+from train.lost_rank import is_collective_failure
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # reshardable over TP/PP/DP
 
@@ -100,31 +106,20 @@ def _state_dict(model_chunks, optimizer, scheduler, step: int, loader_state: dic
 
 
 def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler, loader_state: dict,
-                    extra: dict, keep_last: int = 0, log=print, model_config: dict | None = None) -> Path:
+                    extra: dict, keep_last: int = 0, log=print, model_config: dict | None = None,
+                    newest_verified: Path | None = None) -> Path:
     """Save a complete checkpoint of ``step`` and move ``latest`` to it (all ranks call this).
 
     ``model_config`` (model + attention configs as plain dicts) is written next to the tensors as
-    ``nosa_config.json`` so that converters can rebuild the model without the training config.
+    ``nosa_config.json`` so that converters can rebuild the model without the training config. A failed
+    or interrupted save removes its ``iter_N.tmp`` and leaves the earlier checkpoints as they were; a
+    failure is one :class:`CheckpointError` line (a full disk says how much to free), naming
+    ``newest_verified``.
     """
-    from megatron.core import dist_checkpointing
-
     root = checkpoints_dir(run_dir)
     final, tmp = root / iter_name(step), root / (iter_name(step) + ".tmp")
-    if dist.get_rank() == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(_state_dict(model_chunks, optimizer, scheduler, step, loader_state, extra), str(tmp))
-    if os.environ.get("NOSA_FAULT_KILL_DURING_SAVE") == str(step):  # test hook: crash mid-save
-        os.kill(os.getpid(), signal.SIGKILL)
-    dist.barrier()
-    if dist.get_rank() == 0 and model_config is not None:
-        (tmp / MODEL_CONFIG).write_text(json.dumps({**model_config, "step": step}, indent=2))
-    dist.barrier()
-    entries = _hash_shared(tmp)
-    if dist.get_rank() == 0:
-        manifest.write_manifest(tmp, entries)
+
+    def publish():  # the complete checkpoint under its name, then `latest` moved to it
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -132,14 +127,84 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
         pointer_tmp.write_text(final.name + "\n")
         os.replace(pointer_tmp, root / LATEST)
         manifest.fsync_dir(root)
-        _prune(root, keep_last, keep=final)
         log(f"saved checkpoint {final}")
-    dist.barrier()
+
+    try:
+        _write_checkpoint(tmp, step, model_chunks, optimizer, scheduler, loader_state, extra, model_config)
+        _on_rank0(publish)
+    except BaseException as e:
+        _save_failed(e, tmp, step, newest_verified)
+    _prune(root, keep_last, keep=final, log=log)
     return final
 
 
+def _write_checkpoint(tmp: Path, step: int, model_chunks, optimizer, scheduler, loader_state: dict, extra: dict,
+                      model_config: dict | None) -> None:
+    """Every file of the checkpoint, its manifest last, into ``tmp`` (all ranks call this; the steps only
+    rank 0 takes report their failure to every rank)."""
+    from megatron.core import dist_checkpointing
+
+    def start():
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+
+    _on_rank0(start)
+    dist_checkpointing.save(_state_dict(model_chunks, optimizer, scheduler, step, loader_state, extra), str(tmp))
+    if os.environ.get("NOSA_FAULT_KILL_DURING_SAVE") == str(step):  # test hook: crash mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    if model_config is not None:
+        _on_rank0(lambda: (tmp / MODEL_CONFIG).write_text(json.dumps({**model_config, "step": step}, indent=2)))
+    entries = _hash_shared(tmp)
+    _on_rank0(lambda: manifest.write_manifest(tmp, entries))
+
+
+class _PeerFailed(RuntimeError):
+    """Rank 0 failed a step of the save that only it takes (its own error says why)."""
+
+
+def _on_rank0(fn) -> None:
+    """Run ``fn`` on rank 0; every rank learns whether it failed (one broadcast) and raises with it."""
+    failed = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            failed[0] = f"{type(e).__name__}: {e}"
+            dist.broadcast_object_list(failed, src=0)
+            raise
+    dist.broadcast_object_list(failed, src=0)
+    if failed[0] is not None:
+        raise _PeerFailed(f"rank 0 failed: {failed[0]}")
+
+
+def _save_failed(e: BaseException, tmp: Path, step: int, newest_verified: Path | None):
+    """Remove the partial ``tmp`` (rank 0) and re-raise: an interruption as it is, a failure as one line."""
+    root = tmp.parent
+    interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))  # torch's CheckpointException is a BaseException
+    full = not interrupted and not isinstance(e, _PeerFailed) and disk_space.is_disk_full(e, root)
+    free, partial = disk_space.free_bytes(root), disk_space.tree_bytes(tmp)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if interrupted or is_collective_failure(e):  # reported by train.main
+        raise e
+    kept = f"newest verified checkpoint: {newest_verified}" if newest_verified else "no earlier checkpoint"
+    if full:
+        prev = next(iter(complete_checkpoints(root)), None)
+        need = disk_space.tree_bytes(prev) if prev is not None else None
+        what = (f"a checkpoint takes about {disk_space.human(need)}: free at least that much"
+                if need else f"free more than the {disk_space.human(partial)} it had written")
+        raise CheckpointError(f"disk full while saving the step-{step} checkpoint into {root} "
+                              f"({disk_space.human(free)} free): removed the partial {tmp.name}, the earlier "
+                              f"checkpoints are as they were ({kept}); {what} there (checkpoint.keep_last=N keeps "
+                              f"fewer) and launch again to resume") from None
+    raise CheckpointError(f"cannot save the step-{step} checkpoint into {root} ({load_error_line(e)}): removed "
+                          f"the partial {tmp.name}, the earlier checkpoints are as they were ({kept})") from None
+
+
 def _my_share(names: list[str]) -> list[str]:
-    return names[dist.get_rank()::dist.get_world_size()]
+    return names[_rank()::dist.get_world_size() if dist.is_initialized() else 1]
 
 
 def _hash_shared(ckpt: Path) -> dict:
@@ -151,39 +216,77 @@ def _hash_shared(ckpt: Path) -> dict:
 
 
 def verify_shared(ckpt: Path) -> str | None:
-    """``runtime.checkpoint_manifest.verify`` with the hashing split over the ranks (all ranks call this)."""
+    """``runtime.checkpoint_manifest.verify`` with the hashing split over the ranks (all ranks call this; without a
+    process group, this process hashes everything)."""
     try:
         entries = manifest.read_manifest(ckpt)
     except ValueError as e:
         return str(e)
     names = sorted(entries)
     mine = manifest.check_entries(ckpt, {n: entries[n] for n in _my_share(names)})
+    if not dist.is_initialized():
+        return manifest.first_problem(mine)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return manifest.first_problem([p for part in parts for p in part])
 
 
-def newest_intact_checkpoint(run_dir: str) -> Path | None:
-    """The newest checkpoint of a run whose files match their manifest sizes (no re-hash; one rank)."""
+def newest_verified_checkpoint(run_dir: str) -> Path | None:
+    """The newest checkpoint of a run whose every file matches its manifest hash (one rank, no collective)."""
     root = checkpoints_dir(run_dir)
-    return next((d for d in complete_checkpoints(root) if manifest.verify(d, deep=False) is None), None) \
+    return next((d for d in complete_checkpoints(root) if manifest.verify(d, deep=True) is None), None) \
         if root.is_dir() else None
 
 
-def _prune(root: Path, keep_last: int, keep: Path) -> None:
-    """Delete checkpoints older than the ``keep_last`` newest intact ones (never ``keep``)."""
-    for p in root.glob("iter_*.tmp"):
-        shutil.rmtree(p, ignore_errors=True)
+def _prune(root: Path, keep_last: int, keep: Path, log=print, verify=None) -> None:
+    """Delete the checkpoints older than the ``keep_last`` newest verified ones, ``keep`` (just written and
+    hashed) among them (all ranks call this). Each older candidate is re-hashed (``verify``, split over the
+    ranks) before anything older than it goes: a damaged one never stands in for a deleted good one."""
+    verify = verify or verify_shared
+    if _rank() == 0:
+        for p in root.glob("iter_*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
     if keep_last <= 0:
         return
-    done = complete_checkpoints(root)  # newest first
-    intact = [d for d in done if manifest.verify(d, deep=False) is None]
-    if len(intact) < keep_last:
+    t0, done = time.perf_counter(), complete_checkpoints(root)  # newest first
+    verified = [keep]
+    for d in done:
+        if len(verified) == keep_last:
+            break
+        if d == keep or _step_of(d) > _step_of(keep):
+            continue
+        problem = verify(d)
+        if problem is None:
+            verified.append(d)
+        else:
+            log(f"warning: checkpoint {d} is damaged ({problem}): rotation does not count it")
+    if len(verified) < keep_last:
         return
-    oldest_kept = intact[keep_last - 1]
-    for d in done[done.index(oldest_kept) + 1:]:
-        if d != keep:
+    gone = [d for d in done if _step_of(d) < _step_of(verified[-1]) and d != keep  # only what this trainer wrote
+            and any((d / name).exists() for name in (manifest.MANIFEST, MODEL_CONFIG))]
+    if gone and _rank() == 0:
+        for d in gone:
             shutil.rmtree(d, ignore_errors=True)
+        log(f"rotation: deleted {', '.join(d.name for d in gone)} (checkpoint.keep_last={keep_last}; the kept "
+            f"{', '.join(d.name for d in verified[1:]) or keep.name} verified by hash in "
+            f"{time.perf_counter() - t0:.1f}s)")
+    _barrier()
+
+
+def _step_of(d: Path) -> int:
+    try:
+        return int(d.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _init_empty_adam_states(optimizer) -> None:
@@ -233,6 +336,8 @@ def _load(sharded_state: dict, ckpt: Path) -> dict:
         read_checkpoint_metadata(ckpt)
         return dist_checkpointing.load(sharded_state, str(ckpt))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
+        if is_collective_failure(e):
+            raise
         raise CheckpointError(f"cannot load {ckpt}: {load_error_line(e)}") from None
 
 
@@ -249,11 +354,15 @@ def _load_model(model_chunks, loaded: dict, strict: bool) -> list[str]:
 NEW_STAGE_PARAM_MARKERS = ("eviction", "_extra_state")
 
 
-def load_weights(path: str, model_chunks, log=print) -> Path:
+UNVERIFIED_HINT = "set checkpoint.allow_unverified=true to load it anyway"
+
+
+def load_weights(path: str, model_chunks, log=print, allow_unverified: bool = False) -> Path:
     """Weights-only start from a checkpoint (``init_from``); new eviction-head params keep their init."""
     from megatron.core import dist_checkpointing
 
-    ckpt = select_checkpoint(path, verify=verify_shared, fallback=False, log=log)
+    ckpt = select_checkpoint(path, verify=verify_shared, fallback=False, log=log, allow_foreign=allow_unverified,
+                             foreign_hint=UNVERIFIED_HINT)
     if ckpt is None:
         raise CheckpointError(f"init_from={path!r}: no checkpoint there (expected a run dir, "
                               f"its checkpoints/ dir with a 'latest' pointer, or an iter_* dir)")

@@ -136,9 +136,11 @@ class CheckpointSection:
 
     interval: int = 0  # every N steps (0: only at the end)
     resume: str = "auto"  # auto: continue from <run.dir>/checkpoints/latest if present
-    keep_last: int = 2  # checkpoints older than the keep_last newest intact ones are deleted (0: keep all)
-    on_corrupt: str = "fallback"  # resume from a damaged checkpoint: fallback (to the newest intact one) | fail
+    keep_last: int = 2  # checkpoints older than the keep_last newest verified ones are deleted (0: keep all)
+    on_corrupt: str = "fallback"  # resume from a damaged checkpoint: fallback (to the newest verified one) | fail
     allow_config_change: bool = False  # resume although settings that change the trajectory differ from config.yaml
+    # resume / init_from a checkpoint another tool wrote (no manifest.json, no nosa_config.json), unverified
+    allow_unverified: bool = False
     save: bool = True  # false: never write checkpoints (benchmarks)
 
 

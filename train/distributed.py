@@ -91,8 +91,13 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(minutes=cfg.cluster.dist_timeout_minutes))
+        timeout = timedelta(minutes=cfg.cluster.dist_timeout_minutes)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store over its restarts (--max-restarts): a fresh key space per attempt, else the
+        # restarted ranks read the previous attempt's addresses and cannot connect
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=rank, world_size=world)
     p = cfg.parallel
     ps.initialize_model_parallel(
         distributed_timeout_minutes=max(1, round(cfg.cluster.dist_timeout_minutes)),

@@ -132,7 +132,8 @@ def plan_jobs(cli) -> list[tuple[list[str], object]]:
 
 
 def train(cfg, last: bool = True) -> int:
-    """Train under a lock on ``run.dir``; bad input, a damaged checkpoint or a non-finite step end in one line.
+    """Train under a lock on ``run.dir``; bad input, a damaged checkpoint, a non-finite step, Ctrl-C or a lost
+    rank end in one line.
 
     ``last=False`` (a multirun job followed by others) keeps the process group for the next job and
     only tears down megatron's model-parallel state."""
@@ -146,35 +147,61 @@ def train(cfg, last: bool = True) -> int:
     from train.compose import to_yaml
     from train.config import config_changes
     from train.distributed import init_distributed, shutdown
+    from train.lost_rank import Peers, is_collective_failure, lost_rank_line
+    from train.preemption import StopSignal
     from train.run_lock import RunDirLock, RunDirLocked
     from train.trainer import NonFiniteError, Trainer
 
     env = init_distributed(cfg)
     lock = RunDirLock(cfg.run_dir)
+    peers = Peers() if env.world_size > 1 else None
+    trainer, broken = None, False  # broken: collectives unusable, leave without a barrier
+    # save signals (from the lock on): the trainer acts on them at a step boundary; while the run winds down
+    # (torchrun stopping the survivors of a lost rank) they do not kill the report
+    held = StopSignal(cfg.cluster.save_signals, env.device)
     try:
-        held = [None]
+        held_by = [None]
         if env.is_main:
             try:
                 lock.acquire()
             except RunDirLocked as e:
-                held[0] = str(e)
-        dist.broadcast_object_list(held, src=0)
-        if held[0]:
-            raise RunDirLocked(held[0])
+                held_by[0] = str(e)
+        dist.broadcast_object_list(held_by, src=0)
+        if held_by[0]:
+            raise RunDirLocked(held_by[0])
         if env.is_main:
             changed = sum(config_changes(cfg), [])
             if changed and (Path(cfg.run_dir) / "checkpoints").is_dir():
                 print(f"resuming with changed settings: {'; '.join(changed)}", flush=True)
             write_atomic(Path(cfg.run_dir) / "config.yaml", to_yaml(cfg))
         dist.barrier()
-        Trainer(cfg, env).run()
+        trainer = Trainer(cfg, env)
+        trainer.run(held)
     except (NonFiniteError, CheckpointError, RunDirLocked, BadInputError) as e:
         if env.is_main or env.world_size == 1:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3 if isinstance(e, NonFiniteError) else 2
+    except KeyboardInterrupt:  # Ctrl-C: nothing is saved, the checkpoints stay as they are
+        broken = True
+        if env.is_main:
+            print(trainer.interrupted() if trainer else "interrupted while starting: nothing was trained, no "
+                  "checkpoint was changed", file=sys.stderr, flush=True)
+        return 130
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if peers is None or isinstance(e, SystemExit) or not is_collective_failure(e):
+            raise
+        broken = True
+        lost = peers.lost()
+        if peers.reporter(lost):
+            newest = trainer.newest_verified(scan=True) if trainer else "no checkpoint was changed"
+            print(f"error: {lost_rank_line(lost, trainer.step if trainer else 0, e, newest)}",
+                  file=sys.stderr, flush=True)
+        return 1
     finally:
         lock.release()
-        if last:
+        if broken:
+            pass  # no barrier with a peer gone or interrupted; the process exits next
+        elif last:
             shutdown()
         else:
             from megatron.core import parallel_state as ps
@@ -182,6 +209,7 @@ def train(cfg, last: bool = True) -> int:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             dist.barrier()
+        held.release()
     return 0
 
 

@@ -17,7 +17,7 @@ LOCK_FILE = ".lock"
 
 
 class RunDirLocked(RuntimeError):
-    """Another process trains into the same run directory (one-line message)."""
+    """Another process trains into the same run directory, or its lock file cannot be made (one-line message)."""
 
 
 class RunDirLock:
@@ -28,8 +28,13 @@ class RunDirLock:
         self.fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            what = (f"{self.path} is a directory, not this trainer's lock file; remove it" if self.path.is_dir()
+                    else f"cannot create the lock file {self.path} ({e.strerror}); fix that")
+            raise RunDirLocked(f"run.dir {self.path.parent}: {what}, or choose another run.dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

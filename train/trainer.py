@@ -52,6 +52,8 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.run_dir)
         self.step = 0
+        self.verified: Path | None = None  # the newest checkpoint this launch verified (loaded) or wrote (hashed)
+        self.restored = False  # the start point is settled (no checkpoint of the run was changed before)
         self.nonfinite_streak = 0  # consecutive steps whose update was not applied (non-finite)
         self.precision = mixed_precision(cfg, env.device)
         self.micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.dp_size)
@@ -80,21 +82,26 @@ class Trainer:
         """``checkpoint.resume=auto``: continue this run; else ``init_from``: weights of a previous stage."""
         cfg, env = self.cfg, self.env
         latest = ckpt.select_checkpoint(ckpt.checkpoints_dir(str(self.run_dir)), verify=ckpt.verify_shared,
-                                        fallback=cfg.checkpoint.on_corrupt == "fallback", log=partial(log0, env)) \
+                                        fallback=cfg.checkpoint.on_corrupt == "fallback", log=partial(log0, env),
+                                        allow_foreign=cfg.checkpoint.allow_unverified,
+                                        foreign_hint=ckpt.UNVERIFIED_HINT) \
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
             self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
             use_fused_adam(self.optimizer, cfg.optim.fused)  # the checkpoint brought its groups' settings
             self.train_batches.load_state_dict(loader_state)
             self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))
+            self.verified = latest
             log0(env, f"resumed from {latest} at step {self.step}")
         elif cfg.init_from:
-            src = ckpt.load_weights(cfg.init_from, self.model, log=partial(log0, env))
+            src = ckpt.load_weights(cfg.init_from, self.model, log=partial(log0, env),
+                                    allow_unverified=cfg.checkpoint.allow_unverified)
             for m in self.model:  # keep every DP replica identical after a partial load
                 m.broadcast_params()
             if self.precision in ("bf16", "fp16"):
                 self.optimizer.reload_model_params()
             log0(env, f"initialised weights from {src}")
+        self.restored = True
         if adam_is_fused(self.optimizer):  # read back after any load: what the steps will run
             log0(env, "optimizer: torch's fused AdamW kernel")
 
@@ -261,7 +268,7 @@ class Trainer:
             log0(self.env, f"step {step}: {what}; update skipped ({self.nonfinite_streak} in a row, "
                            f"the run stops at train.nan_skip_limit={t.nan_skip_limit})")
             return
-        kept = self._newest_intact()
+        kept = self.newest_verified()
         if t.nan_policy == "skip":
             raise NonFiniteError(f"step {step}: {what}; {self.nonfinite_streak} consecutive steps skipped "
                                  f"(train.nan_skip_limit={t.nan_skip_limit}); stopping, the weights were not "
@@ -269,9 +276,19 @@ class Trainer:
         raise NonFiniteError(f"step {step}: {what}; the update was not applied, stopping ({kept}). Lower "
                              f"optim.lr, check the data, or set train.nan_policy=skip to skip such steps")
 
-    def _newest_intact(self) -> str:
-        good = ckpt.newest_intact_checkpoint(str(self.run_dir))
-        return f"newest intact checkpoint: {good}" if good else "no checkpoint of this run was written"
+    def newest_verified(self, scan: bool | None = None) -> str:
+        """``newest verified checkpoint: <dir>``: the one this launch loaded or wrote (its files hashed), else
+        the newest on disk whose files match their manifest hashes (read with ``scan``: by the main rank)."""
+        good = self.verified
+        if good is None and (self.env.is_main if scan is None else scan):
+            good = ckpt.newest_verified_checkpoint(str(self.run_dir))
+        return f"newest verified checkpoint: {good}" if good else "no checkpoint of this run was written"
+
+    def interrupted(self) -> str:
+        """The line for a run stopped by Ctrl-C (nothing saved)."""
+        if not self.restored:
+            return "interrupted while starting: nothing was trained, no checkpoint was changed"
+        return f"interrupted at step {self.step}; {self.newest_verified()}"
 
     @contextmanager
     def _params_synced(self):
@@ -315,18 +332,22 @@ class Trainer:
     def _save(self) -> None:
         if weights_nonfinite(self.model, self.env.device):
             raise NonFiniteError(f"the weights hold NaN/inf at step {self.step}: not saving a checkpoint "
-                                 f"({self._newest_intact()})")
-        ckpt.save_checkpoint(str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler,
-                             self.train_batches.state_dict(),
-                             {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
-                             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
-                             model_config={**configs_to_dict(self.cfg.model, self.cfg.attention),
-                                           "recipe": self.cfg.recipe})
+                                 f"({self.newest_verified()})")
+        self.verified = ckpt.save_checkpoint(
+            str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler, self.train_batches.state_dict(),
+            {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
+            keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
+            model_config={**configs_to_dict(self.cfg.model, self.cfg.attention), "recipe": self.cfg.recipe},
+            newest_verified=self.verified)
 
     # ------------------------------------------------------------------ loop
-    def run(self) -> dict:
+    def run(self, stop: StopSignal | None = None) -> dict:
+        """Build, restore and train. ``stop``: the caller's save-signal handler, left installed (else one for
+        the run); a signal during the build counts too."""
         cfg, env = self.cfg, self.env
-        with StopSignal(cfg.cluster.save_signals, env.device) as stop:  # a signal during the build counts too
+        own = stop is None
+        stop = stop or StopSignal(cfg.cluster.save_signals, env.device)
+        try:
             self.build()
             self.restore()
             why = supports_device_step(self.optimizer) if cfg.train.step_reads == "at_log" else None
@@ -334,6 +355,9 @@ class Trainer:
                 raise ValueError(f"train.step_reads=at_log cannot run this optimizer: {why}; "
                                  f"use train.step_reads=each_step")
             return self._loop(stop)
+        finally:
+            if own:
+                stop.release()
 
     def _loop(self, stop: StopSignal) -> dict:
         cfg, env, t = self.cfg, self.env, self.cfg.train
@@ -396,13 +420,13 @@ class Trainer:
                     if env.owns_loss:
                         print(format_row(row, t.max_steps), flush=True)
                 last = row
-                if save_now:
+                got = stop.agreed() if got is None else got
+                if save_now or got is not None:
                     self.save()
                     saved_at = self.step
-                got = stop.agreed() if got is None else got
                 if got is not None:
-                    log0(env, f"{got} received: stopping at step {self.step} with a checkpoint; the next launch "
-                              f"with the same run.dir resumes from it")
+                    log0(env, f"{got} received: stopping at step {self.step} ({self.newest_verified()}); the next "
+                              f"launch with the same run.dir resumes from it")
                     break
             if self.step == t.max_steps and self.valid_loader is not None and t.eval_iters and \
                     not (t.eval_interval and self.step % t.eval_interval == 0):

@@ -237,6 +237,52 @@ def test_bad_reference_checkpoints_are_one_line_errors(tmp_path, capsys):
     assert "--longrope short" in err and "--longrope switch" in err
 
 
+def test_config_fields_non_finite_weights_and_out_are_checked_first(tmp_path, capsys, monkeypatch):
+    """Missing or ill-typed config fields name the field; NaN/inf weights need --allow-non-finite; a budget
+    that covers the whole context is a warning; --out never lies inside --hf. One line each, nothing written."""
+    base = reference_config()
+    no_hidden = {k: v for k, v in base.items() if k != "hidden_size"}
+    assert "config.json has no hidden_size (needed to build the model)" in _refused(tmp_path / "a", capsys,
+                                                                                   cfg=no_hidden)
+    no_long = {**base, "rope_scaling": {k: v for k, v in base["rope_scaling"].items() if k != "long_factor"}}
+    assert "config.json rope_scaling (longrope) has no long_factor list" in _refused(tmp_path / "b", capsys,
+                                                                                    cfg=no_long)
+    err = _refused(tmp_path / "c", capsys, cfg={**base, "num_hidden_layers": "four"})
+    assert err.endswith("config.json num_hidden_layers is 'four' (str); expected a whole number")
+    err = _refused(tmp_path / "d", capsys, cfg={**base, "rope_scaling": {**base["rope_scaling"],
+                                                                         "short_factor": [1.0, "x"]}})
+    assert err.endswith("config.json rope_scaling.short_factor[1] is 'x' (str); expected a number")
+
+    w = reference_weights()
+    w["model.norm.weight"] = w["model.norm.weight"].clone().index_fill_(0, torch.tensor([3]), float("nan"))
+    short_context = {**base, "max_position_embeddings": 4096}  # = the reference budget: 64 blocks of 64
+    err = _refused(tmp_path / "e", capsys, cfg=short_context, weights=w)
+    assert "1 tensor(s) hold NaN/inf (e.g. model.norm.weight)" in err and "--allow-non-finite" in err
+    ref = write_reference_checkpoint(tmp_path / "g" / "ref", short_context, w)
+    assert from_hf_main(["--hf", str(ref), "--out", str(ref / "imported")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (f"from_hf: error: --out {ref / 'imported'} lies inside the source {ref} "
+                                    f"(--hf): writing there would replace or mix with what it reads; choose an --out "
+                                    f"outside it")
+    assert from_hf_main(["--hf", str(ref), "--out", str(tmp_path / "g" / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.strip() == ("warning: the selection budget (topk 64 x block_size 64 = 4096 tokens) is not "
+                                    "below the model's context (max_position_embeddings 4096): every position attends "
+                                    "to all its keys, so this sparse model runs densely; pass --geometry topk=... for "
+                                    "a budget that selects")
+    assert "hold NaN/inf" in captured.err and not (tmp_path / "g" / "out").exists()
+
+    from checkpoints_convert import megatron_io
+    from checkpoints_convert.from_hf import import_hf
+
+    def written(tensors, out, *a, **k):  # what the import would save: with the flag, the NaN goes through
+        raise AssertionError(sum(int(torch.isnan(t).sum()) for t in tensors.values()))
+
+    monkeypatch.setattr(megatron_io, "save_dist_checkpoint", written)
+    with pytest.raises(AssertionError, match="^1$"):
+        import_hf(str(ref), str(tmp_path / "g" / "out"), allow_non_finite=True, **QUIET)
+
+
 def test_longrope_choice_on_import_and_export():
     """Different short/long factor lists: --longrope short imports the short-factor model at every length
     (the reference's behaviour), switch keeps both (transformers'); the reference export needs the choice."""

@@ -4,8 +4,10 @@ modeling code only when it is the code this project ships (or ``--trust-remote-c
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import re
 import shutil
 import stat
 
@@ -18,6 +20,7 @@ from checkpoints_convert.to_hf import export
 from checkpoints_convert.verify import main as verify_main
 from checkpoints_convert.verify import trust_remote_code
 from runtime.checkpoint_manifest import hash_files, list_files, write_manifest
+from runtime.outputs import DiskFullError
 
 CASE = "llama3-nosa-pp2-long"
 QUIET = dict(log=lambda *_: None)
@@ -37,14 +40,18 @@ class _Marker:
         return (os.system, (f"touch {self.path}",))
 
 
-def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, tmp_path):
+def _flip_middle(path, n=4096):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + n] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + n])
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, tmp_path, capsys):
     run = _copy_run(megatron_ckpts, tmp_path)
     ckpt = run / "iter_0000000"
     shard = sorted(ckpt.glob("*.distcp"))[0]
     original = shard.read_bytes()
-    with open(shard, "r+b") as f:  # 4 KB flipped in a shard
-        f.seek(len(original) // 2)
-        f.write(bytes(b ^ 0xFF for b in original[len(original) // 2: len(original) // 2 + 4096]))
+    _flip_middle(shard)  # 4 KB flipped in a shard
     with pytest.raises(ConversionError, match=f"{shard.name} does not match its checksum"):
         export(str(run), str(tmp_path / "hf1"), **QUIET)
     shard.write_bytes(original)
@@ -56,6 +63,20 @@ def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, 
     with pytest.raises(ConversionError, match="names 'iter_99', which is not a complete checkpoint"):
         export(str(run), str(tmp_path / "hf3"), **QUIET)
     (run / "latest").write_text("iter_0000000\n")
+    _flip_middle(shard)  # flipped bytes whose manifest is lost too: damaged for every tool, never "foreign"
+    (ckpt / "manifest.json").rename(tmp_path / "manifest.bak")
+    lost = f"checkpoint {ckpt} is damaged: manifest.json is missing (this project writes it with every checkpoint"
+    with pytest.raises(ConversionError, match=re.escape(lost)):
+        export(str(run), str(tmp_path / "hf5"), **QUIET)
+    assert verify_main(["--hf", str(tmp_path), "--ckpt", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"verify: error: {lost}") and "\n" not in err
+    from eval.load import resolve_source
+
+    with pytest.raises(ValueError, match=re.escape(lost)):
+        resolve_source(str(run))
+    (tmp_path / "manifest.bak").rename(ckpt / "manifest.json")
+    shard.write_bytes(original)
 
     # a crafted .metadata whose manifest was rewritten to match: the restricted unpickler refuses it
     marker = tmp_path / "PWNED"
@@ -94,6 +115,35 @@ def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts,
         name = next(k for k in sd if sd[k].is_floating_point())
         sd[name] = sd[name].clone().index_fill_(0, torch.tensor([0]), float("nan"))
         return sd
+
+    # an --out that is, lies inside or contains the source run: refused even with --overwrite, nothing touched
+    run = _copy_run(megatron_ckpts, tmp_path, "source")
+    it = run / "iter_0000000"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for ckpt, to, how, source in ((run, run, "is", f"{run} (--ckpt)"),
+                                  (run, run / "hf", "lies inside", f"{run} (--ckpt)"),
+                                  (run, tmp_path, "contains", f"{run} (--ckpt)"), (it, it, "is", f"{it} (--ckpt)"),
+                                  (it, run, "contains", f"{it} (--ckpt)"),
+                                  (it, run / "hf", "lies inside", f"{run} (the run of --ckpt)")):
+        with pytest.raises(ConversionError, match=re.escape(f"--out {to} {how} the source {source}: ")):
+            export(str(ckpt), str(to), overwrite=True, **QUIET)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+    # the disk fills up while the weights are written: one line, no partial dir, the earlier export kept
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    save = to_hf.save_safetensors_sharded
+
+    def disk_fills(sd, where, max_shard_bytes):
+        (where / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where / "model.safetensors"))
+
+    monkeypatch.setattr(to_hf, "save_safetensors_sharded", disk_fills)
+    with pytest.raises(DiskFullError, match=f"disk full writing {re.escape(str(out))} .*: the partial output was "
+                                              f"removed and {re.escape(str(out))} is as it was; free about .* there"):
+        export(str(src), str(out), **QUIET)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+    monkeypatch.setattr(to_hf, "save_safetensors_sharded", save)
 
     monkeypatch.setattr(to_hf, "load_megatron_tensors", with_nan)
     with pytest.raises(ConversionError, match="hold NaN/inf .*--allow-non-finite"):

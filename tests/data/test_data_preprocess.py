@@ -114,6 +114,64 @@ def test_failed_or_interrupted_runs_leave_an_existing_dataset_untouched(tmp_path
         ["ds.bin", "ds.idx", "ds.summary.json"]  # no temporary files left
 
 
+def test_disk_full_ctrl_c_and_sigterm_are_one_line_and_leave_no_temporary_files(tmp_path, tok, monkeypatch, capsys):
+    import errno
+    import os
+    import signal
+
+    import data.preprocess as pre
+    from data.indexed import IndexedWriter
+
+    good = tmp_path / "good.jsonl"
+    _write_jsonl(good, [{"text": t} for t in DOCS * 50])
+    out = str(tmp_path / "ds")
+    preprocess(str(good), tok.path, out, progress=False)
+    before = _files(out)
+    argv = ["--input", str(good), "--tokenizer", tok.path, "--out", out]
+
+    def left():
+        return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ds"))
+
+    add = IndexedWriter.add
+
+    def disk_fills(self, ids):  # the .bin gets some bytes, then the disk is full
+        if self.documents == 20:
+            self._builder.data_file.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        add(self, ids)
+
+    monkeypatch.setattr(IndexedWriter, "add", disk_fills)
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("preprocess:")]
+    assert len(err) == 1 and err[0].startswith(f"[preprocess] error: disk full writing {out}.bin in {tmp_path} ("), err
+    assert "the temporary files were removed and an existing" in err[0] and "; free about " in err[0]
+    assert _files(out) == before and left() == ["ds.bin", "ds.idx", "ds.summary.json"]
+    monkeypatch.undo()
+
+    def texts(*a, **k):  # Ctrl-C, then SIGTERM after the first document
+        yield DOCS[0]
+        if stop == signal.SIGINT:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), stop)
+        yield DOCS[1]
+
+    def unhandled(signum, frame):
+        raise AssertionError("data.preprocess left SIGTERM to its default action (the process dies, temp files stay)")
+
+    monkeypatch.setattr(pre, "iter_texts", texts)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        for stop, rc, how in ((signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")):
+            assert main(argv) == rc
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("preprocess:")]
+            assert err == [f"[preprocess] interrupted ({how}): the temporary files were removed and an existing "
+                           f"{out}.* is untouched"], err
+            assert _files(out) == before and left() == ["ds.bin", "ds.idx", "ds.summary.json"]
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # main() puts the previous handler back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_long_documents_are_encoded_in_pieces_with_the_same_tokens(demo, tok):
     from data.preprocess import encode_documents, split_for_encoding
 

@@ -54,6 +54,51 @@ def test_cache_is_built_once_keyed_by_content_and_settings(tmp_path, tok, monkey
     assert cache_root(SFTConfig(path=a)) == tmp_path / ".sft_cache"
 
 
+def test_a_damaged_cache_entry_is_rebuilt_in_one_line_and_never_trained_on(tmp_path, tok):
+    import re
+
+    a = _write(tmp_path / "a.jsonl", 40, "a", 5)
+    cfg = SFTConfig(path=a, tokenizer=tok.path, seq_length=128, cache_dir=str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / f"sft-{cache_key(cfg, tok.path)}"
+    first = load_sft_cached(cfg, tok)
+    assert first.origin == f"tokenized, cached in {entry}"
+    again = load_sft_cached(cfg, tok)
+    assert re.fullmatch(rf"from cache {re.escape(str(entry))}, \d+\.\d MiB verified in \d+\.\d\ds", again.origin)
+    pristine = {f.name: f.read_bytes() for f in entry.iterdir()}
+
+    def flip(name):
+        data = bytearray((entry / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (entry / name).write_bytes(bytes(data))
+
+    def halve(name):
+        (entry / name).write_bytes((entry / name).read_bytes()[:len(pristine[name]) // 2])
+
+    def edit_meta(fn):
+        meta = json.loads((entry / "meta.json").read_text())
+        fn(meta)
+        (entry / "meta.json").write_text(json.dumps(meta))
+
+    size = len(pristine["offsets.npy"])
+    damages = [
+        (lambda: flip("tokens.npy"), "tokens.npy does not match its checksum"),
+        (lambda: halve("offsets.npy"), f"offsets.npy has {size // 2} bytes, the manifest says {size}"),
+        (lambda: edit_meta(lambda m: m.pop("read")), "meta.json lacks read"),
+        (lambda: (entry / "meta.json").write_text("{"), "meta.json is unreadable (JSONDecodeError)"),
+        (lambda: (entry / "masks.npy").unlink(), "masks.npy is missing"),
+        (lambda: edit_meta(lambda m: m.update(version=1)), "written by cache version 1, this is version 2"),
+    ]
+    for damage, problem in damages:
+        damage()
+        logs = []
+        data = load_sft_cached(cfg, tok, log=logs.append)
+        assert [ln for ln in logs if ln.startswith("warning:")] == [
+            f"warning: SFT cache entry {entry} is damaged ({problem}): tokenizing again to replace it"], problem
+        assert data.origin == f"tokenized, rebuilt in {entry}" and _same(data, first)
+        assert {f.name: f.read_bytes() for f in entry.iterdir()} == pristine  # replaced by a whole entry
+        assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, entry.name + ".lock"]
+
+
 def test_weights_repeat_or_subsample_each_input_per_epoch(tmp_path, tok):
     a, b = _write(tmp_path / "a.jsonl", 30, "a", 1), _write(tmp_path / "b.jsonl", 20, "b", 2)
     cfg = SFTConfig(paths=[a, b], weights=[2.0, 0.5], tokenizer=tok.path, seq_length=128, micro_batch_size=1)

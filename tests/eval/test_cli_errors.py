@@ -33,6 +33,7 @@ def test_locality_errors(tiny_ablation, small_demo, other_tokenizer, tmp_path, c
         (["--ckpt", ckpt, "--data", data, "--length", "100000"], "exceeds the model's max_position_embeddings=512"),
         (["--ckpt", ckpt, "--data", data, "--length", "256", "--tokenizer", other_tokenizer], "tokenizer mismatch"),
         (["--ckpt", ckpt, "--data", data, "--length", "512", "--split", "90,0,10"], "validation part"),
+        (["--ckpt", ckpt, "--data", data, "--length", "256", "--docs", "0"], "--docs 0: give at least 1 document"),
     ]
     for argv, msg in cases:
         assert main([*argv, "--out", str(out)]) == 2
@@ -55,6 +56,9 @@ def test_ruler_and_ppl_errors(tiny_ablation, small_demo, other_tokenizer, tmp_pa
         assert msg in _one_line(capsys, "eval.ruler"), argv
     assert ppl.main(["--ckpt", ckpt, "--data", small_demo["corpus"], "--length", "5000", "--out", str(out)]) == 2
     assert "exceeds the model's max_position_embeddings" in _one_line(capsys, "eval.ppl")
+    assert ppl.main(["--ckpt", ckpt, "--data", small_demo["corpus"], "--length", "256", "--docs", "0",
+                     "--out", str(out)]) == 2
+    assert "--docs 0: give at least 1 document" in _one_line(capsys, "eval.ppl")
     assert not out.exists()
 
 

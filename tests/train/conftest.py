@@ -31,17 +31,18 @@ def data_args(demo_data):
             f"sft.path={demo_data['sft']}", f"sft.tokenizer={demo_data['tokenizer']}"]
 
 
-def run_main(args, nproc: int = 1, env: dict | None = None, timeout: int = 400, check: bool = True):
-    """Run train/main.py (python for 1 process, torchrun for more) in its own process group.
+def run_main(args, nproc: int = 1, env: dict | None = None, timeout: int = 400, check: bool = True,
+             script: Path = ROOT / "train" / "main.py"):
+    """Run train/main.py (or ``script``: python for 1 process, torchrun for more) in its own process group.
 
     Output (stdout and stderr together) goes to a log file; the whole group is killed afterwards
     (``tests/subproc.py``), so helpers that outlive a crashed trainer cannot hang the test.
     """
     if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
+        cmd = [sys.executable, str(script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--standalone", str(ROOT / "train" / "main.py"), *args]
+               "--standalone", str(script), *args]
     full_env = child_env(**(env or {}))
     with tempfile.TemporaryDirectory() as d:
         log = Path(d) / "out.log"
@@ -51,6 +52,32 @@ def run_main(args, nproc: int = 1, env: dict | None = None, timeout: int = 400, 
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+def run_main_and_act(args, run_dir, at_step: int, act, nproc: int = 1, launcher: tuple = (), timeout: int = 400):
+    """Like :func:`run_main`, but once ``run_dir`` has logged the loss of step ``at_step``, call ``act(proc, log)``
+    (proc: the python or torchrun process, log: its output file) and wait for the end. Returns
+    ``(rc, output, act's result)``."""
+    cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *launcher,
+        str(ROOT / "train" / "main.py"), *args]
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "out.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                deadline = time.monotonic() + timeout
+                while max(losses_so_far(run_dir), default=0) < at_step and proc.poll() is None:
+                    assert time.monotonic() < deadline, "the run never reached the step"
+                    time.sleep(0.02)
+                got = act(proc, log)
+                rc = proc.wait(timeout=max(1, deadline - time.monotonic()))
+            finally:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return rc, log.read_text(errors="replace"), got
 
 
 def metrics(run_dir) -> list[dict]:

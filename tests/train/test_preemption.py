@@ -1,13 +1,17 @@
-"""Preemption: a signal saves a checkpoint at the next step boundary on every rank, and the
-resumed run continues bit for bit; bad cluster settings are one line."""
+"""Preemption and lost ranks: a signal saves a checkpoint at the next step boundary on every rank, and the
+resumed run continues bit for bit; a rank killed mid-step is named in one line by a survivor and torchrun's
+restart resumes bit for bit; bad cluster settings are one line."""
 
 import os
+import re
 import signal
+import socket
+import time
 
 import pytest
 import torch.multiprocessing as mp
 
-from tests.train.conftest import losses, run_main, sigusr1_through_the_launcher
+from tests.train.conftest import losses, run_main, run_main_and_act, sigusr1_through_the_launcher
 from tests.train.test_train_runs import PRETRAIN
 
 RUN = [*PRETRAIN, "train.eval_interval=0", "logging.plot=false", "checkpoint.interval=0", "train.max_steps=12"]
@@ -39,20 +43,90 @@ def test_a_signal_on_one_rank_is_seen_by_every_rank_at_the_same_step(tmp_path):
     assert (tmp_path / "rank1").read_text() == "None|SIGUSR1|False"
 
 
-def test_sigusr1_through_the_launcher_saves_at_the_next_step_and_resumes_bit_for_bit(tmp_path, data_args):
-    reference = tmp_path / "reference"
-    run_main([*RUN, *data_args, f"run.dir={reference}", "checkpoint.save=false"])  # its losses only
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_args) -> dict:
+    """The per-step losses of RUN without a stop (one process, no checkpoints)."""
+    reference = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_main([*RUN, *data_args, f"run.dir={reference}", "checkpoint.save=false"])
+    assert len(losses(reference)) == 12
+    return losses(reference)
 
+
+def test_sigusr1_through_the_launcher_saves_at_the_next_step_and_resumes_bit_for_bit(tmp_path, data_args,
+                                                                                      uninterrupted):
     run, text, step = sigusr1_through_the_launcher(tmp_path, [*RUN, *data_args], "job7")
     assert 1 <= step < 12
     assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
+    assert (f"SIGUSR1 received: stopping at step {step} (newest verified checkpoint: {run / 'checkpoints'}/"
+            f"iter_{step:07d}); the next launch with the same run.dir resumes from it") in text
     assert sorted(losses(run)) == list(range(1, step + 1))  # no step after the boundary it stopped at
     after = text.split("SIGUSR1 received")[1]  # the trainer exited 0; torchrun re-raises the signal it forwarded
     assert "ChildFailedError" not in after and "SignalException: Process" in after and "main.py" not in after
 
     p = run_main([*RUN, *data_args, f"run.dir={run}"])
     assert f"resumed from {run / 'checkpoints' / f'iter_{step:07d}'} at step {step}" in p.stdout
-    assert losses(run) == losses(reference) and len(losses(reference)) == 12  # bitwise: same floats
+    assert losses(run) == uninterrupted  # bitwise: same floats
+
+
+def test_ranks_on_other_hosts_are_named_lost_when_they_miss_the_roll_call(monkeypatch):
+    """Rank 0's view after a failed collective: rank 1 (another host) answers the roll call in the store,
+    rank 2 (another host) does not, rank 3 (this host) has exited."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from train.lost_rank import Peers
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    store = dist.HashStore()
+    store.set("nosa_roll_call/1", "here")
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    peers = Peers.__new__(Peers)
+    peers.rank, peers.host = 0, socket.gethostname()
+    peers.table = [(peers.host, os.getpid()), ("node-b", 11), ("node-c", 12), (peers.host, exited.pid)]
+    lost = peers.lost(wait_s=1.0)
+    assert lost == {2: "on node-c, no answer within 1s", 3: f"pid {exited.pid} on {peers.host} exited"}
+    assert store.check(["nosa_roll_call/0"]) and peers.reporter(lost)  # rank 0 answered too, and reports
+    peers.rank = 1
+    assert not peers.reporter(lost)
+
+
+def _kill_rank_1(proc, log):
+    """SIGKILL the worker of rank 1 (mid-step) and wait for a survivor's line; ``(its pid, seconds waited)``."""
+    import psutil
+
+    victim = next(c for c in psutil.Process(proc.pid).children() if c.environ().get("RANK") == "1")
+    victim.kill()
+    t0 = time.monotonic()
+    while "error: lost rank" not in log.read_text(errors="replace"):
+        assert time.monotonic() - t0 < 60, "no line within cluster.dist_timeout_minutes=1:\n" + "\n".join(
+            ln for ln in log.read_text().splitlines() if "arn" not in ln and "return func" not in ln)[:12000]
+        time.sleep(0.05)
+    return victim.pid, time.monotonic() - t0
+
+
+def test_a_lost_rank_is_one_line_and_torchrun_restarts_from_the_newest_verified_checkpoint_exactly(
+        tmp_path, data_args):
+    """2 ranks (gloo): kill -9 of rank 1 mid-step; rank 0 names it in one line (within
+    cluster.dist_timeout_minutes) and exits; ``torchrun --max-restarts=1`` starts both again, they resume
+    from the newest verified checkpoint and the losses equal an uninterrupted 2-rank run's bit for bit."""
+    common = [*RUN, *data_args]  # 12 steps: the kill lands well before the end
+    reference = tmp_path / "reference"
+    run_main([*common, f"run.dir={reference}", "checkpoint.save=false"], nproc=2)
+    run = tmp_path / "run"
+    rc, out, (pid, waited) = run_main_and_act(
+        [*common, f"run.dir={run}", "checkpoint.interval=2", "cluster.dist_timeout_minutes=1"], run, 3,
+        _kill_rank_1, nproc=2, launcher=("--max-restarts=1",))
+    lines = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert rc == 0 and len(lines) == 1 and "Traceback" not in out, out[-4000:]
+    got = re.match(rf"error: lost rank 1 \(pid {pid} on {re.escape(socket.gethostname())} exited\) after step (\d+); "
+                   rf"newest verified checkpoint: (\S+); launch again with the same run.dir to resume", lines[0])
+    assert got and int(got[1]) >= 3 and waited < 60, lines[0]
+    assert got[2] in [str(run / "checkpoints" / f"iter_{s:07d}") for s in (2, 4, 6) if s <= int(got[1])], lines[0]
+    assert f"resumed from {got[2]} at step " in out
+    assert losses(run) == losses(reference) and len(losses(reference)) == 12  # bitwise: the same floats
 
 
 @pytest.mark.parametrize("override, env, msg", [

@@ -1,5 +1,6 @@
-"""Nothing is lost or poisoned: damaged checkpoints are detected and fallen back from, rotation
-keeps intact checkpoints, one training per run dir, and surprising inputs give one line."""
+"""Nothing is lost or poisoned: damaged checkpoints (a lost manifest among them) are detected and fallen
+back from, rotation keeps verified checkpoints, a full disk or Ctrl-C costs no data, one training per run dir,
+and surprising inputs give one line."""
 
 import shutil
 
@@ -7,7 +8,7 @@ import pytest
 
 from runtime.checkpoint_files import CheckpointError, select_checkpoint
 from runtime.checkpoint_manifest import hash_files, list_files, verify, write_manifest
-from tests.train.conftest import run_main
+from tests.train.conftest import ROOT, run_main, run_main_and_act
 from tests.train.test_train_runs import PRETRAIN
 
 RUN = [*PRETRAIN, "train.eval_interval=0", "logging.plot=false", "checkpoint.interval=2"]
@@ -40,23 +41,40 @@ def _main(args, capsys):
     return rc, err
 
 
-def test_resume_falls_back_from_a_damaged_checkpoint_and_rotation_keeps_intact_ones(trained, tmp_path, data_args):
+def _files(run):
+    return {str(p.relative_to(run)): p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+
+
+def test_resume_falls_back_from_a_damaged_checkpoint_rotation_keeps_verified_ones_and_a_full_disk_costs_nothing(
+        trained, tmp_path, data_args):
     run = _copy(trained, tmp_path)
     ckpts = run / "checkpoints"
-    _flip(next((ckpts / "iter_0000004").glob("*.distcp")))  # 4 KB flipped in the newest shard
-    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6", "checkpoint.keep_last=2"])
-    assert (f"warning: checkpoint {ckpts / 'iter_0000004'} is damaged: __0_0.distcp does not match its "
-            f"checksum: falling back to {ckpts / 'iter_0000002'}") in p.stdout
+    _flip(next((ckpts / "iter_0000004").glob("*.distcp")))  # 4 KB flipped in the newest shard ...
+    (ckpts / "iter_0000004" / "manifest.json").unlink()  # ... and its manifest lost: damaged, not "foreign"
+    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=8", "checkpoint.keep_last=2"],
+                 env={"NOSA_TEST_DISK_FULL_AT": "8"}, check=False, script=ROOT / "tests" / "train" / "_disk_fills.py")
+    assert (f"warning: checkpoint {ckpts / 'iter_0000004'} is damaged: manifest.json is missing (this project "
+            f"writes it with every checkpoint: it was lost or deleted): falling back to {ckpts / 'iter_0000002'}"
+            ) in p.stdout
     assert f"resumed from {ckpts / 'iter_0000002'} at step 2" in p.stdout
+    assert "rotation: deleted iter_0000002 (checkpoint.keep_last=2; the kept iter_0000004 verified by hash" in p.stdout
     assert "layer spec=local (megatron-core local layers), fusions=off, initial weights from (seed, layer)" in p.stdout
     changed = next(ln for ln in p.stdout.splitlines() if ln.startswith("resuming with changed settings: "))
-    assert "checkpoint.keep_last 0 -> 2; run.dir " in changed and changed.endswith("; train.max_steps 4 -> 6")
-    assert sorted(d.name for d in ckpts.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+    assert "checkpoint.keep_last 0 -> 2; run.dir " in changed and changed.endswith("; train.max_steps 4 -> 8")
+    # the disk fills up during the step-8 save: one line, the partial save removed, steps 4 and 6 kept
+    errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert errors[0].startswith(
+        f"error: disk full while saving the step-8 checkpoint into {ckpts} (0 B free): removed the partial "
+        f"iter_0000008.tmp, the earlier checkpoints are as they were (newest verified checkpoint: "
+        f"{ckpts / 'iter_0000006'}); a checkpoint takes about "), errors[0]
+    assert "MiB: free at least that much there" in errors[0]
+    assert sorted(d.name for d in ckpts.iterdir()) == ["iter_0000004", "iter_0000006", "latest"]
     assert all(verify(d) is None for d in ckpts.glob("iter_*"))  # the damaged step 4 was rewritten
     assert (ckpts / "latest").read_text().strip() == "iter_0000006"
 
 
-def test_damaged_latest_shard_or_metadata_select_the_newest_intact_checkpoint(trained, tmp_path):
+def test_damaged_latest_shard_metadata_or_manifest_select_the_newest_verified_checkpoint(trained, tmp_path):
     ckpts = _copy(trained, tmp_path) / "checkpoints"
     newest, older = ckpts / "iter_0000004", ckpts / "iter_0000002"
     logs = []
@@ -64,7 +82,7 @@ def test_damaged_latest_shard_or_metadata_select_the_newest_intact_checkpoint(tr
         (ckpts / "latest").write_bytes(damage)
         assert select_checkpoint(ckpts, log=logs.append) == newest
         assert logs[-1].startswith(f"warning: {ckpts / 'latest'} ") and logs[-1].endswith(f"falling back to {newest}")
-        with pytest.raises(CheckpointError, match=f"the newest intact checkpoint is {newest}") as e:
+        with pytest.raises(CheckpointError, match=f"the newest verified checkpoint is {newest}") as e:
             select_checkpoint(ckpts, fallback=False)
         assert "\n" not in str(e.value)
     (ckpts / "latest").write_text("iter_0000004\n")
@@ -72,29 +90,91 @@ def test_damaged_latest_shard_or_metadata_select_the_newest_intact_checkpoint(tr
         (newest / victim).rename(tmp_path / victim)
         assert select_checkpoint(ckpts, log=logs.append) == older
         assert f"{victim} is missing" in logs[-1]
-        with pytest.raises(CheckpointError, match=f"{victim} is missing; the newest intact checkpoint is {older}"):
+        with pytest.raises(CheckpointError, match=f"{victim} is missing; the newest verified checkpoint is {older}"):
             select_checkpoint(ckpts, fallback=False)
         with pytest.raises(CheckpointError, match=f"checkpoint {newest} is damaged"):
             select_checkpoint(newest)  # an explicit iter dir never falls back
         (tmp_path / victim).rename(newest / victim)
+    manifest = (newest / "manifest.json").read_bytes()
+    (newest / "manifest.json").unlink()  # a lost manifest: damaged (it holds nosa_config.json, so we wrote it)
+    assert select_checkpoint(ckpts, log=logs.append) == older
+    assert logs[-1] == (f"warning: checkpoint {newest} is damaged: manifest.json is missing (this project writes it "
+                        f"with every checkpoint: it was lost or deleted): falling back to {older}")
+    with pytest.raises(CheckpointError, match=f"{newest} is damaged: manifest.json is missing"):
+        select_checkpoint(newest)
+    (newest / "manifest.json").write_bytes(manifest)
     _flip(older / "nosa_config.json", offset=0, n=4)
     (newest / "manifest.json").write_text("{")
-    with pytest.raises(CheckpointError, match="no intact checkpoint in .*manifest.json is unreadable"):
+    with pytest.raises(CheckpointError, match="no verified checkpoint in .*manifest.json is unreadable"):
         select_checkpoint(ckpts)
 
 
-def test_rotation_counts_only_intact_checkpoints(tmp_path):
+def test_init_from_refuses_a_checkpoint_whose_manifest_is_lost(trained, tmp_path):
+    from train.checkpointing import load_weights
+
+    newest = _copy(trained, tmp_path) / "checkpoints" / "iter_0000004"
+    (newest / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=f"checkpoint {newest} is damaged: manifest.json is missing") as e:
+        load_weights(str(newest.parent.parent), [])
+    assert "\n" not in str(e.value)
+
+
+def test_a_foreign_checkpoint_without_manifest_needs_the_flag(tmp_path):
+    ckpt = tmp_path / "other_tool" / "iter_0000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (ckpt / "__0_0.distcp").write_bytes(b"tensors")
+    hint = "set checkpoint.allow_unverified=true to load it anyway"
+    for where in (ckpt, ckpt.parent):
+        with pytest.raises(CheckpointError, match=f"{ckpt} has no manifest.json and no nosa_config.json: another "
+                                                  f"tool wrote it, so its files cannot be verified; {hint}"):
+            select_checkpoint(where, foreign_hint=hint)
+    logs = []
+    assert select_checkpoint(ckpt.parent, allow_foreign=True, log=logs.append) == ckpt
+    assert logs == [f"warning: loading {ckpt} unverified: it has no manifest.json (another tool wrote it), as allowed"]
+
+
+def test_rotation_deletes_only_behind_checkpoints_verified_by_hash(tmp_path):
     from train.checkpointing import _prune
 
     for step in (2, 4, 6, 8):
         d = tmp_path / f"iter_{step:07d}"
         d.mkdir()
-        (d / "shard").write_bytes(b"x" * step)
+        (d / "shard").write_bytes(b"x" * 64)
         write_manifest(d, hash_files(d, list_files(d)))
-    (tmp_path / "iter_0000006" / "shard").write_bytes(b"x")  # damaged (truncated)
+    (tmp_path / "iter_0000006" / "shard").write_bytes(b"y" + b"x" * 63)  # a flipped byte: the same size
     (tmp_path / "iter_0000010.tmp").mkdir()  # an interrupted save
-    _prune(tmp_path, keep_last=2, keep=tmp_path / "iter_0000008")
+    logs = []
+    _prune(tmp_path, keep_last=2, keep=tmp_path / "iter_0000008", log=logs.append, verify=verify)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", "iter_0000006", "iter_0000008"]
+    assert logs[0] == (f"warning: checkpoint {tmp_path / 'iter_0000006'} is damaged (shard does not match its "
+                       f"checksum): rotation does not count it")
+    assert logs[1].startswith("rotation: deleted iter_0000002 (checkpoint.keep_last=2; the kept iter_0000004 "
+                              "verified by hash in ")
+
+
+def test_ctrl_c_in_training_is_one_line_naming_the_newest_verified_checkpoint(trained, tmp_path, data_args):
+    import re
+    import signal
+
+    run = _copy(trained, tmp_path)
+    before, ckpts = _files(run), run / "checkpoints"
+    rc, out, _ = run_main_and_act([*RUN, *data_args, f"run.dir={run}", "train.max_steps=500", "checkpoint.interval=0"],
+                                  run, 6, lambda proc, log: proc.send_signal(signal.SIGINT))
+    lines = [ln for ln in out.splitlines() if "interrupted" in ln]
+    assert rc == 130 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert len(lines) == 1 and re.fullmatch(rf"interrupted at step \d+; newest verified checkpoint: "
+                                            rf"{re.escape(str(ckpts / 'iter_0000004'))}", lines[0]), lines
+    assert _files(run) == before  # Ctrl-C saves nothing and removes nothing
+
+
+def test_a_lock_path_that_is_a_directory_is_one_line(tmp_path):
+    from train.run_lock import RunDirLock, RunDirLocked
+
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(RunDirLocked, match=f"run.dir {tmp_path}: {tmp_path / '.lock'} is a directory, not this "
+                                           f"trainer's lock file; remove it, or choose another run.dir"):
+        RunDirLock(tmp_path).acquire()
 
 
 def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_path, data_args):

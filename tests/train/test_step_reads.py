@@ -74,7 +74,7 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_the_run(tmp_path, 
         "was not applied" in errors[0]  # the device step's verdict, read at the log / checkpoint point
     saved = sorted(c.name for c in (run / "checkpoints").glob("iter_*"))
     assert saved == ["iter_0000002"], saved  # not step 4's: the run stopped when it read step 3
-    assert "newest intact checkpoint: " + str(run / "checkpoints" / "iter_0000002") in errors[0]
+    assert "newest verified checkpoint: " + str(run / "checkpoints" / "iter_0000002") in errors[0]
     assert verify(run / "checkpoints" / "iter_0000002") is None
     assert all(torch.isfinite(t).all() for t in load_megatron_tensors(run / "checkpoints" / "iter_0000002").values())
 

@@ -121,7 +121,7 @@ def test_non_finite_steps_are_never_applied_nor_saved(tmp_path, data_args, polic
     assert p.returncode == 3 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-3000:]
     if policy == "stop":
         assert "step 3: loss is 9." in errors[0] and "gradients hold NaN/inf; the update was not applied" in errors[0]
-        assert "newest intact checkpoint: " + str(run / "checkpoints" / "iter_0000002") in errors[0]
+        assert "newest verified checkpoint: " + str(run / "checkpoints" / "iter_0000002") in errors[0]
         assert [r["step"] for r in rows] == [1, 2]
     else:
         assert "3 consecutive steps skipped (train.nan_skip_limit=3)" in errors[0]
