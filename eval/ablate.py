@@ -483,6 +483,11 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default=None,
                     help="GPU ids (one variant at a time on each; repeat an id to share it) or 'cpu'; default all GPUs")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the training steps of both stages")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="change a preset field (retrieval_share=0.9, pretrain.steps=4000, "
+                         "pretrain_doc_lengths=256,512)")
+    ap.add_argument("--train-override", action="append", default=[], metavar="STAGE:KEY=VALUE",
+                    help="add a train/main.py override to a stage (pretrain:train.global_batch_size=8)")
     ap.add_argument("--stage", default="all", choices=["all", "pretrain"],
                     help="pretrain: stop after the pretraining (and --export)")
     ap.add_argument("--export", default=None, help="write the pretrained weights here (bf16, files <= 16 MiB)")
@@ -490,7 +495,7 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", type=float, default=None, help="seconds between progress lines")
     a = ap.parse_args(argv)
     try:
-        preset = get_preset(a.preset).scaled(a.scale)
+        preset = get_preset(a.preset).with_settings(a.set, a.train_override).scaled(a.scale)
         variants = a.variants.split(",") if a.variants else list(preset.variants)
         preset.validate(variants)
         devices = parse_devices(a.devices)

@@ -7,7 +7,7 @@ runs from the same pretrained checkpoint, and the evaluation (task lengths, docu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Dict, List
 
 from eval.errors import EvalError
@@ -77,6 +77,38 @@ class AblationPreset:
         if not 0 < self.retrieval_share < 1:
             raise EvalError(f"preset {self.name}: retrieval_share={self.retrieval_share} must be in (0, 1)")
 
+    def with_settings(self, settings: List[str], train_overrides: List[str]) -> "AblationPreset":
+        """The preset with ``FIELD=VALUE`` settings of its own fields (``pretrain.steps`` / ``cpt.steps``
+        too; lists as ``512,1024``) and ``STAGE:KEY=VALUE`` overrides added to a stage's ``train/main.py``
+        command (``pretrain:train.global_batch_size=8``)."""
+        out = self
+        for item in settings:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise EvalError(f"--set {item!r}: give FIELD=VALUE")
+            if key in ("pretrain.steps", "cpt.steps"):
+                stage = key.split(".")[0]
+                out = replace(out, **{stage: replace(getattr(out, stage), steps=_parse(key, value, int))})
+                continue
+            kinds = {f.name: f.type for f in fields(self) if f.name not in ("name", "pretrain", "cpt")}
+            if key not in kinds:
+                raise EvalError(f"--set {key}: not a preset field; choose from {sorted(kinds)} or pretrain.steps / "
+                                f"cpt.steps")
+            kind = str(kinds[key])
+            conv = int if kind == "int" else float if kind == "float" else str
+            parsed = ([_parse(key, v, int) for v in value.split(",")] if kind.startswith("List[int]")
+                      else value.split(",") if kind.startswith("List[str]") else _parse(key, value, conv))
+            out = replace(out, **{key: parsed})
+        for item in train_overrides:
+            stage, sep, override = item.partition(":")
+            if not sep or stage not in ("pretrain", "cpt") or "=" not in override:
+                raise EvalError(f"--train-override {item!r}: give pretrain:KEY=VALUE or cpt:KEY=VALUE")
+            if override.split("=")[0] == "train.max_steps":
+                raise EvalError(f"--train-override {item!r}: set the steps with --set {stage}.steps=N")
+            st = getattr(out, stage)
+            out = replace(out, **{stage: replace(st, overrides=[*st.overrides, override])})
+        return out
+
     def scaled(self, factor: float) -> "AblationPreset":
         """Step counts (and the retrieval tokens generated for them) multiplied by ``factor`` (at least
         2 steps each)."""
@@ -121,6 +153,13 @@ PRESETS: Dict[str, AblationPreset] = {
         cpt_doc_lengths=[1024, 4096, 8192, 16383], cpt_retrieval_tokens=17_000_000,
         curve_points_pretrain=4, curve_points_cpt=3, curve_samples=12),
 }
+
+
+def _parse(key: str, value: str, conv):
+    try:
+        return conv(value)
+    except ValueError:
+        raise EvalError(f"--set {key}={value}: not a {conv.__name__}") from None
 
 
 def get_preset(name: str) -> AblationPreset:
