@@ -76,9 +76,9 @@ class Recorder:
         restore, save, run, to_mb = trainer.restore, trainer._save, trainer.run, trainer_module.to_microbatch
         rec = self
 
-        def run_and_report(tr):  # a failing rank says so at once (train() then waits for its peers)
+        def run_and_report(tr, *args, **kwargs):  # a failing rank says so at once (train() then waits)
             try:
-                return run(tr)
+                return run(tr, *args, **kwargs)
             except BaseException:
                 print(f"rank {dist.get_rank()} failed in {rec.job}:\n{traceback.format_exc()}", file=sys.stderr,
                       flush=True)
