@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.packing import assemble_row, best_fit, collate
+from data.epoch_rows import EpochRows
+from data.packing import assemble_row, best_fit
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -92,7 +93,7 @@ def repetitions(tokens: list[int], weights: list[float] | None) -> list[float]:
     return [0.0 if t == 0 else (w / wsum) * total / t for w, t in zip(weights, tokens)]
 
 
-class BestFitLoader:
+class BestFitLoader(EpochRows):
     """Rows of whole documents for one DP rank; reshuffled and repacked every epoch.
 
     ``datasets``: megatron-core ``IndexedDataset`` objects (one per path), ``pieces`` from
@@ -108,12 +109,8 @@ class BestFitLoader:
         self.loss_from = loss_from or [None] * len(datasets)  # per path: first trained token of each document
         self.S, self.B, self.pad_id = seq_length, micro_batch_size, pad_id
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.epoch, self.consumed_rows = 0, 0
         self.fingerprint = dict(fingerprint or {}, pieces=int(pieces.length.size), reps=[round(r, 9) for r in reps])
-        self._rows_epoch, self._rows = None, None
-        if len(self._epoch_rows()) < self.B * self.dp_size:
-            raise ValueError(f"only {len(self._rows)} packed {what} rows of {self.S} tokens but one step needs "
-                             f"micro_batch_size*dp_size={self.B * self.dp_size}: add data or lower them")
+        self._start(what, f" of {self.S} tokens")
 
     def _epoch_order(self, rng: np.random.Generator) -> np.ndarray:
         parts = []
@@ -126,20 +123,9 @@ class BestFitLoader:
         order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return order[rng.permutation(order.size)]
 
-    def _epoch_rows(self) -> list[list[int]]:
-        if self._rows_epoch != self.epoch:
-            order = self._epoch_order(np.random.default_rng([self.seed, self.epoch]))
-            bins = best_fit(self.pieces.length[order].tolist(), self.S)
-            self._rows = [[int(order[j]) for j in b] for b in bins]
-            self._rows_epoch = self.epoch
-        return self._rows
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        """Micro-batches per epoch (per rank)."""
-        return len(self._epoch_rows()) // (self.B * self.dp_size)
+    def _build_rows(self, epoch: int) -> list[list[int]]:
+        order = self._epoch_order(np.random.default_rng([self.seed, epoch]))
+        return [[int(order[j]) for j in b] for b in best_fit(self.pieces.length[order].tolist(), self.S)]
 
     def _piece(self, i: int) -> np.ndarray:
         pc = self.pieces
@@ -154,26 +140,13 @@ class BestFitLoader:
             return np.ones(n, dtype=np.uint8)
         return (np.arange(int(pc.offset[i]), int(pc.offset[i]) + n) >= starts[int(pc.doc[i])]).astype(np.uint8)
 
-    def __next__(self) -> dict:
-        rows = self._epoch_rows()
-        step = self.B * self.dp_size
-        if self.consumed_rows + step > len(rows):
-            self.epoch, self.consumed_rows = self.epoch + 1, 0
-            rows = self._epoch_rows()
-        base = self.consumed_rows + self.dp_rank * self.B
-        out = [assemble_row([self._piece(i) for i in r], [self._mask(i) for i in r], self.S, self.pad_id)
-               for r in rows[base:base + self.B]]
-        self.consumed_rows += step
-        return collate(out)
+    def _assemble(self, row: list[int]) -> dict:
+        return assemble_row([self._piece(i) for i in row], [self._mask(i) for i in row], self.S, self.pad_id)
 
     def fill(self) -> float:
         """Share of the current epoch's row tokens that are document tokens (not padding)."""
         rows = self._epoch_rows()
         return float(sum(int(self.pieces.length[i]) for r in rows for i in r)) / max(1, len(rows) * self.S)
-
-    def reset(self) -> None:
-        """Restart at the first row of epoch 0 (e.g. before each validation pass)."""
-        self.epoch, self.consumed_rows = 0, 0
 
     def state_dict(self) -> dict:
         return {"kind": "best_fit", "epoch": self.epoch, "consumed_rows": self.consumed_rows,

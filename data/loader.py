@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from data.config import DataConfig, SFTConfig, validate
+from data.epoch_rows import EpochRows
 from data.packing import assemble_row, best_fit, collate
 
 
@@ -112,7 +113,7 @@ def build_pretrain_loaders(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, 
     return tl, vl
 
 
-class SFTLoader:
+class SFTLoader(EpochRows):
     """Packed (or one-per-row) SFT batches for one DP rank; reshuffled and repacked every epoch.
 
     Epoch e: conversations in ``random.Random(seed + e)`` order, best-fit packed into rows of S
@@ -128,12 +129,8 @@ class SFTLoader:
         self.data, self.S, self.B = data, seq_length, micro_batch_size
         self.pad_id, self.dp_rank, self.dp_size, self.pack, self.seed = pad_id, dp_rank, dp_size, pack, seed
         self.weights = list(weights) if weights is not None else None
-        self.epoch, self.consumed_rows = 0, 0
         self.stats = dict(getattr(data, "stats", {}))  # truncated / dropped / skipped counts
-        self._rows_epoch, self._rows = None, None
-        if len(self._epoch_rows()) < self.B * self.dp_size:
-            raise ValueError(f"only {len(self._rows)} packed {what} rows but one step needs micro_batch_size*dp_size="
-                             f"{self.B * self.dp_size}: add data or lower them")
+        self._start(what)
 
     def _epoch_order(self, rng: random.Random) -> list[int]:
         n = len(self.data.ids)
@@ -151,41 +148,14 @@ class SFTLoader:
         rng.shuffle(order)
         return order
 
-    def _epoch_rows(self) -> list[list[int]]:
-        if self._rows_epoch != self.epoch:
-            order = self._epoch_order(random.Random(self.seed + self.epoch))
-            if self.pack:
-                bins = best_fit([len(self.data.ids[i]) for i in order], self.S)
-                self._rows = [[order[j] for j in b] for b in bins]
-            else:
-                self._rows = [[i] for i in order]
-            self._rows_epoch = self.epoch
-        return self._rows
+    def _build_rows(self, epoch: int) -> list[list[int]]:
+        order = self._epoch_order(random.Random(self.seed + epoch))
+        if not self.pack:
+            return [[i] for i in order]
+        return [[order[j] for j in b] for b in best_fit([len(self.data.ids[i]) for i in order], self.S)]
 
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        """Micro-batches per epoch (per rank)."""
-        return len(self._epoch_rows()) // (self.B * self.dp_size)
-
-    def __next__(self) -> dict:
-        rows = self._epoch_rows()
-        step = self.B * self.dp_size
-        if self.consumed_rows + step > len(rows):
-            self.epoch, self.consumed_rows = self.epoch + 1, 0
-            rows = self._epoch_rows()
-        base = self.consumed_rows + self.dp_rank * self.B
-        out = []
-        for r in rows[base: base + self.B]:
-            out.append(assemble_row([self.data.ids[i] for i in r], [self.data.masks[i] for i in r],
-                                    self.S, self.pad_id))
-        self.consumed_rows += step
-        return collate(out)
-
-    def reset(self) -> None:
-        """Restart at the first row of epoch 0 (e.g. before each validation pass)."""
-        self.epoch, self.consumed_rows = 0, 0
+    def _assemble(self, row: list[int]) -> dict:
+        return assemble_row([self.data.ids[i] for i in row], [self.data.masks[i] for i in row], self.S, self.pad_id)
 
     def state_dict(self) -> dict:
         return {"kind": "sft", "epoch": self.epoch, "consumed_rows": self.consumed_rows,
