@@ -56,6 +56,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    report = os.environ.get("NOSA_TEST_CPU_REPORT")
+    if report and _CPU_ROWS:  # every phase's CPU seconds, for planning the suite's balance
+        import json
+
+        Path(report).write_text(json.dumps(sorted(_CPU_ROWS, reverse=True), indent=0))
     if _CPU_ROWS:
         terminalreporter.write_sep("=", "CPU seconds per test phase (with child processes)")
         for line in summary_lines(_CPU_ROWS, 15):
