@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _APPLIED = False
 _MODE: TorchFunctionMode | None = None
+_ORIGINALS: list = []  # (owner, attribute, value before the shim), for remove_cpu_shim
 
 
 def _is_cuda(device) -> bool:
@@ -89,31 +90,50 @@ def apply_cpu_shim(force: bool = False) -> bool:
     if not force and not cpu_shim_needed():
         return False
 
-    # 1. torch.cuda.current_device() is used for device placement all over megatron-core.
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    # 3. The model-parallel RNG tracker stores/restores CUDA RNG states: use the CPU generator.
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-    torch.cuda.manual_seed = torch.manual_seed
+    import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel.random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # 2. stock DotProductAttention builds its causal mask on "cuda".
-    import megatron.core.fusions.fused_softmax as fused_softmax
-
-    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
-    # 5. + 7. synchronisation and streams.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _NullStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.Stream = _NullStream
+    patches = [
+        # 1. torch.cuda.current_device() is used for device placement all over megatron-core.
+        (torch.cuda, "current_device", lambda: torch.device("cpu")),
+        # 3. The model-parallel RNG tracker stores/restores CUDA RNG states: use the CPU generator.
+        (torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        (torch.cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
+        (torch.cuda, "manual_seed", torch.manual_seed),
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+        # 2. stock DotProductAttention builds its causal mask on "cuda".
+        (fused_softmax, "get_default_causal_mask", lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)),
+        # 5. + 7. synchronisation and streams.
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "current_stream", lambda *a, **k: _NullStream()),
+        (torch.cuda, "default_stream", lambda *a, **k: _NullStream()),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "Stream", _NullStream),
+    ]
+    for owner, name, value in patches:
+        _ORIGINALS.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
     # 4. + 6. device="cuda" factories, .cuda(), .to("cuda"), Tensor.type() checks.
     _MODE = _CudaToCpu()
     _MODE.__enter__()
     _APPLIED = True
     logger.info("runtime.megatron_cpu: megatron-core patched for CPU/gloo")
     return True
+
+
+def remove_cpu_shim() -> None:
+    """Undo :func:`apply_cpu_shim` (a no-op when it is not applied): for a process that trains in-process
+    and then goes on with other work, e.g. a test runner."""
+    global _APPLIED, _MODE
+    if not _APPLIED:
+        return
+    _MODE.__exit__(None, None, None)
+    _MODE = None
+    while _ORIGINALS:
+        owner, name, value = _ORIGINALS.pop()
+        setattr(owner, name, value)
+    _APPLIED = False
 
 
 def _no_compile(model=None, **kwargs):
