@@ -1,12 +1,13 @@
 """``train.step_reads=at_log``: the update is clipped and, for a non-finite step, skipped on the device
 (``train.device_step``), and the host reads the steps' values only at log, evaluation, checkpoint and stop
-points. CPU runs (gloo; torch's fused AdamW has a CPU kernel with the same ``found_inf`` skip)."""
+points. CPU runs (gloo; torch's fused AdamW has a CPU kernel with the same ``found_inf`` skip). A save signal
+while reading at the logs: ``tests/train/test_preemption.py``."""
 
 import math
 
 import pytest
 
-from tests.train.conftest import losses, metrics, run_main, sigusr1_through_the_launcher, train_here
+from tests.train.conftest import metrics, run_main, train_here
 
 PRETRAIN = ["recipe=tiny_pretrain", "train.seq_length=128", "train.global_batch_size=2",
             "train.micro_batch_size=1", "train.eval_interval=0", "train.eval_iters=1", "optim.warmup_steps=1",
@@ -196,28 +197,3 @@ def test_at_log_reads_need_the_fused_adamw(tmp_path, data_args):
     p = train_here([*PRETRAIN, *data_args, f"run.dir={tmp_path / 'y'}", "train.max_steps=2",
                   "train.step_reads=sometimes"], check=False)
     assert p.returncode == 2 and "train.step_reads" in p.stdout and "Traceback" not in p.stdout
-
-
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_save_signal_stops_at_a_checkpoint_and_the_run_resumes_exactly(tmp_path, data_args, nproc):
-    """SIGUSR1 (through the launcher) while the host reads at the logs only (every 4th step): one rank checks
-    the signal every step (no collective), two ranks at the next read, where they agree. The stop step's
-    values are read, its checkpoint written, and the resumed run's per-step losses equal an uninterrupted
-    run's bit for bit."""
-    common = [*PRETRAIN, *data_args, "train.max_steps=12", "train.step_reads=at_log"]
-    reference = tmp_path / "reference"
-    (train_here if nproc == 1 else run_main)([*common, f"run.dir={reference}", "train.log_interval=1"],
-                                             **({} if nproc == 1 else {"nproc": 2}))
-    want = losses(reference)
-
-    args = [*common, "train.log_interval=4", "checkpoint.save=true", "checkpoint.interval=0"]
-    run, _, step = sigusr1_through_the_launcher(tmp_path, args, "job8", nproc=nproc)
-    assert 4 <= step < 12 and (nproc == 1 or step % 4 == 0), step  # two ranks: only where they read
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
-    for s, loss in losses(run).items():  # the logged interval means (steps 4, 8, ... up to the stop)
-        assert s <= step and math.isclose(loss, math.fsum(want[i] for i in range(s - 3, s + 1)) / 4, rel_tol=1e-6)
-
-    (train_here if nproc == 1 else run_main)([*common, f"run.dir={run}", "train.log_interval=1",
-                                              "checkpoint.save=false"], **({} if nproc == 1 else {"nproc": 2}))
-    resumed = {s: v for s, v in losses(run).items() if s > step}
-    assert resumed == {s: want[s] for s in range(step + 1, 13)}  # bitwise: the same floats
