@@ -84,7 +84,6 @@ TESTS = Path(__file__).resolve().parent
 # (its default order, by number of tests, started the longest file of tests/train last). Groups not
 # listed follow, in their own order.
 SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "train/test_context_parallel.py", "eval",
-               "train/test_layout_init.py",
                "train/test_reliability.py", "train/test_preemption.py", "train/test_sft_run.py",
                "train/test_ab_throughput_run.py",
                "train/test_config_recipes.py", "nosa", "train/test_hydra_cli.py", "train/test_sizing.py"]

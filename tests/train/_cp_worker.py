@@ -2,12 +2,13 @@
 layouts (``train.main.train`` per job, the process group kept between jobs) and writes what the test compares.
 
 Jobs (``JOBS``): a tiny model whose layers are dense, InfLLM-V2 and NOSA (``[dense, infllm_v2, nosa, nosa]``,
-the tiny geometry, LongRoPE) at CP=1 (DP=4), TP=2 (sequence parallel, DP=2), CP=2 (DP=2), CP=4, CP=2 x TP=2
-(sequence parallel), CP=2 x PP=2, CP=2 with selective and CP=4 with full recompute, and a dense-only model at
-CP=1 and 4, each 4 steps from the same
+the tiny geometry, LongRoPE) at CP=1 (DP=4), TP=2 (sequence parallel, DP=2), CP=2 (DP=2), CP=4 with selective
+recompute, CP=2 x TP=2 (sequence parallel), CP=2 x PP=2 with full recompute, each 4 steps from the same
 initial weights on packed rows of short documents; then the checkpoint round trip: a NOSA model (every layer
 NOSA: checkpoints stack the layers' tensors, so every layer needs the same parameters) at CP=2 stops at
-step 4 with a checkpoint, copies of that run resume at CP=1, 2 and 4 and train step 5. Each job's run dir keeps
+step 4 with a checkpoint, copies of that run resume at CP=1, 2 and 4 and train step 5; last, the initial
+weights: one step of the NOSA model at a learning rate far below an fp32 ulp of the weights (so the saved
+checkpoint holds the initial weights) at TP=1 (DP=4) and at TP=2 x PP=2. Each job's run dir keeps
 its ``metrics.jsonl`` (loss and grad norm per step); ``OUT/params_<job>_<when>.pt`` holds rank 0's full
 weights right after a restore or a save; ``OUT/batches.pt`` the ``cu_seqlens`` the CP=4 job trained on;
 ``OUT/summary.json`` the exit code of each job.
@@ -37,7 +38,6 @@ from train.config import validate  # noqa: E402
 from train.main import train  # noqa: E402
 
 MIXED = ["attention.layer_pattern=[dense,infllm_v2,nosa,nosa]", "attention.backend=reference"]
-DENSE = ["attention=dense"]
 NOSA = ["attention.backend=reference"]
 TP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {
@@ -46,13 +46,18 @@ LAYOUTS = {
     "cp2": ["parallel.context_parallel_size=2"],
     "cp4": ["parallel.context_parallel_size=4"],
     "cp2_tp2": ["parallel.context_parallel_size=2", *TP2],
-    "cp2_pp2": ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
-    "cp2_selective": ["parallel.context_parallel_size=2", "train.recompute=selective"],
-    "cp4_full": ["parallel.context_parallel_size=4", "train.recompute=full"],
+    "cp4_selective": ["parallel.context_parallel_size=4", "train.recompute=selective"],
+    "cp2_pp2_full": ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                     "train.recompute=full"],
 }
-JOBS = [(f"mixed_{lay}", MIXED + LAYOUTS[lay]) for lay in LAYOUTS] + \
-       [(f"dense_{lay}", DENSE + LAYOUTS[lay]) for lay in ("cp1", "cp4")]
+JOBS = [(f"mixed_{lay}", MIXED + LAYOUTS[lay]) for lay in ("cp1", "tp2", "cp2", "cp2_tp2", "cp4_selective",
+                                                           "cp2_pp2_full")]
 RESUME_LAYOUTS = ("cp1", "cp2", "cp4")
+# one step that changes no weight (1e-30 is far below an fp32 ulp of them): its checkpoint holds the initial weights
+INIT_STEP = ["train.max_steps=1", "optim.lr=1.0e-30", "optim.min_lr=0.0", "optim.warmup_steps=0",
+             "optim.weight_decay=0.0"]
+INIT_LAYOUTS = {"init_tp1": [], "init_tp2_pp2": ["parallel.tensor_model_parallel_size=2",
+                                                 "parallel.pipeline_model_parallel_size=2"]}
 
 
 def common(data: str, tokenizer: str) -> list[str]:
@@ -136,7 +141,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     for name, overrides in JOBS:
-        rec.batches = [] if name == "mixed_cp4" else None
+        rec.batches = [] if name == "mixed_cp4_selective" else None
         job(name, overrides + ["checkpoint.save=false"])
         if rec.batches is not None and dist.get_rank() == 0:
             torch.save(rec.batches, os.path.join(args.out, "batches.pt"))
@@ -148,6 +153,8 @@ def main() -> None:
             shutil.copytree(os.path.join(args.out, "ckpt_cp2"), os.path.join(args.out, name))
         dist.barrier()
         job(name, NOSA + LAYOUTS[lay] + ["train.max_steps=5", "checkpoint.resume=auto"])
+    for name, overrides in INIT_LAYOUTS.items():
+        job(name, NOSA + overrides + INIT_STEP)
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)

@@ -54,6 +54,41 @@ def run_main(args, nproc: int = 1, env: dict | None = None, timeout: int = 400, 
     return p
 
 
+def train_here(args, env: dict | None = None, check: bool = True):
+    """train/main.py's ``main(args)`` in this process, for one-process runs whose point is not the process
+    itself (a launcher, a signal, a crash): it saves the ~7 s of imports a new process pays. One intra-op
+    thread as in a test subprocess; the environment, default dtype and RNG state are restored afterwards.
+    Returns what :func:`run_main` does (the output of stdout and stderr together)."""
+    import io
+
+    import torch
+
+    from train.main import main
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    dtype, rng = torch.get_default_dtype(), torch.random.get_rng_state()
+    os.environ.update(env or {})
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                rc = main([str(a) for a in args])
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        torch.random.set_rng_state(rng)
+    text = out.getvalue()
+    p = subprocess.CompletedProcess(["main", *args], rc, text, text)
+    if check and rc != 0:
+        raise AssertionError(f"main({args}) failed ({rc}):\n{text[-5000:]}")
+    return p
+
+
 def run_main_and_act(args, run_dir, at_step: int, act, nproc: int = 1, launcher: tuple = (), timeout: int = 400):
     """Like :func:`run_main`, but once ``run_dir`` has logged the loss of step ``at_step``, call ``act(proc, log)``
     (proc: the python or torchrun process, log: its output file) and wait for the end. Returns

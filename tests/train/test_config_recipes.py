@@ -94,13 +94,16 @@ def _cli(*args):
 
 
 def test_cli_print_config_and_errors():
-    p = _cli("recipe=tiny_cpt", "print_config=true")
+    """train/main.py's main() in this process (test_dry_run_8b_... runs the script itself)."""
+    from tests.train.conftest import train_here
+
+    p = train_here(["recipe=tiny_cpt", "print_config=true"])
     assert p.returncode == 0 and "eviction_head: ed_dma" in p.stdout and "seq_length: 512" in p.stdout
-    p = _cli("recipe=tiny_cpt", "train.max_stepz=3")
+    p = train_here(["recipe=tiny_cpt", "train.max_stepz=3"], check=False)
     assert p.returncode != 0 and "max_stepz" in p.stderr
-    p = _cli("--recipe", "tiny_cpt")
+    p = train_here(["--recipe", "tiny_cpt"], check=False)
     assert p.returncode == 2 and "only key=value overrides" in p.stderr
-    p = _cli("recipe=tiny_cpt", "train.micro_batch_size=3")
+    p = train_here(["recipe=tiny_cpt", "train.micro_batch_size=3"], check=False)
     assert p.returncode == 2 and p.stderr.strip().startswith("config error:")
 
 

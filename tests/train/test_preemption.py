@@ -1,6 +1,7 @@
 """Preemption and lost ranks: a signal saves a checkpoint at the next step boundary on every rank, and the
 resumed run continues bit for bit; a rank killed mid-step is named in one line by a survivor and torchrun's
-restart resumes bit for bit; bad cluster settings are one line."""
+restart resumes bit for bit; bad cluster settings are one line. The 2-rank runs read the steps' values at the
+logs only (``train.step_reads=at_log``, every step unless said otherwise) and share one uninterrupted reference."""
 
 import os
 import re
@@ -8,13 +9,25 @@ import signal
 import socket
 import time
 
+import math
+
 import pytest
 import torch.multiprocessing as mp
 
-from tests.train.conftest import losses, run_main, run_main_and_act, sigusr1_through_the_launcher
+from tests.train.conftest import losses, run_main, run_main_and_act, sigusr1_through_the_launcher, train_here
 from tests.train.test_train_runs import PRETRAIN
 
 RUN = [*PRETRAIN, "train.eval_interval=0", "logging.plot=false", "checkpoint.interval=0", "train.max_steps=12"]
+AT_LOG = [*RUN, "train.step_reads=at_log"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_2ranks(tmp_path_factory, data_args) -> dict:
+    """The per-step losses of AT_LOG (read every step) on 2 ranks without a stop (no checkpoints)."""
+    reference = tmp_path_factory.mktemp("uninterrupted2") / "run"
+    run_main([*AT_LOG, *data_args, f"run.dir={reference}", "train.log_interval=1", "checkpoint.save=false"], nproc=2)
+    assert len(losses(reference)) == 12
+    return losses(reference)
 
 
 def _agree_worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -47,7 +60,7 @@ def test_a_signal_on_one_rank_is_seen_by_every_rank_at_the_same_step(tmp_path):
 def uninterrupted(tmp_path_factory, data_args) -> dict:
     """The per-step losses of RUN without a stop (one process, no checkpoints)."""
     reference = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run_main([*RUN, *data_args, f"run.dir={reference}", "checkpoint.save=false"])
+    train_here([*RUN, *data_args, f"run.dir={reference}", "checkpoint.save=false"])
     assert len(losses(reference)) == 12
     return losses(reference)
 
@@ -63,7 +76,7 @@ def test_sigusr1_through_the_launcher_saves_at_the_next_step_and_resumes_bit_for
     after = text.split("SIGUSR1 received")[1]  # the trainer exited 0; torchrun re-raises the signal it forwarded
     assert "ChildFailedError" not in after and "SignalException: Process" in after and "main.py" not in after
 
-    p = run_main([*RUN, *data_args, f"run.dir={run}"])
+    p = train_here([*RUN, *data_args, f"run.dir={run}"])
     assert f"resumed from {run / 'checkpoints' / f'iter_{step:07d}'} at step {step}" in p.stdout
     assert losses(run) == uninterrupted  # bitwise: same floats
 
@@ -108,13 +121,11 @@ def _kill_rank_1(proc, log):
 
 
 def test_a_lost_rank_is_one_line_and_torchrun_restarts_from_the_newest_verified_checkpoint_exactly(
-        tmp_path, data_args):
+        tmp_path, data_args, uninterrupted_2ranks):
     """2 ranks (gloo): kill -9 of rank 1 mid-step; rank 0 names it in one line (within
     cluster.dist_timeout_minutes) and exits; ``torchrun --max-restarts=1`` starts both again, they resume
     from the newest verified checkpoint and the losses equal an uninterrupted 2-rank run's bit for bit."""
-    common = [*RUN, *data_args]  # 12 steps: the kill lands well before the end
-    reference = tmp_path / "reference"
-    run_main([*common, f"run.dir={reference}", "checkpoint.save=false"], nproc=2)
+    common = [*AT_LOG, *data_args, "train.log_interval=1"]  # 12 steps: the kill lands well before the end
     run = tmp_path / "run"
     rc, out, (pid, waited) = run_main_and_act(
         [*common, f"run.dir={run}", "checkpoint.interval=2", "cluster.dist_timeout_minutes=1"], run, 3,
@@ -126,7 +137,7 @@ def test_a_lost_rank_is_one_line_and_torchrun_restarts_from_the_newest_verified_
     assert got and int(got[1]) >= 3 and waited < 60, lines[0]
     assert got[2] in [str(run / "checkpoints" / f"iter_{s:07d}") for s in (2, 4, 6) if s <= int(got[1])], lines[0]
     assert f"resumed from {got[2]} at step " in out
-    assert losses(run) == losses(reference) and len(losses(reference)) == 12  # bitwise: the same floats
+    assert losses(run) == uninterrupted_2ranks  # bitwise: the same floats
 
 
 @pytest.mark.parametrize("override, env, msg", [
@@ -145,3 +156,30 @@ def test_bad_cluster_settings_are_one_line(override, env, msg, monkeypatch, caps
     assert main(["recipe=tiny_cpt", override]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: ") and msg in err and "\n" not in err
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_save_signal_stops_at_a_checkpoint_and_the_run_resumes_exactly(tmp_path, data_args, nproc, request):
+    """SIGUSR1 (through the launcher) while the host reads at the logs only (every 4th step): one rank checks
+    the signal every step (no collective), two ranks at the next read, where they agree. The stop step's
+    values are read, its checkpoint written, and the resumed run's per-step losses equal an uninterrupted
+    run's bit for bit."""
+    common = [*AT_LOG, *data_args, "checkpoint.save=false"]
+    if nproc == 1:
+        reference = tmp_path / "reference"
+        train_here([*common, f"run.dir={reference}", "train.log_interval=1"])
+        want = losses(reference)
+    else:
+        want = request.getfixturevalue("uninterrupted_2ranks")
+
+    args = [*common, "train.log_interval=4", "checkpoint.save=true", "checkpoint.interval=0"]
+    run, _, step = sigusr1_through_the_launcher(tmp_path, args, "job8", nproc=nproc)
+    assert 4 <= step < 12 and (nproc == 1 or step % 4 == 0), step  # two ranks: only where they read
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
+    for s, loss in losses(run).items():  # the logged interval means (steps 4, 8, ... up to the stop)
+        assert s <= step and math.isclose(loss, math.fsum(want[i] for i in range(s - 3, s + 1)) / 4, rel_tol=1e-6)
+
+    (train_here if nproc == 1 else run_main)([*common, f"run.dir={run}", "train.log_interval=1",
+                                              "checkpoint.save=false"], **({} if nproc == 1 else {"nproc": 2}))
+    resumed = {s: v for s, v in losses(run).items() if s > step}
+    assert resumed == {s: want[s] for s in range(step + 1, 13)}  # bitwise: the same floats

@@ -8,7 +8,7 @@ import pytest
 
 from runtime.checkpoint_files import CheckpointError, select_checkpoint
 from runtime.checkpoint_manifest import hash_files, list_files, verify, write_manifest
-from tests.train.conftest import ROOT, run_main, run_main_and_act
+from tests.train.conftest import run_main_and_act, train_here
 from tests.train.test_train_runs import PRETRAIN
 
 RUN = [*PRETRAIN, "train.eval_interval=0", "logging.plot=false", "checkpoint.interval=2"]
@@ -18,7 +18,7 @@ RUN = [*PRETRAIN, "train.eval_interval=0", "logging.plot=false", "checkpoint.int
 def trained(tmp_path_factory, data_args):
     """A 4-step run with intact checkpoints at steps 2 and 4 (kept: keep_last=0)."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=4", "checkpoint.keep_last=0"])
+    train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=4", "checkpoint.keep_last=0"])
     return run
 
 
@@ -46,13 +46,15 @@ def _files(run):
 
 
 def test_resume_falls_back_from_a_damaged_checkpoint_rotation_keeps_verified_ones_and_a_full_disk_costs_nothing(
-        trained, tmp_path, data_args):
+        trained, tmp_path, data_args, monkeypatch):
+    from tests.train._disk_fills import disk_fills_at
+
     run = _copy(trained, tmp_path)
     ckpts = run / "checkpoints"
     _flip(next((ckpts / "iter_0000004").glob("*.distcp")))  # 4 KB flipped in the newest shard ...
     (ckpts / "iter_0000004" / "manifest.json").unlink()  # ... and its manifest lost: damaged, not "foreign"
-    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=8", "checkpoint.keep_last=2"],
-                 env={"NOSA_TEST_DISK_FULL_AT": "8"}, check=False, script=ROOT / "tests" / "train" / "_disk_fills.py")
+    disk_fills_at(monkeypatch, 8)
+    p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=8", "checkpoint.keep_last=2"], check=False)
     assert (f"warning: checkpoint {ckpts / 'iter_0000004'} is damaged: manifest.json is missing (this project "
             f"writes it with every checkpoint: it was lost or deleted): falling back to {ckpts / 'iter_0000002'}"
             ) in p.stdout
@@ -189,7 +191,7 @@ def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_pat
     try:
         with pytest.raises(RunDirLocked, match=f"pid {os.getpid()} on {socket.gethostname()}"):
             RunDirLock(run).acquire()
-        p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], check=False)
+        p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], check=False)
     finally:
         lock.release()
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
@@ -230,7 +232,7 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
 def test_sft_file_without_a_usable_row_is_one_line(tmp_path, data_args):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n{"text": "no messages"}\n')
-    p = run_main(["recipe=tiny_sft", *data_args, f"sft.path={bad}", f"run.dir={tmp_path / 'sft'}",
+    p = train_here(["recipe=tiny_sft", *data_args, f"sft.path={bad}", f"run.dir={tmp_path / 'sft'}",
                   "train.max_steps=2", "optim.warmup_steps=1", "train.seq_length=256", "train.global_batch_size=2"],
                  check=False)
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
@@ -258,7 +260,7 @@ def test_resume_from_a_crafted_metadata_file_runs_no_code(trained, tmp_path, dat
     marker = tmp_path / "PWNED"
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
     write_manifest(ckpt, hash_files(ckpt, list_files(ckpt)))  # the manifest matches: only the unpickler stops it
-    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], check=False)
+    p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], check=False)
     errors = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stdout, p.stdout[-2000:]
     assert errors[0] == (f"error: cannot load {ckpt}: UnpicklingError: checkpoint metadata refers to posix.system, "

@@ -3,7 +3,7 @@ conversations are tokenized once (a resume reads the cache) and the resume is ex
 
 import math
 
-from tests.train.conftest import metrics, run_main
+from tests.train.conftest import metrics, train_here
 
 
 def test_sft_two_inputs_validation_split_and_cached_resume(tmp_path, demo_data):
@@ -19,9 +19,9 @@ def test_sft_two_inputs_validation_split_and_cached_resume(tmp_path, demo_data):
             f"sft.cache_dir={tmp_path / 'cache'}", f"sft.tokenizer={demo_data['tokenizer']}", f"run.dir={run}",
             "train.seq_length=256", "train.global_batch_size=2", "train.eval_iters=1", "optim.warmup_steps=1",
             "checkpoint.interval=0", "logging.plot=false"]
-    p = run_main([*args, "train.max_steps=2"])
+    p = train_here([*args, "train.max_steps=2"])
     assert "tokenized, cached in" in p.stdout
-    p = run_main([*args, "train.max_steps=3"])
+    p = train_here([*args, "train.max_steps=3"])
     assert "resumed from" in p.stdout and "from cache" in p.stdout and "tokenized" not in p.stdout
     val = {r["step"]: r["val_loss"] for r in metrics(run) if r.get("val_loss") is not None}
     assert sorted(val) == [2, 3] and all(math.isfinite(v) for v in val.values())

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.train.conftest import losses, metrics, run_main
+from tests.train.conftest import losses, metrics, run_main, train_here
 
 PRETRAIN = ["recipe=tiny_pretrain", "train.seq_length=128", "train.global_batch_size=2",
             "train.micro_batch_size=1", "train.eval_interval=2", "train.eval_iters=1", "optim.warmup_steps=1"]
@@ -21,7 +21,8 @@ def _close(a: dict, b: dict, rel: float = 0.0) -> bool:
 # Runs shared by several tests of this module (each test only reads them): a 4-step PRETRAIN run
 # without checkpoints (the uninterrupted reference of the resume, crash and fused-optimizer tests;
 # optim.fused is on by default, which test_fused_adam_... asserts from its output), and the same
-# run stopped after step 2 (train.exit_after_steps) and resumed to step 4.
+# run stopped after step 2 (train.exit_after_steps) and resumed to step 4. One-process runs whose point is
+# not the process itself run in the test's process (train_here).
 FOUR_STEPS = [*PRETRAIN, "train.max_steps=4", "checkpoint.interval=0"]
 # Runs whose checkpoint no test reads skip writing it (a save costs a tiny run about a third of its time).
 NO_SAVE = "checkpoint.save=false"
@@ -30,16 +31,16 @@ NO_SAVE = "checkpoint.save=false"
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_args):
     run = tmp_path_factory.mktemp("uninterrupted") / "full"
-    return run, run_main([*FOUR_STEPS, *data_args, f"run.dir={run}", NO_SAVE])
+    return run, train_here([*FOUR_STEPS, *data_args, f"run.dir={run}", NO_SAVE])
 
 
 @pytest.fixture(scope="module")
 def stopped_and_resumed(tmp_path_factory, data_args):
     """``(run dir, output of the stopped run, its latest pointer then, output of the resumed run)``."""
     run = tmp_path_factory.mktemp("stopped") / "split"
-    stopped = run_main([*FOUR_STEPS, *data_args, f"run.dir={run}", "train.exit_after_steps=2", "optim.fused=true"])
+    stopped = train_here([*FOUR_STEPS, *data_args, f"run.dir={run}", "train.exit_after_steps=2", "optim.fused=true"])
     latest = (run / "checkpoints" / "latest").read_text().strip()
-    resumed = run_main([*FOUR_STEPS, *data_args, f"run.dir={run}", "optim.fused=true"])
+    resumed = train_here([*FOUR_STEPS, *data_args, f"run.dir={run}", "optim.fused=true"])
     return run, stopped, latest, resumed
 
 
@@ -67,7 +68,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data_args, uninter
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "iter_0000002"
     assert (ckpts / "iter_0000004.tmp").is_dir() and not (ckpts / "iter_0000004").exists()
-    p = run_main(args)
+    p = train_here(args)
     assert "resumed from" in p.stdout and "iter_0000002 at step 2" in p.stdout
     assert (ckpts / "latest").read_text().strip() == "iter_0000004"
     assert not (ckpts / "iter_0000004.tmp").exists()
@@ -75,17 +76,37 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data_args, uninter
     assert losses(reference) == losses(run)
 
 
-def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args, wrapper_run):
-    """pretrain (1 proc) -> NOSA CPT at TP=1 and TP=2 and PP=2 (init_from, resharded) -> SFT at PP=2."""
-    cpt1, cpt_tp, cpt_pp, sft = (tmp_path / n for n in ("cpt1", "cpt_tp", "cpt_pp", "sft"))
+@pytest.fixture(scope="module")
+def cpt_runs(tmp_path_factory, data_args, wrapper_run):
+    """NOSA CPT from the launcher's 2-step pretraining (init_from, resharded) at TP=1 (one process), TP=2, and
+    PP=2 with 2 virtual stages (interleaved 1F1B), full activation recompute, W&B offline and a profile of step 2;
+    then SFT at PP=2 from the TP=2 checkpoint. ``({name: run dir}, {name: output})``."""
+    root = tmp_path_factory.mktemp("chain")
+    dirs = {n: root / n for n in ("cpt1", "cpt_tp", "cpt_pp", "sft")}
     pre, p = wrapper_run  # the 2-step pretraining (1 process), launched through launch/run_train.sh
     assert p.returncode == 0, p.stderr[-3000:]
-    run_main([*CPT, *data_args, f"run.dir={cpt1}", f"init_from={pre}", "train.max_steps=2", NO_SAVE])
-    p = run_main([*CPT, *data_args, f"run.dir={cpt_tp}", f"init_from={pre}", "train.max_steps=2",
-                  "parallel.tensor_model_parallel_size=2"], nproc=2)
-    assert "new parameters keep their initial values" in p.stdout  # dense -> NOSA: eviction heads are new
-    run_main([*CPT, *data_args, f"run.dir={cpt_pp}", f"init_from={pre}", "train.max_steps=2",
-              "parallel.pipeline_model_parallel_size=2", NO_SAVE], nproc=2)
+    cpt = [*CPT, *data_args, f"init_from={pre}", "train.max_steps=2"]
+    out = {"cpt1": train_here([*cpt, f"run.dir={dirs['cpt1']}", NO_SAVE]).stdout,
+           "cpt_tp": run_main([*cpt, f"run.dir={dirs['cpt_tp']}", "parallel.tensor_model_parallel_size=2"],
+                              nproc=2).stdout,
+           "cpt_pp": run_main([*cpt, f"run.dir={dirs['cpt_pp']}", "parallel.pipeline_model_parallel_size=2",
+                               "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full",
+                               "logging.wandb=offline", "profile.start_step=2", "profile.num_steps=1", NO_SAVE],
+                              nproc=2, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}).stdout}
+    out["sft"] = run_main(["recipe=tiny_sft", *data_args, f"run.dir={dirs['sft']}", f"init_from={dirs['cpt_tp']}",
+                           "train.seq_length=256", "train.global_batch_size=2", "train.max_steps=2",
+                           "optim.warmup_steps=1", "checkpoint.interval=0", "parallel.pipeline_model_parallel_size=2",
+                           NO_SAVE], nproc=2).stdout
+    return dirs, out
+
+
+def test_stage_chain_with_tensor_and_pipeline_parallel(cpt_runs, wrapper_run):
+    """pretrain (1 proc) -> NOSA CPT at TP=1 and TP=2 and PP=2 (init_from, resharded; the PP=2 run interleaved
+    with full recompute) -> SFT at PP=2: the CPT losses agree across the layouts."""
+    runs, out = cpt_runs
+    cpt1, cpt_tp, cpt_pp, sft = (runs[n] for n in ("cpt1", "cpt_tp", "cpt_pp", "sft"))
+    pre, _ = wrapper_run
+    assert "new parameters keep their initial values" in out["cpt_tp"]  # dense -> NOSA: eviction heads are new
     assert _close(losses(cpt1), losses(cpt_tp), rel=1e-5), (losses(cpt1), losses(cpt_tp))
     assert _close(losses(cpt1), losses(cpt_pp), rel=1e-5), (losses(cpt1), losses(cpt_pp))
     work = lambda d: [r["attention_work"] for r in metrics(d) if "loss" in r]  # the step's documents
@@ -94,9 +115,6 @@ def test_stage_chain_with_tensor_and_pipeline_parallel(tmp_path, data_args, wrap
     assert work(cpt1) == work(cpt_tp) == work(cpt_pp)  # same data whatever the layout
     cfg = json.loads((cpt_tp / "checkpoints" / "iter_0000002" / "nosa_config.json").read_text())
     assert cfg["attention"]["variant"] == "nosa" and cfg["model"]["rope_type"] == "longrope"
-    run_main(["recipe=tiny_sft", *data_args, f"run.dir={sft}", f"init_from={cpt_tp}", "train.seq_length=256",
-              "train.global_batch_size=2", "train.max_steps=2", "optim.warmup_steps=1", "checkpoint.interval=0",
-              "parallel.pipeline_model_parallel_size=2", NO_SAVE], nproc=2)
     assert len(losses(sft)) == 2 and all(math.isfinite(v) for v in losses(sft).values())
     assert len(work(sft)) == 2 and all(0 < w < 0.5 for w in work(sft))  # rows packed with short conversations
 
@@ -113,7 +131,7 @@ def test_non_finite_steps_are_never_applied_nor_saved(tmp_path, data_args, polic
 
     run = tmp_path / policy
     lr = "1.0e+06" if policy == "stop" else "1.0e+30"
-    p = run_main([*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=8", "checkpoint.interval=2",
+    p = train_here([*PRETRAIN, *data_args, f"run.dir={run}", "train.max_steps=8", "checkpoint.interval=2",
                   f"optim.lr={lr}", "optim.min_lr=0.0", "optim.warmup_steps=0", "train.eval_interval=0",
                   f"train.nan_policy={policy}", "train.nan_skip_limit=3", "logging.plot=false"], check=False)
     rows = [r for r in metrics(run) if "loss" in r]
@@ -155,14 +173,12 @@ def test_launch_wrapper_names_the_run_dir_from_run_id(wrapper_run):
     assert len(losses(run)) == 2 and (run / "checkpoints" / "latest").is_file()
 
 
-def test_interleaved_pipeline_full_recompute_and_wandb_offline(tmp_path, data_args):
-    """PP=2 with 2 virtual stages (interleaved 1F1B), full activation recompute, W&B offline files."""
-    run = tmp_path / "ipp"
-    p = run_main([*CPT, *data_args, f"run.dir={run}", "train.max_steps=2", "parallel.pipeline_model_parallel_size=2",
-                  "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full", "logging.wandb=offline",
-                  "profile.start_step=2", "profile.num_steps=1", NO_SAVE],
-                 nproc=2, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-    assert len(losses(run)) == 2 and all(math.isfinite(v) for v in losses(run).values()), p.stdout[-2000:]
+def test_interleaved_pipeline_full_recompute_and_wandb_offline(cpt_runs):
+    """PP=2 with 2 virtual stages (interleaved 1F1B), full activation recompute, W&B offline files, a profile
+    (the stage chain's PP=2 CPT run; its losses equal TP=1's there)."""
+    runs, out = cpt_runs
+    run = runs["cpt_pp"]
+    assert len(losses(run)) == 2 and all(math.isfinite(v) for v in losses(run).values()), out["cpt_pp"][-2000:]
     assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run written"
     summary = json.loads((run / "profile" / "summary.json").read_text())
     assert summary["steps"] == [2, 2] and (run / "profile" / "trace.json").stat().st_size > 0
@@ -206,9 +222,9 @@ def test_fused_adam_resumes_bit_for_bit_and_takes_over_a_multi_tensor_checkpoint
     assert all("optimizer: torch's fused AdamW kernel" in p.stdout for p in (stopped, resumed))
     assert losses(split) == losses(full_dir) and len(losses(split)) == 4  # bitwise
     mixed = tmp_path / "mixed"
-    p = run_main([*base, f"run.dir={mixed}", "train.exit_after_steps=2", "optim.fused=false"])
+    p = train_here([*base, f"run.dir={mixed}", "train.exit_after_steps=2", "optim.fused=false"])
     assert "fused AdamW" not in p.stdout
-    p = run_main([*base, f"run.dir={mixed}", "optim.fused=true"])
+    p = train_here([*base, f"run.dir={mixed}", "optim.fused=true"])
     assert "resumed from" in p.stdout and "at step 2" in p.stdout
     assert "optimizer: torch's fused AdamW kernel" in p.stdout  # the groups after loading the unfused ones
     assert _close(losses(mixed), losses(full_dir), rel=1e-4), (losses(mixed), losses(full_dir))
