@@ -63,6 +63,7 @@ def train_here(args, env: dict | None = None, check: bool = True):
 
     import torch
 
+    from runtime.megatron_cpu import remove_cpu_shim
     from train.main import main
 
     saved_env, threads = dict(os.environ), torch.get_num_threads()
@@ -82,6 +83,7 @@ def train_here(args, env: dict | None = None, check: bool = True):
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
         torch.random.set_rng_state(rng)
+        remove_cpu_shim()  # the worker's later tests (any folder) run on a plain torch again
     text = out.getvalue()
     p = subprocess.CompletedProcess(["main", *args], rc, text, text)
     if check and rc != 0:
