@@ -4,10 +4,11 @@ megatron-core assumes CUDA in a few dozen places (``torch.cuda.current_device()`
 tensor factories, CUDA RNG tracker, ``torch.cuda.current_stream()``, ``Tensor.type()`` checks for
 ``torch.cuda.FloatTensor``). :func:`apply_cpu_shim` redirects exactly those to the CPU (the
 numbered items below: 1. current device, 2. the stock causal mask, 3. the RNG tracker, 4. device
-factories, 5. synchronisation, 6. type checks, 7. streams). It is a no-op when CUDA is available,
-so GPU runs never see it. Call it once, before building models, in CPU tests and the CPU demo.
-:func:`lean_megatron_import` (called where a command starts) makes megatron-core's import on a CPU
-skip its GPU-only compile machinery.
+factories, 5. synchronisation, 6. type checks, 7. streams, 8. the dist-checkpoint write-results
+queue). It is a no-op when CUDA is available, so GPU runs never see it. Call it once, before
+building models, in CPU tests and the CPU demo. :func:`lean_megatron_import` (called where a
+command starts) makes megatron-core's import on a CPU skip its GPU-only compile machinery and
+wandb, and torch's optimizers skip their ``torch._dynamo`` import.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import functools
 import importlib.abc
 import importlib.util
 import logging
+import os
+import queue
 import sys
 import threading
 import types
@@ -75,6 +78,22 @@ class _NullStream:
         return None
 
 
+class _LocalResultsQueue(queue.Queue):
+    """megatron-core's dist-checkpoint write-results queue for synchronous saves, whose writer threads run
+    in the saving process. An asynchronous save (a forked writer process) would need the manager-served
+    queue: a put from another process fails loudly instead of losing the results."""
+
+    def __init__(self):
+        super().__init__()
+        self._pid = os.getpid()
+
+    def put(self, item, block=True, timeout=None):
+        if os.getpid() != self._pid:
+            raise RuntimeError("runtime.megatron_cpu: asynchronous dist-checkpoint saves are not supported on "
+                               "the CPU (write results would not reach the saving process)")
+        super().put(item, block, timeout)
+
+
 def cpu_shim_needed() -> bool:
     """True when there is no usable CUDA device (the shim is only ever applied then)."""
     return not torch.cuda.is_available()
@@ -111,6 +130,12 @@ def apply_cpu_shim(force: bool = False) -> bool:
     torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _NullStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.Stream = _NullStream
+    # 8. dist-checkpoint write results: a process-local queue instead of one served by a spawned manager
+    # process (a fresh interpreter that imports torch to unpickle the results: ~2 CPU-s per saving process).
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = _LocalResultsQueue()
     # 4. + 6. device="cuda" factories, .cuda(), .to("cuda"), Tensor.type() checks.
     _MODE = _CudaToCpu()
     _MODE.__enter__()
