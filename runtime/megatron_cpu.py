@@ -246,6 +246,11 @@ def _step_without_dynamo_import(use_grad):
     return step
 
 
+# what torch's ``_use_grad_for_differentiable`` wrapper refers to (the torch this mirrors)
+_USE_GRAD_NAMES = {"Optimizer", "_dynamo", "cast", "defaults", "graph_break", "is_grad_enabled", "set_grad_enabled",
+                   "torch._dynamo"}
+
+
 def _optimizers_without_dynamo_import() -> int:
     """torch.optim's methods and update functions are wrapped by ``torch._disable_dynamo``, which imports
     ``torch._dynamo`` (about half a CPU-second) on their first call, to keep a compiler that may trace them
@@ -256,6 +261,8 @@ def _optimizers_without_dynamo_import() -> int:
 
     wrapper_code = torch._compile._disable_dynamo(lambda: None).__code__
     use_grad_code = optimizer_module._use_grad_for_differentiable(lambda: None).__code__
+    if wrapper_code.co_freevars != ("fn", "recursive") or set(use_grad_code.co_names) != _USE_GRAD_NAMES:
+        return 0  # a torch whose wrappers differ from the ones mirrored here: leave them as they are
     seen: set[int] = set()
     count = 0
 
