@@ -218,8 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the export's modeling code even if it differs from the code this project ships")
     args = ap.parse_args(argv)
+    from runtime.process_exit import freeze_at_exit
     from runtime.third_party_noise import quiet_third_party
 
+    freeze_at_exit()
     quiet_third_party(note_stream=sys.stderr)  # stdout is the JSON report
     try:
         report = run_checks(args)

@@ -43,11 +43,60 @@ def load_hf_tokenizer(path: str):
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
 
 
+# tokenizer_config.json classes that build their backend straight from tokenizer.json
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+                       "additional_special_tokens", "extra_special_tokens", "added_tokens_decoder")
+
+
+def _token_strings(value) -> list[str]:
+    """The token strings in a tokenizer_config value: a string, an AddedToken dict, or lists/dicts of them."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str):
+            return [value["content"]]
+        return [t for v in value.values() for t in _token_strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _token_strings(v)]
+    return []
+
+
+def _json_file(path: str, default):
+    if not os.path.isfile(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
+def plain_backend(path: str):
+    """The Rust ``tokenizers.Tokenizer`` of ``path/tokenizer.json`` when transformers would give the same
+    vocabulary (its class is the generic fast tokenizer, every special or added token its config names is
+    in tokenizer.json already, no legacy ``added_tokens.json``), else None (transformers decides)."""
+    try:
+        cfg = _json_file(os.path.join(path, "tokenizer_config.json"), None)
+        special = _json_file(os.path.join(path, "special_tokens_map.json"), {})
+        if not isinstance(cfg, dict) or not isinstance(special, dict) or \
+                cfg.get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES or \
+                os.path.exists(os.path.join(path, "added_tokens.json")):
+            return None
+        from tokenizers import Tokenizer as RustTokenizer
+
+        backend = RustTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    except Exception:  # any doubt: transformers loads the dir (and reports what is wrong with it)
+        return None
+    named = _token_strings([cfg.get(k) for k in _SPECIAL_TOKEN_KEYS] + [special.get(k) for k in _SPECIAL_TOKEN_KEYS])
+    return backend if all(backend.token_to_id(t) is not None for t in named) else None
+
+
 class Tokenizer:
     """Thin wrapper over an HF fast tokenizer dir.
 
     ``hf``: the transformers tokenizer (chat templates); ``backend``: the Rust ``tokenizers.Tokenizer``
     used for fast batch encoding. ``vocab_size`` counts added tokens (= rows the embedding needs).
+    ``vocab_size``, ``eod`` and ``pad`` come from tokenizer.json alone when :func:`plain_backend` says
+    transformers would find the same; ``hf`` and ``backend`` are then loaded on first use (what
+    pretraining needs does not import transformers).
     """
 
     def __init__(self, path: str):
@@ -55,20 +104,37 @@ class Tokenizer:
             raise ValueError(f"tokenizer dir {path!r} has no tokenizer.json: "
                              "only HF fast tokenizers saved locally are supported")
         self.path = os.path.abspath(path)
-        self.hf = load_hf_tokenizer(path)
-        self.backend = self.hf.backend_tokenizer
-        self.vocab_size = int(self.backend.get_vocab_size(with_added_tokens=True))
-        eod = self.backend.token_to_id(EOD_TOKEN)
+        self._hf = None
+        self._backend = None
+        vocab = plain_backend(path)
+        if vocab is None:
+            vocab = self.backend  # transformers loads it now, as it would report a bad dir
+        self.vocab_size = int(vocab.get_vocab_size(with_added_tokens=True))
+        eod = vocab.token_to_id(EOD_TOKEN)
         if eod is None:
             eod = self.hf.eos_token_id
         if eod is None:
             raise ValueError(f"tokenizer {path!r} has neither {EOD_TOKEN} nor an eos_token: cannot separate documents")
         self.eod = int(eod)
-        pad = self.backend.token_to_id(PAD_TOKEN)
+        pad = vocab.token_to_id(PAD_TOKEN)
         if pad is None:
             pad = self.hf.pad_token_id
         self.pad = int(pad) if pad is not None and pad != self.eod else -1
         self.eos = self.eod
+
+    @property
+    def hf(self):
+        """The transformers tokenizer (loaded on first use)."""
+        if self._hf is None:
+            self._hf = load_hf_tokenizer(self.path)
+        return self._hf
+
+    @property
+    def backend(self):
+        """The transformers tokenizer's Rust ``tokenizers.Tokenizer`` (loaded on first use)."""
+        if self._backend is None:
+            self._backend = self.hf.backend_tokenizer
+        return self._backend
 
     def token_id(self, token: str) -> Optional[int]:
         return self.backend.token_to_id(token)

@@ -11,8 +11,10 @@ def run_cli(prog: str, fn, *args) -> int:
     permission, a full disk) is one ``<prog>: error: ...`` line on stderr and exit code 2, with no traceback.
     Known third-party warnings are one line (``runtime.third_party_noise``)."""
     from runtime.megatron_cpu import lean_megatron_import
+    from runtime.process_exit import freeze_at_exit
     from runtime.third_party_noise import quiet_third_party
 
+    freeze_at_exit()
     quiet_third_party()
     lean_megatron_import()
     try:
