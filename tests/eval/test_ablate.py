@@ -104,6 +104,10 @@ def test_staged_run_hands_over_small_files(tiny_ablation, tmp_path):
     out = tmp_path / "second"
     (out / "eval").mkdir(parents=True)
     shutil.copytree(tiny_ablation / "eval" / "ed_dma", out / "eval" / "ed_dma")
+    # the demo corpus and task set are rebuilt byte for byte from the same offline sources on another
+    # machine; copied here to save the rebuild (the --init tokenizer check still compares them)
+    shutil.copytree(tiny_ablation / "data" / "demo", out / "data" / "demo")
+    shutil.copytree(tiny_ablation / "tasks", out / "tasks")
     rc, text = run_ablate(out, "--init", str(export), "--variants", "dense", timeout=400)
     assert rc == 0, text[-3000:]
     assert "pretrain:" not in text and "init: importing" in text
