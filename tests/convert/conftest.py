@@ -1,9 +1,9 @@
 """Fixtures of the conversion tests.
 
-megatron-core runs only in subprocesses (torchrun with 2 gloo processes for the TP=2 / PP=2
-checkpoints, plain subprocesses for the CLIs that build a Megatron model), never in the pytest
-process. The session fixture ``megatron_ckpts`` launches ``_worker.py`` once; ``exports`` converts
-every checkpoint with ``to_hf`` (in process: it needs no megatron) once.
+megatron-core runs only in subprocesses (2 gloo ranks for the TP=2 / PP=2 checkpoints, plain
+subprocesses for the CLIs that build a Megatron model), never in the pytest process. The session
+fixture ``megatron_ckpts`` launches ``_worker.py`` once; ``exports`` converts every checkpoint with
+``to_hf`` (in process: it needs no megatron) once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ranks import run_ranks
 from tests.subproc import run_logged, child_env
 import torch
 
@@ -65,10 +66,7 @@ class MegatronCheckpoints:
 @pytest.fixture(scope="session")
 def megatron_ckpts(tmp_path_factory) -> MegatronCheckpoints:
     root = tmp_path_factory.mktemp("megatron_ckpts")
-    exe = Path(sys.executable).with_name("torchrun")
-    torchrun = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    rc = run(torchrun + ["--standalone", "--nproc_per_node=2", str(WORKER), "--out", str(root)],
-             root / "worker.log", WORKER_TIMEOUT_S)
+    rc = run_ranks([sys.executable, str(WORKER), "--out", str(root)], 2, root / "worker.log", WORKER_TIMEOUT_S)
     if rc != 0 or not (root / "status.json").exists():
         pytest.fail(f"conversion worker exited with {rc}; log tail:\n{tail(root / 'worker.log')}")
     return MegatronCheckpoints(root)

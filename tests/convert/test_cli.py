@@ -17,14 +17,28 @@ from tests.convert.conftest import REPO, run, subprocess_env, tail
 CASE = "minicpm4-nosa-tp2-long"
 
 
+CLI = """
+import sys
+from checkpoints_convert.from_hf import main as from_hf
+from checkpoints_convert.to_hf import export
+from checkpoints_convert.verify import main as verify
+src, keep, unfold, hf_unfold, report = sys.argv[1:]
+rc = from_hf(["--hf", src, "--out", keep]) or from_hf(["--hf", src, "--out", unfold, "--mup", "unfold"])
+if rc:
+    sys.exit(rc)
+export(unfold, hf_unfold, log=lambda *_: None)
+sys.exit(verify(["--hf", hf_unfold, "--ckpt", unfold, "--seq-len", "200", "--random", "1", "--json", report]))
+"""
+
+
 def test_from_hf_to_hf_and_verify(exports, tmp_path):
+    """from_hf (keep and unfold muP), to_hf of the unfolded import and verify on it, one after the other
+    in one subprocess (one megatron-core import); the checks below read what it wrote."""
     src = exports[CASE]
-    keep, unfold = tmp_path / "keep", tmp_path / "unfold"
-    code = ("import sys; from checkpoints_convert.from_hf import main; "
-            f"sys.exit(main(['--hf', r'{src}', '--out', r'{keep}']) or "
-            f"main(['--hf', r'{src}', '--out', r'{unfold}', '--mup', 'unfold']))")
-    log = tmp_path / "from_hf.log"
-    assert run([sys.executable, "-c", code], log, 240) == 0, tail(log)
+    keep, unfold, rep = tmp_path / "keep", tmp_path / "unfold", tmp_path / "verify.json"
+    log = tmp_path / "cli.log"
+    rc = run([sys.executable, "-c", CLI, src, keep, unfold, tmp_path / "hf_unfold", rep], log, 300)
+    assert rc == 0, tail(log)
     for d in (keep, unfold):  # trainer layout: latest pointer + iter dir with nosa_config.json
         assert (d / "latest").read_text().strip() == "iter_0000000"
         assert (d / "iter_0000000" / "metadata.json").is_file()
@@ -35,7 +49,7 @@ def test_from_hf_to_hf_and_verify(exports, tmp_path):
     a = load_safetensors_dir(src)
     back = load_safetensors_dir(export(str(keep), str(tmp_path / "hf_keep"), log=lambda *_: None))
     assert set(a) == set(back) and all(torch.equal(a[k], back[k]) for k in a)  # bitwise
-    back2 = load_safetensors_dir(export(str(unfold), str(tmp_path / "hf_unfold"), log=lambda *_: None))
+    back2 = load_safetensors_dir(tmp_path / "hf_unfold")
     for k in a:  # fold(unfold(w)) is exact to about one ulp
         torch.testing.assert_close(back2[k], a[k], rtol=3e-7, atol=0)
     c1 = json.loads((src / "config.json").read_text())
@@ -43,11 +57,6 @@ def test_from_hf_to_hf_and_verify(exports, tmp_path):
     assert c2["nosa_export"]["mup_folded"] == c1["nosa_export"]["mup_folded"]
 
     # verify: tensor round trip + Megatron (TP=1, loads the from_hf checkpoint) vs HF logits
-    log = tmp_path / "verify.log"
-    rep = tmp_path / "verify.json"
-    rc = run([sys.executable, "-m", "checkpoints_convert.verify", "--hf", str(tmp_path / "hf_unfold"),
-              "--ckpt", str(unfold), "--seq-len", "200", "--random", "1", "--json", str(rep)], log, 240)
-    assert rc == 0, tail(log)
     report = json.loads(rep.read_text())
     assert report["tensor_roundtrip"] == "ok"
     assert report["logits_vs_megatron"]["rel"] <= 1e-4 and report["decode_vs_forward"]["rel"] <= 1e-4

@@ -1,4 +1,6 @@
 """Fixtures of the eval tests: one tiny ablation run end to end (subprocess), reused by the others.
+It runs the two sparse variants (``SPARSE_VARIANTS``); the dense one is trained and evaluated by
+``test_ablate.py::test_staged_run_hands_over_small_files`` (its CPT starts from the staged export).
 
 megatron-core runs only in subprocesses (``python -m eval.ablate``), never in the pytest process.
 """
@@ -14,6 +16,7 @@ import pytest
 from tests.subproc import child_env, run_logged
 
 ABLATION_TIMEOUT_S = 600
+SPARSE_VARIANTS = ("ed_dma", "none")  # the tiny preset's variants but dense
 
 
 def run_ablate(out: Path, *extra: str, timeout: int = ABLATION_TIMEOUT_S) -> tuple[int, str]:
@@ -26,7 +29,7 @@ def run_ablate(out: Path, *extra: str, timeout: int = ABLATION_TIMEOUT_S) -> tup
 @pytest.fixture(scope="session")
 def tiny_ablation(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ablation") / "run"
-    rc, text = run_ablate(out)
+    rc, text = run_ablate(out, "--variants", ",".join(SPARSE_VARIANTS))
     if rc != 0:
         pytest.fail(f"tiny ablation exited with {rc}:\n{text[-6000:]}")
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +40,26 @@ def _same_items(direct: Path, lm_eval: Path) -> None:
         assert b[key]["greedy"] == row["greedy"], key
 
 
+FORM_TOOLS = {"nosa": None, "dense": None,  # None: every tool
+              "megatron_nosa": ("ruler", "ruler_lm_eval"), "reference": ("ruler", "ruler_lm_eval", "ppl")}
+
+
 @pytest.fixture(scope="module")
 def outputs(forms, tmp_path_factory) -> dict:
-    """Every eval tool on the NOSA export and on the dense export: name -> (return codes, log, output dir)."""
-    out = {}
-    for name in ("nosa", "dense"):
-        root = tmp_path_factory.mktemp(f"tools_{name}")
-        out[name] = (*run_tools(tool_calls(forms, forms[name], root), root / "tools.log"), root)
+    """Every eval tool on the NOSA and the dense export, both harnesses on the Megatron checkpoint and
+    the reference-format dir: form -> (return codes, its tools' log, output dir). All in one
+    subprocess (one megatron-core import); each form's log is the import preamble + its own calls."""
+    root = tmp_path_factory.mktemp("tools")
+    calls = {name: tool_calls(forms, forms[name], root / name, *([tools] if tools else []))
+             for name, tools in FORM_TOOLS.items()}
+    rcs, text = run_tools([c for cs in calls.values() for c in cs], root / "tools.log", timeout_s=900)
+    preamble, *parts = re.split(r"(?m)^=== ", text)
+    assert len(parts) == len(rcs), text[-6000:]
+    out, i = {}, 0
+    for name, cs in calls.items():
+        n = len(cs)
+        out[name] = (rcs[i:i + n], "=== ".join([preamble, *parts[i:i + n]]), root / name)
+        i += n
     return out
 
 
@@ -94,25 +108,26 @@ def test_compare_a_nosa_model_with_a_dense_baseline(outputs, tmp_path):
     assert (tmp_path / "compare.png").stat().st_size > 1000
 
 
-def test_megatron_checkpoint_and_reference_dir(forms, tmp_path):
+def test_megatron_checkpoint_and_reference_dir(outputs):
     """A Megatron checkpoint and a reference-format dir (bf16, no modeling code) through both harnesses:
     lm-eval gets a temporary export of each; the import of the NOSA export scores as the export does."""
-    calls = (tool_calls(forms, forms["megatron_nosa"], tmp_path / "megatron", ("ruler", "ruler_lm_eval"))
-             + tool_calls(forms, forms["reference"], tmp_path / "reference", ("ruler", "ruler_lm_eval", "ppl")))
-    rcs, text = run_tools(calls, tmp_path / "tools.log")
-    assert rcs == [0] * 5, text[-6000:]
-    assert text.count("exporting") == 2  # one temporary export for lm-eval per form
-    _same_items(tmp_path / "megatron" / "ruler", tmp_path / "megatron" / "ruler_lm_eval")
-    _same_items(tmp_path / "reference" / "ruler", tmp_path / "reference" / "ruler_lm_eval")
-    ref = json.loads((tmp_path / "reference" / "ruler" / "ruler.json").read_text())
+    for name, tools in (("megatron_nosa", 2), ("reference", 3)):
+        rcs, text, out = outputs[name]
+        assert rcs == [0] * tools, text[-6000:]
+        assert text.count("exporting") == 1, text[-6000:]  # one temporary export for lm-eval per form
+        _same_items(out / "ruler", out / "ruler_lm_eval")
+    _same_items(outputs["nosa"][2] / "ruler", outputs["megatron_nosa"][2] / "ruler")  # import == its export
+    ref_out = outputs["reference"][2]
+    ref = json.loads((ref_out / "ruler" / "ruler.json").read_text())
     assert ref["model"]["kind"] == "hf" and ref["model"]["label"] == "ed_dma"
-    assert json.loads((tmp_path / "reference" / "ppl" / "ppl.json").read_text())["overall"]["tokens"] > 0
+    assert json.loads((ref_out / "ppl" / "ppl.json").read_text())["overall"]["tokens"] > 0
 
 
 USER_SCRIPT = """
 import sys
 from transformers import AutoTokenizer
-print(AutoTokenizer.from_pretrained(sys.argv[1]).encode(sys.argv[2]))
+for path in sys.argv[2:]:
+    print(path, AutoTokenizer.from_pretrained(path).encode(sys.argv[1]))
 """
 
 
@@ -125,10 +140,15 @@ def test_export_tokenizers_load_as_users_load_them(forms):
 
     text = "Maple lantern harbor <|im_start|>user\nsilver garden<|im_end|>"
     want = Tokenizer(str(forms["tokenizer"])).hf.encode(text)
-    for name in ("nosa", "dense", "reference"):
+    names = ("nosa", "dense", "reference")
+    for name in names:
         assert Tokenizer(str(forms[name])).hf.encode(text) == want, name
         for trust in (False, True):
             assert AutoTokenizer.from_pretrained(str(forms[name]), trust_remote_code=trust).encode(text) == want
-        r = subprocess.run([sys.executable, "-c", USER_SCRIPT, str(forms[name]), text], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=120, env=child_env())
-        assert r.returncode == 0 and r.stdout.rstrip().endswith(str(want)), (name, r.stderr[-3000:])
+    # one script loads every export (one interpreter start), as a user's script would
+    r = subprocess.run([sys.executable, "-c", USER_SCRIPT, text, *(str(forms[n]) for n in names)],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()  # transformers' unanswered question may precede a line on stdout
+    for n in names:
+        assert any(line.endswith(f"{forms[n]} {want}") for line in lines), (n, r.stdout[-3000:], r.stderr[-3000:])

@@ -1,7 +1,7 @@
 """Fixtures of the megatron-core tests.
 
-megatron-core runs only in torchrun subprocesses (gloo, CPU shim applied there), never in the
-pytest process, so the shim cannot leak into other test packages. One session fixture launches
+megatron-core runs only in rank subprocesses (``tests/ranks.py``; gloo, CPU shim applied there), never
+in the pytest process, so the shim cannot leak into other test packages. One session fixture launches
 the reference run (1 process) and the parallel run (2 processes) of ``_worker.py`` once; the tests
 read what the ranks wrote.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.subproc import run_logged
+from tests.ranks import run_ranks
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -25,15 +25,10 @@ REF_TIMEOUT_S = 300
 PAR_TIMEOUT_S = 420
 
 
-def _torchrun() -> list:
-    exe = Path(sys.executable).with_name("torchrun")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def run_torchrun(nproc: int, args: list, log: Path, timeout_s: int) -> int:
-    """Run ``_worker.py`` under torchrun with a hard timeout (the whole process group is killed)."""
-    cmd = _torchrun() + ["--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
-    return run_logged(cmd, log, timeout_s)
+def run_worker(nproc: int, args: list, log: Path, timeout_s: int) -> int:
+    """Run ``nproc`` ranks of ``_worker.py`` (as torchrun would, without its agent process) with a hard
+    timeout (every rank's process group is killed)."""
+    return run_ranks([sys.executable, str(WORKER), *args], nproc, log, timeout_s)
 
 
 class MegatronRuns:
@@ -88,7 +83,7 @@ class MegatronRuns:
 def megatron_ref(tmp_path_factory) -> MegatronRuns:
     """The 1-process reference launch (TP=PP=DP=1) and its single-process checks."""
     out = tmp_path_factory.mktemp("megatron_runs")
-    rc = run_torchrun(1, ["--role", "ref", "--out", str(out)], out / "ref.log", REF_TIMEOUT_S)
+    rc = run_worker(1, ["--role", "ref", "--out", str(out)], out / "ref.log", REF_TIMEOUT_S)
     runs = MegatronRuns(out)
     if rc != 0:
         pytest.fail(f"reference launch exited with {rc}; log tail:\n{runs.log_tail('ref')}")
@@ -110,7 +105,7 @@ def megatron_runs4(megatron_ref: MegatronRuns) -> MegatronRuns:
 def _launch_par(ref: MegatronRuns, world: int) -> MegatronRuns:
     out = ref.out
     role = f"par{world}"
-    rc = run_torchrun(world, ["--role", "par", "--world", str(world), "--out", str(out)], out / f"{role}.log",
+    rc = run_worker(world, ["--role", "par", "--world", str(world), "--out", str(out)], out / f"{role}.log",
                       PAR_TIMEOUT_S)
     if rc != 0:
         pytest.fail(f"{world}-process launch exited with {rc}; log tail:\n{ref.log_tail(role)}")

@@ -12,8 +12,10 @@ from nosa_layers.selection import select_blocks_reference
 from tests.nosa.common import random_qkvs, tiny_cfg
 from tests.ops.conftest import fp32_tol
 
-CASES = [  # B, T, Hq, Hkv, D, cu_seqlens, context-parallel sizes; the tiny budget: 7 blocks of 16 = 112 tokens
-    pytest.param(1, 192, 8, 2, 16, [0, 37, 40, 171, 192], (2, 4), id="packed-odd-docs-cp2-cp4"),
+# B, T, Hq, Hkv, D, cu_seqlens, context-parallel sizes; the tiny budget: 7 blocks of 16 = 112 tokens. Packed
+# documents of odd lengths cross the chunk borders at CP=4 (sparse) and CP=2 (each within the budget).
+CASES = [
+    pytest.param(1, 192, 8, 2, 16, [0, 37, 40, 171, 192], (4,), id="packed-odd-docs-cp4"),
     pytest.param(2, 128, 4, 1, 16, None, (2,), id="B2-rows"),
     pytest.param(1, 96, 4, 2, 16, [0, 29, 51, 96], (2,), id="all-docs-fit-the-budget"),
 ]

@@ -63,7 +63,7 @@ def test_query_tile_layouts(dev, qt):
     the same attention; qt 1 is only an interpreter case (tl.dot needs 16 rows compiled)."""
     if dev.type == "cuda" and qt * 8 < 16:
         pytest.skip("M < 16 rows does not compile")
-    _all_close(*_run(dev, 1, 150, 8, 1, 16, cu=[0, 37, 37, 101, 150], seed=qt, qt=qt), fp32_tol(dev))
+    _all_close(*_run(dev, 1, 101, 8, 1, 16, cu=[0, 37, 37, 82, 101], seed=qt, qt=qt), fp32_tol(dev))
 
 
 @pytest.mark.parametrize("chunk,slots", [(1, 1000), (3, 4), (2, 0)], ids=["chunk1", "chunk3-4slots", "no-slots"])
@@ -98,9 +98,9 @@ def test_row_budget_bounds_the_lists(dev):
     """NOSA selections take at most topk blocks per row: lists capped at qt * topk hold every
     union block (the full count stays in fwd_count)."""
     cfg = tiny_cfg(topk=3, local_blocks=1, select_blocks=1)
-    q, k, v, s = (x.to(dev) for x in random_qkvs(1, 300, 8, 2, 16, dtype=torch.float32, seed=21))
+    q, k, v, s = (x.to(dev) for x in random_qkvs(1, 160, 8, 2, 16, dtype=torch.float32, seed=21))
     sel = select_blocks(q, k, s, cfg)
-    idx = build_sparse_index(sel, cfg, 300, num_q_heads=8, qt=2, row_budget=cfg.topk)
+    idx = build_sparse_index(sel, cfg, 160, num_q_heads=8, qt=2, row_budget=cfg.topk)
     assert idx.cap == 6 < sel.shape[-1] and int(idx.fwd_count.max()) <= idx.cap
     ref = nosa_attention(q.double(), k.double(), v.double(), s.double(), cfg, selected=sel)
     _close(sparse_attention(q, k, v, idx, bias=s), ref, fp32_tol(dev))
@@ -153,7 +153,7 @@ def test_poisoned_outputs_determinism_and_causality(dev, monkeypatch):
 
     monkeypatch.setattr(sa, "POISON_OUTPUTS", True)
     cfg = tiny_cfg()
-    T, t0 = (301, 170) if dev.type == "cpu" else (3001, 1700)
+    T, t0 = (181, 100) if dev.type == "cpu" else (3001, 1700)  # 12 blocks, 6 of them from t0 on
     q, k, v, s = (x.to(dev) for x in random_qkvs(1, T, 8, 2, 16, dtype=torch.float32, seed=17))
     sel = select_blocks(q, k, s, cfg)
     idx = build_sparse_index(sel, cfg, T, num_q_heads=8, chunk=2)
