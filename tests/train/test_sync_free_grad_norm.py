@@ -89,7 +89,9 @@ def _norm_and_clip(rank, init, out):
     apply_cpu_shim()  # megatron's clipping allocates on "cuda"
     from megatron.core.optimizer import clip_grads
 
-    result = {"was_fallback": clip_grads.l2_norm_impl is megatron_utils.local_multi_tensor_l2_norm}
+    # megatron's local fallback, or ours already in its place (a run earlier in the forked test process)
+    result = {"was_fallback": clip_grads.l2_norm_impl in (megatron_utils.local_multi_tensor_l2_norm,
+                                                          multi_tensor_l2_norm)}
     result["patched"] = use_sync_free_multi_tensor_ops() and use_sync_free_multi_tensor_ops()  # idempotent
     result["impls"] = [clip_grads.l2_norm_impl is multi_tensor_l2_norm,
                        clip_grads.multi_tensor_scale_impl is multi_tensor_scale]
