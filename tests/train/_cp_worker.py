@@ -130,7 +130,14 @@ def main() -> None:
         rec.job = name
         cfg = validate(load_config(base + overrides + [f"run.dir={os.path.join(args.out, name)}"]),
                        world_size=dist.get_world_size())
-        summary[name] = train(cfg, last=False)
+        try:
+            summary[name] = train(cfg, last=False)
+        except BaseException:
+            print(f"rank {dist.get_rank()} failed in {name}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            os._exit(1)  # the launcher ends the other ranks (they would wait in a collective until the timeout)
+        if summary[name] != 0:
+            print(f"rank {dist.get_rank()}: {name} exited with {summary[name]}", file=sys.stderr, flush=True)
+            os._exit(1)
         dist.barrier()
 
     if args.jobs:
