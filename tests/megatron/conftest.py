@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ranks import run_ranks
+from tests.subproc import run_ranks
 import torch
 
 HERE = Path(__file__).resolve().parent

@@ -1,4 +1,4 @@
-"""Context-parallel parity worker: one torchrun launch of 4 gloo processes trains the same runs in several
+"""Context-parallel parity worker: one launch of 4 gloo rank processes trains the same runs in several
 layouts (``train.main.train`` per job, the process group kept between jobs) and writes what the test compares.
 
 Jobs (``JOBS``): a tiny model whose layers are dense, InfLLM-V2 and NOSA (``[dense, infllm_v2, nosa, nosa]``,
@@ -81,13 +81,13 @@ class Recorder:
         restore, save, run, to_mb = trainer.restore, trainer._save, trainer.run, trainer_module.to_microbatch
         rec = self
 
-        def run_and_report(tr, *args, **kwargs):  # a failing rank says so at once (train() then waits)
+        def run_and_report(tr, *args, **kwargs):  # a failing rank says so and ends the launch at once
             try:
                 return run(tr, *args, **kwargs)
             except BaseException:
                 print(f"rank {dist.get_rank()} failed in {rec.job}:\n{traceback.format_exc()}", file=sys.stderr,
                       flush=True)
-                raise
+                os._exit(1)  # train() would return and this rank wait in a collective the others never join
 
         def restore_and_keep(tr):
             restore(tr)
@@ -130,12 +130,8 @@ def main() -> None:
         rec.job = name
         cfg = validate(load_config(base + overrides + [f"run.dir={os.path.join(args.out, name)}"]),
                        world_size=dist.get_world_size())
-        try:
-            summary[name] = train(cfg, last=False)
-        except BaseException:
-            print(f"rank {dist.get_rank()} failed in {name}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            os._exit(1)  # the launcher ends the other ranks (they would wait in a collective until the timeout)
-        if summary[name] != 0:
+        summary[name] = train(cfg, last=False)
+        if summary[name] != 0:  # end the launch now: the other ranks would wait in a collective until the timeout
             print(f"rank {dist.get_rank()}: {name} exited with {summary[name]}", file=sys.stderr, flush=True)
             os._exit(1)
         dist.barrier()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.subproc import run_logged, child_env
+from tests.subproc import child_env, kill_group, run_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,9 +111,7 @@ def run_main_and_act(args, run_dir, at_step: int, act, nproc: int = 1, launcher:
                 got = act(proc, log)
                 rc = proc.wait(timeout=max(1, deadline - time.monotonic()))
             finally:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_group(proc)
         return rc, log.read_text(errors="replace"), got
 
 
@@ -151,8 +149,7 @@ def sigusr1_through_the_launcher(tmp_path, args: list, run_id: str, nproc: int =
             proc.send_signal(signal.SIGUSR1)
             proc.wait(timeout=240)
         finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc)
     text = log.read_text(errors="replace")
     stopped = [ln for ln in text.splitlines() if "SIGUSR1 received: stopping at step" in ln]
     assert stopped, text[-3000:]

@@ -12,7 +12,7 @@ norm over each rank's shard of the embedding and output gradients (242K entries 
 depends on the shard shape, and it differs so for TP=2 at CP=1 too; the gradients themselves agree (an fp64
 norm of the full gradients of TP=1 and TP=2 agreed to 3e-9), and the losses agree to 1e-6.
 
-One torchrun launch of 4 processes runs every job (``_cp_worker.py``); the tests read what it wrote.
+One launch of 4 rank processes (``tests.subproc.run_ranks``) runs every job (``_cp_worker.py``); the tests read what it wrote.
 Recompute runs only in layouts that are compared to CP=1 exactly (the recomputed forward is the same code,
 so those layouts stand for their plain forms too); CP=2 alone runs without recompute.
 """
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.subproc import run_logged
+from tests.subproc import run_ranks
 from tests.train.conftest import ROOT, metrics
 
 LAYOUTS = ("cp2", "cp4_selective", "cp2_pp2_full")
@@ -55,11 +55,10 @@ def cp_runs(tmp_path_factory, demo_data):
     out = tmp_path_factory.mktemp("cp")
     prefix = out / "short_docs"
     _synthetic_corpus(prefix, Tokenizer(demo_data["tokenizer"]).eod)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "tests" / "train" / "_cp_worker.py"), "--out", str(out), "--data", str(prefix),
+    cmd = [sys.executable, str(ROOT / "tests" / "train" / "_cp_worker.py"), "--out", str(out), "--data", str(prefix),
            "--tokenizer", demo_data["tokenizer"]]
     log = out / "worker.log"
-    rc = run_logged(cmd, log, timeout_s=900)
+    rc = run_ranks(cmd, 4, log, timeout_s=900)
     text = log.read_text(errors="replace")
     summary = out / "summary.json"
     if rc != 0 or not summary.exists():
