@@ -90,20 +90,26 @@ def _bias_args(q: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     return (q, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
 
 
+def _forward_args(q, k, v, bias, o, lse, idx, hp: int, qk_scale: float) -> tuple[tuple, dict]:
+    """The arguments and constexprs both forward kernels (ring and pairs) take."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    Bias, s_bb, s_bh = _bias_args(q, bias)
+    args = (q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
+            idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
+            *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale)
+    consts = dict(HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
+                  num_warps=warps_for(hp * idx.qt))
+    return args, consts
+
+
 def launch_forward(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float, stages: int,
                    in_regs: bool, maxnreg: int | None = None) -> None:
     """Launch ``_fwd_kernel_sm90`` over ``grid`` programs (as the Triton forward's grid); ``bias``:
     ``key_major_bias``'s or ``None``; ``maxnreg``: registers per thread at most (None: the compiler's
     choice; e.g. 168 lets three programs of two ring slots share an SM)."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    Bias, s_bb, s_bh = _bias_args(q, bias)
-    _fwd_kernel_sm90[(grid,)](
-        q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
-        idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
-        *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
-        HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
-        IN_REGS=in_regs, num_warps=warps_for(hp * idx.qt), maxnreg=maxnreg)
+    args, consts = _forward_args(q, k, v, bias, o, lse, idx, hp, qk_scale)
+    _fwd_kernel_sm90[(grid,)](*args, **consts, STAGES=stages, IN_REGS=in_regs, maxnreg=maxnreg)
 
 
 def supported_pairs(rows: int) -> bool:
@@ -114,15 +120,8 @@ def supported_pairs(rows: int) -> bool:
 def launch_forward_pairs(q, k, v, bias, o, lse, idx, grid: int, hp: int, qk_scale: float) -> None:
     """Launch ``_fwd_kernel_sm90_pairs`` over ``grid`` programs (the default Hopper forward's grid,
     64-row query tiles: ``supported_pairs``); ``bias``: ``key_major_bias``'s or ``None``."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    Bias, s_bb, s_bh = _bias_args(q, bias)
-    _fwd_kernel_sm90_pairs[(grid,)](
-        q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
-        idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
-        *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale,
-        HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
-        num_warps=warps_for(hp * idx.qt))
+    args, consts = _forward_args(q, k, v, bias, o, lse, idx, hp, qk_scale)
+    _fwd_kernel_sm90_pairs[(grid,)](*args, **consts)
 
 
 def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_scale: float, sm_scale: float,

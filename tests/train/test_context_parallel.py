@@ -12,7 +12,8 @@ norm over each rank's shard of the embedding and output gradients (242K entries 
 depends on the shard shape, and it differs so for TP=2 at CP=1 too; the gradients themselves agree (an fp64
 norm of the full gradients of TP=1 and TP=2 agreed to 3e-9), and the losses agree to 1e-6.
 
-One launch of 4 rank processes (``tests.subproc.run_ranks``) runs every job (``_cp_worker.py``); the tests read what it wrote.
+One launch of 4 rank processes (``tests.subproc.run_ranks``) runs every job (``_cp_worker.py``); the tests read
+what it wrote.
 Recompute runs only in layouts that are compared to CP=1 exactly (the recomputed forward is the same code,
 so those layouts stand for their plain forms too); CP=2 alone runs without recompute.
 """
