@@ -1,5 +1,5 @@
 """What every Triton module of ``nosa_layers.ops`` shares: the log2(e) constant, the interpreter
-test and the device check."""
+test, the device check and the padded head count of a query tile."""
 
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ LOG2E = 1.4426950408889634  # softmax runs in the log2 domain: exp(x) = exp2(x *
 def interpreting() -> bool:
     """True when the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def padded_heads(hp: int) -> int:
+    """Query heads a program's tile holds for ``hp`` heads of a KV group: ``hp`` rounded up to a power of
+    two (Triton and Gluon tiles are powers of two; the extra heads' rows are masked like rows past a
+    document's end), so every group size runs (G = 3, 5, 6, 7, 9, ...)."""
+    return 1 << max(hp - 1, 0).bit_length()
 
 
 def kernels_run_on(x: Tensor) -> bool:

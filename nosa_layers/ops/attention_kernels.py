@@ -3,8 +3,10 @@ reduction of split dK/dV lists.
 
 All kernels work on ``[B, T, H, D]`` tensors (any strides with a contiguous D) and a
 ``SparseIndex`` (``sparse_index.py``). A query-side program takes one query tile of ``QT`` tokens
-with ``HP`` query heads of one KV group: ``M = QT * HP`` rows, token-major (row ``m`` is token
-``m // HP`` of the tile, head ``m % HP`` of the pack). Key-side steps are KV blocks of ``BS``
+with ``HP`` query heads of one KV group: ``M = QT * HPP`` rows, token-major (row ``m`` is token
+``m // HPP`` of the tile, head ``m % HPP`` of the pack), where ``HPP`` is ``HP`` rounded up to a power
+of two (Triton's tiles are powers of two): the rows of the ``HPP - HP`` padding heads are masked like
+rows past a document's end, so any group size runs (G = 3, 5, 6, 7, 9, ...). Key-side steps are KV blocks of ``BS``
 tokens. Softmax runs in the log2 domain: ``s2 = log2(e) * (scale * q.k + b)``; the saved LSE is
 ``log2(sum exp2(s2))`` per (row, query head), fp32.
 """
@@ -57,22 +59,25 @@ def _query_tile_subset(Blocks, QTiles, n_tiles, HKV: tl.constexpr, NP: tl.conste
 
 @triton.jit
 def _query_program(Blocks, QTiles, QRow, n_tiles, HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr,
-                   QT: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, SUBSET: tl.constexpr):
+                   HPP: tl.constexpr, QT: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, SUBSET: tl.constexpr):
     """Work item of a query-side program (``_query_tile``; ``_query_tile_subset`` with ``SUBSET``) with its rows.
 
     Returns its (tile, KV head) list ``w`` (int64), KV head ``h``, batch row ``b`` (int64), per row of
-    the ``[HP*QT]`` tile: query head, token, its query row (the token itself without ``SUBSET``),
-    validity, token-in-tile ``r``; plus the first token of the tile's own KV block ``kdiag`` and the
+    the ``[HPP*QT]`` tile: query head, token, its query row (the token itself without ``SUBSET``),
+    validity (false on padding heads), token-in-tile ``r``; plus the first token of the tile's own KV block ``kdiag`` and the
     document end ``de``."""
     if SUBSET:
         pack, h, w, b, kdiag, de, qs = _query_tile_subset(Blocks, QTiles, n_tiles, HKV, G // HP, S, QT)
     else:
         pack, h, w, b, kdiag, de, qs = _query_tile(Blocks, n_tiles, HKV, G // HP, S, QT)
-    offs = tl.arange(0, HP * QT)
-    r = offs // HP
-    head = h * G + pack * HP + offs % HP
+    offs = tl.arange(0, HPP * QT)
+    r = offs // HPP
+    hh = offs % HPP
+    head = h * G + pack * HP + hh
     tok = qs + r
     rvalid, trow = _query_rows(QRow, tok, tok < de, SUBSET)
+    if HPP != HP:
+        rvalid = rvalid & (hh < HP)
     return w, h, b, head, tok, trow, rvalid, kdiag, de, r
 
 
@@ -141,16 +146,16 @@ def _key_block(q, e, KStart, Word, kbase, vbase, koff, voff, bbase, s_kt, s_vt, 
 def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, QTiles, QRow, n_tiles, cap,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                 s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
-                HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                D: tl.constexpr, HAS_BIAS: tl.constexpr, SUBSET: tl.constexpr):
+                HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, HPP: tl.constexpr, QT: tl.constexpr,
+                BS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, SUBSET: tl.constexpr):
     """One program per (query tile, KV head, pack of HP heads): online softmax over the tile's list
     (one KV block per entry). ``SUBSET``: the queries, outputs and LSE are the rows of the query chunks
     (``query_layout``), the tiles those holding them."""
     S: tl.constexpr = BS // QT
-    M: tl.constexpr = HP * QT
+    M: tl.constexpr = HPP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    w, h, b, head, tok, trow, rvalid, kdiag, de, r = _query_program(Blocks, QTiles, QRow, n_tiles, HKV, G, HP, QT,
-                                                                    S, BS, SUBSET)
+    w, h, b, head, tok, trow, rvalid, kdiag, de, r = _query_program(Blocks, QTiles, QRow, n_tiles, HKV, G, HP,
+                                                                    HPP, QT, S, BS, SUBSET)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * s_qb + trow[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=rvalid[:, None], other=0.0)
@@ -182,14 +187,14 @@ def _fwd_kernel(Q, K, V, Bias, O, LSE, Blocks, Count, KStart, Word, QTiles, QRow
 def _bwd_dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, Blocks, Count, KStart, Word, QTiles, QRow, n_tiles, cap,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                    s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
-                   HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                   D: tl.constexpr, HAS_BIAS: tl.constexpr, SUBSET: tl.constexpr):
+                   HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, HPP: tl.constexpr, QT: tl.constexpr,
+                   BS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, SUBSET: tl.constexpr):
     """dQ: same programs and lists as the forward; P recomputed from the saved LSE."""
     S: tl.constexpr = BS // QT
-    M: tl.constexpr = HP * QT
+    M: tl.constexpr = HPP * QT
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
-    w, h, b, head, tok, trow, rvalid, kdiag, de, r = _query_program(Blocks, QTiles, QRow, n_tiles, HKV, G, HP, QT,
-                                                                    S, BS, SUBSET)
+    w, h, b, head, tok, trow, rvalid, kdiag, de, r = _query_program(Blocks, QTiles, QRow, n_tiles, HKV, G, HP,
+                                                                    HPP, QT, S, BS, SUBSET)
     offs_d = tl.arange(0, D)
     row_off = trow[:, None].to(tl.int64)
     q = tl.load(Q + b * s_qb + row_off * s_qt + head[:, None] * s_qh + offs_d[None, :], mask=rvalid[:, None],
@@ -219,9 +224,9 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
                      PiecePtr, PieceList, SlotPtr, n_lists, chunk,
                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                      s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale, QRow,
-                     HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr,
-                     KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr,
-                     SUBSET: tl.constexpr):
+                     HKV: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, HPP: tl.constexpr, QT: tl.constexpr,
+                     BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     NEED_DB: tl.constexpr, SUBSET: tl.constexpr):
     """dK, dV, db: one program per piece of the inverse list of one (key group of ``KB`` KV blocks,
     KV head); it walks its entries x head packs with the group's ``N = KB * BS`` keys, their values,
     bias and fp32 accumulators resident; db is the row sum of dS^T (no atomics). A piece of a split
@@ -229,13 +234,13 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
     ``_dkdv_reduce_kernel``; programs past the last piece idle. ``SUBSET``: the list entries' tokens are
     read at their query rows (``QRow``, ``query_layout``)."""
     NP: tl.constexpr = G // HP
-    M: tl.constexpr = HP * QT
+    M: tl.constexpr = HPP * QT
     N: tl.constexpr = KB * BS
     FULL: tl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
     live, e0, e1, slot, h, bk, ks, de = _dkdv_piece(Blocks, InvPtr, PiecePtr, PieceList, SlotPtr, n_lists, chunk, HKV)
     offs_m = tl.arange(0, M)
-    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
-    hh = offs_m % HP
+    r = offs_m // HPP  # token-major rows: token r of the query tile, head (pack * HP + m % HPP)
+    hh = offs_m % HPP  # padding heads (hh >= HP) are masked rows
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, N)
     ktok = ks + offs_n
@@ -272,6 +277,8 @@ def _bwd_dkdv_kernel(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, WDB, B
         tok = qs + r
         # query tiles never cross their document: rows past its end are padding
         rvalid, trow = _query_rows(QRow, tok, tok < de, SUBSET)
+        if HPP != HP:
+            rvalid = rvalid & (hh < HP)
         if SUBSET:  # rows are the tokens' query rows, one by one
             t64 = trow.to(tl.int64)
             qT = tl.load(qbase + pk * HP * s_qh + offs_d[:, None] + (t64 * s_qt + hh * s_qh)[None, :],

@@ -6,7 +6,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ._common import LOG2E, check_device
+from ._common import LOG2E, check_device, padded_heads
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
 from .launch import CONFIG, arch, hopper_device, launch_config, sm90_kernels, triton_settings
 from .sparse_index import SparseIndex, largest_divisor
@@ -22,8 +22,8 @@ def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "
     if cfg["impl"] != "gluon" or not hopper_device(q.device) or idx.subset:  # query chunks: the Triton kernels
         return False
     if kind == "dkdv":
-        return sm90_kernels().supported_dkdv(q, idx.block, hp * idx.qt, idx.kb)
-    return sm90_kernels().supported(q, idx.block, hp * idx.qt)
+        return sm90_kernels().supported_dkdv(q, idx.block, padded_heads(hp) * idx.qt, idx.kb)
+    return sm90_kernels().supported(q, idx.block, padded_heads(hp) * idx.qt)
 
 
 def _launch_for(q: Tensor, idx: SparseIndex) -> dict:
@@ -46,10 +46,10 @@ def _empty(*shape, **kw) -> Tensor:
 
 
 def heads_per_program(G: int, qt: int, rows: int) -> int:
-    """Query heads packed into one program: the largest divisor of G with ``heads * qt <= rows``
-    (at least 1, and ``heads * qt >= 16`` for ``tl.dot`` where G allows)."""
+    """Query heads packed into one program: the largest divisor of G with ``padded_heads(heads) * qt <= rows``
+    (at least 1, and at least 16 rows for ``tl.dot`` where G allows)."""
     hp = largest_divisor(G, rows // qt)
-    while hp * qt < 16 and hp < G:
+    while padded_heads(hp) * qt < 16 and hp < G:
         hp = next(d for d in range(hp + 1, G + 1) if G % d == 0)
     return hp
 
@@ -93,7 +93,7 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
     if grid[0] and hopper_kernel(q, idx, hp, cfg):
         sm90 = sm90_kernels()
         kbias = sm90.key_major_bias(bias, idx.block)
-        if cfg.get("keys_per_step", 64) == 128 and sm90.supported_pairs(hp * idx.qt):
+        if cfg.get("keys_per_step", 64) == 128 and sm90.supported_pairs(padded_heads(hp) * idx.qt):
             sm90.launch_forward_pairs(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E)
         else:
             sm90.launch_forward(q, k, v, kbias, o, lse, idx, grid[0], hp, scale * LOG2E, cfg["num_stages"],
@@ -103,7 +103,8 @@ def attention_forward(q, k, v, bias, idx: SparseIndex, scale: float):
                           idx.fwd_word, *idx.query_args(q.device), idx.n_tiles, idx.cap,
                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
                           *o.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E,
-                          HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
+                          HKV=Hkv, G=G, HP=hp, HPP=padded_heads(hp), QT=idx.qt, BS=idx.block, D=D,
+                          HAS_BIAS=bias is not None,
                           SUBSET=idx.subset, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse, kbias
 
@@ -143,7 +144,8 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
             *idx.query_args(q.device), idx.n_tiles, idx.cap,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_strides_bias(bias),
             *do.stride()[:3], lse.stride(0), lse.stride(1), scale * LOG2E, scale,
-            HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None, SUBSET=idx.subset,
+            HKV=Hkv, G=G, HP=hp, HPP=padded_heads(hp), QT=idx.qt, BS=BS, D=D, HAS_BIAS=bias is not None,
+            SUBSET=idx.subset,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = launch["dkdv"]
     hp = heads_per_program(G, idx.qt, cfg["rows"])
@@ -161,7 +163,8 @@ def attention_backward(q, k, v, bias, o, lse, do, idx: SparseIndex, scale: float
         sm90_kernels().launch_dkdv(args, hp, idx.kb, need_db, bias is not None, idx, cfg["num_stages"])
     else:
         _bwd_dkdv_kernel[(idx.max_pieces,)](
-            *args, idx.query_args(q.device)[1], HKV=Hkv, G=G, HP=hp, QT=idx.qt, BS=BS, KB=idx.kb, D=D,
+            *args, idx.query_args(q.device)[1], HKV=Hkv, G=G, HP=hp, HPP=padded_heads(hp), QT=idx.qt, BS=BS,
+            KB=idx.kb, D=D,
             HAS_BIAS=bias is not None, NEED_DB=need_db, SUBSET=idx.subset, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     _dkdv_reduce_kernel[(idx.n_lists,)](

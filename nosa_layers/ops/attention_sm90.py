@@ -29,7 +29,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import LOG2E
+from ._common import LOG2E, padded_heads
 from .attention_sm90_dkdv import _bwd_dkdv_kernel_sm90
 from .attention_sm90_fwd_dq import _bwd_dq_kernel_sm90, _fwd_kernel_sm90
 from .attention_sm90_pairs import _fwd_kernel_sm90_pairs
@@ -98,8 +98,8 @@ def _forward_args(q, k, v, bias, o, lse, idx, hp: int, qk_scale: float) -> tuple
     args = (q, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, o, lse,
             idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
             *q.stride()[:3], s_bb, s_bh, *o.stride()[:3], lse.stride(0), lse.stride(1), qk_scale)
-    consts = dict(HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
-                  num_warps=warps_for(hp * idx.qt))
+    consts = dict(HKV=Hkv, G=Hq // Hkv, HP=hp, HPP=padded_heads(hp), QT=idx.qt, BS=idx.block, D=D,
+                  HAS_BIAS=bias is not None, num_warps=warps_for(padded_heads(hp) * idx.qt))
     return args, consts
 
 
@@ -135,13 +135,14 @@ def launch_dq(q, k, v, bias, do, lse, delta, dq, idx, grid: int, hp: int, qk_sca
         q, do, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), Bias, lse, delta, dq,
         idx.layout.blocks, idx.fwd_count, idx.fwd_ks, idx.fwd_word, idx.n_tiles, idx.cap, T,
         *q.stride()[:3], s_bb, s_bh, *do.stride()[:3], lse.stride(0), lse.stride(1), qk_scale, sm_scale,
-        HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None, STAGES=stages,
-        IN_REGS=in_regs, num_warps=warps_for(hp * idx.qt))
+        HKV=Hkv, G=Hq // Hkv, HP=hp, HPP=padded_heads(hp), QT=idx.qt, BS=idx.block, D=D, HAS_BIAS=bias is not None,
+        STAGES=stages, IN_REGS=in_regs, num_warps=warps_for(padded_heads(hp) * idx.qt))
 
 
 def rows_descriptor(x: torch.Tensor, qt: int, hp: int) -> TensorDescriptor:
     """TMA descriptor over q or dO ``[B, T, Hq, D]`` (any strides with a unit last one), one
-    ``[1, qt, hp, D]`` box: the ``qt x hp`` rows of a dK/dV step, token-major."""
+    ``[1, qt, hp, D]`` box: the ``qt x hp`` rows of a dK/dV step, token-major (``hp`` padded to a power of
+    two: the extra heads' rows are another pack's or zeros past ``Hq``, masked by the kernel)."""
     D = x.shape[-1]
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, qt, hp, D], _box_layout((1, qt, hp, D), x.dtype))
 
@@ -157,9 +158,9 @@ def launch_dkdv(args: tuple, hp: int, kb: int, need_db: bool, has_bias: bool, id
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     _bwd_dkdv_kernel_sm90[(idx.max_pieces,)](
-        *args, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), rows_descriptor(q, idx.qt, hp),
-        rows_descriptor(do, idx.qt, hp), T,
-        HKV=Hkv, G=Hq // Hkv, HP=hp, QT=idx.qt, BS=idx.block, KB=kb, D=D, HAS_BIAS=has_bias,
+        *args, kv_descriptor(k, idx.block), kv_descriptor(v, idx.block), rows_descriptor(q, idx.qt, padded_heads(hp)),
+        rows_descriptor(do, idx.qt, padded_heads(hp)), T,
+        HKV=Hkv, G=Hq // Hkv, HP=hp, HPP=padded_heads(hp), QT=idx.qt, BS=idx.block, KB=kb, D=D, HAS_BIAS=has_bias,
         NEED_DB=need_db, STAGES=stages, num_warps=4, maxnreg=dkdv_maxnreg(kb))
 
 

@@ -44,8 +44,8 @@ def _dkdv_producer(a, NP: gl.constexpr, HP: gl.constexpr, G: gl.constexpr, KB: g
 
 
 @gluon.jit
-def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                   KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
+def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr, QT: gl.constexpr,
+                   BS: gl.constexpr, KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
                    STAGES: gl.constexpr):
     """Consumer warpgroup ``C`` of the warp-specialised dK/dV: keys ``C * BS ..`` of the group. Per step
     ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued together with the previous step's ``dV += P^T dO``
@@ -55,7 +55,7 @@ def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl
      it0, stop, live, slot, bk, ks, de, h, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh, s_lb, s_lh,
      s_db_b, s_db_t, s_db_h, qk_scale, sm_scale) = a
     NP: gl.constexpr = G // HP
-    M: gl.constexpr = HP * QT
+    M: gl.constexpr = HPP * QT
     FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
     num_warps: gl.constexpr = gl.num_warps()
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -78,8 +78,9 @@ def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl
     else:
         bias = gl.zeros([BS], gl.float32, key_t)
     offs_m = gl.arange(0, M, layout=row_t)
-    r = offs_m // HP  # token-major rows: token r of the query tile, head (pack * HP + m % HP)
-    loff = (offs_m % HP) * s_lh + r
+    r = offs_m // HPP  # token-major rows: token r of the query tile, head (pack * HP + m % HPP)
+    hh = offs_m % HPP  # padding heads (hh >= HP): other heads' rows or zeros in the box, LSE +inf so P = 0
+    loff = hh * s_lh + r
     lbase = LSE + bk * s_lb + (h * G) * s_lh
     dbase = Delta + bk * s_lb + (h * G) * s_lh
 
@@ -100,7 +101,7 @@ def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl
             qs = gl.load(QStart + e)
             word = gl.load(Word + e * KB + C)
             tok = qs + r
-            rvalid = tok < de  # query tiles never cross their document: rows past its end are padding
+            rvalid = (tok < de) & (hh < HP)  # query tiles never cross their document: rows past its end are padding
             lse = gl.load(lbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=float("inf"))
             delta = gl.load(dbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=0.0)
             q_cur = q_smem.index(cur).reshape([M, D])
@@ -160,12 +161,13 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
                           s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
                           k_desc, v_desc, q_desc, do_desc, T,
-                          HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                          KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
+                          HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr, QT: gl.constexpr,
+                          BS: gl.constexpr, KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
                           STAGES: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV, db, warp-specialised: the Triton kernel's programs (pieces of inverse lists of
     ``KB * BS``-key groups), partial slots and outputs. One producer warp loads the group's K / V once
-    and each step's query and dO rows (list entry x head pack: a ``[QT, HP, D]`` TMA box each) into a
+    and each step's query and dO rows (list entry x head pack: a ``[QT, HPP, D]`` TMA box each; ``HPP``:
+    ``HP`` rounded up to a power of two, the extra heads' rows masked) into a
     ring of ``STAGES`` slots; ``KB`` consumer warpgroups (this program's warps and ``KB - 1`` workers)
     each own ``BS`` keys and run their steps without waiting for each other: a slot is refilled when
     every consumer has released it."""
@@ -191,9 +193,9 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
     prod = (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_bar, QStart, it0, stop,
             bk, T, ks, h)
     if KB == 2:
-        gl.warp_specialize([(_dkdv_consumer, (cons, 0, G, HP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
-                            (_dkdv_consumer, (cons, 1, G, HP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
+        gl.warp_specialize([(_dkdv_consumer, (cons, 0, G, HP, HPP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
+                            (_dkdv_consumer, (cons, 1, G, HP, HPP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
                             (_dkdv_producer, (prod, NP, HP, G, KB, BS, D, STAGES))], [4, 1], [240, 24])
     else:
-        gl.warp_specialize([(_dkdv_consumer, (cons, 0, G, HP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
+        gl.warp_specialize([(_dkdv_consumer, (cons, 0, G, HP, HPP, QT, BS, KB, D, HAS_BIAS, NEED_DB, STAGES)),
                             (_dkdv_producer, (prod, NP, HP, G, KB, BS, D, STAGES))], [1], [24])

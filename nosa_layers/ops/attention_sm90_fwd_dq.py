@@ -133,17 +133,19 @@ def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, B
 
 @gluon.jit
 def _tile_operand(X, b, s_xb, s_xt, s_xh, qs, de, h, pack, k_desc, G: gl.constexpr, HP: gl.constexpr,
-                  M: gl.constexpr, D: gl.constexpr, op_layout: gl.constexpr, IN_REGS: gl.constexpr,
-                  num_warps: gl.constexpr):
-    """The query tile's rows of ``X`` (q or dO: row m = token m // HP, head pack * HP + m % HP) as the A
-    operand of a wgmma: registers in ``op_layout``, or shared memory in the K tiles' layout."""
+                  HPP: gl.constexpr, M: gl.constexpr, D: gl.constexpr, op_layout: gl.constexpr,
+                  IN_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """The query tile's rows of ``X`` (q or dO: row m = token m // HPP, head pack * HP + m % HPP; rows of
+    the padding heads, m % HPP >= HP, are zeros) as the A operand of a wgmma: registers in ``op_layout``,
+    or shared memory in the K tiles' layout."""
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     offs_m = gl.arange(0, M, layout=gl.SliceLayout(1, ld_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-    tok = qs + offs_m // HP
-    head = h * G + pack * HP + offs_m % HP
+    tok = qs + offs_m // HPP
+    hh = offs_m % HPP
+    head = h * G + pack * HP + hh
     x = gl.load(X + b * s_xb + gl.expand_dims(tok.to(gl.int64) * s_xt + head * s_xh, 1) + gl.expand_dims(offs_d, 0),
-                mask=gl.expand_dims(tok < de, 1), other=0.0)
+                mask=gl.expand_dims((tok < de) & (hh < HP), 1), other=0.0)
     if IN_REGS:
         return gl.convert_layout(x, op_layout)
     else:
@@ -153,39 +155,42 @@ def _tile_operand(X, b, s_xb, s_xt, s_xh, qs, de, h, pack, k_desc, G: gl.constex
 
 
 @gluon.jit
-def _store_tile(X, x, b, s_xb, s_xt, s_xh, qs, de, h, pack, G: gl.constexpr, HP: gl.constexpr, M: gl.constexpr,
-                D: gl.constexpr, layout: gl.constexpr):
+def _store_tile(X, x, b, s_xb, s_xt, s_xh, qs, de, h, pack, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr,
+                M: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
     """Store ``x`` ``[M, D]`` (in ``layout``) to the query tile's rows of ``X`` (o or dq; row m = token
-    m // HP, head pack * HP + m % HP), rows past the document end skipped: ``_tile_operand``'s inverse."""
+    m // HPP, head pack * HP + m % HPP), rows past the document end and of padding heads skipped:
+    ``_tile_operand``'s inverse."""
     offs_m = gl.arange(0, M, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    tok = qs + offs_m // HP
-    head = h * G + pack * HP + offs_m % HP
+    tok = qs + offs_m // HPP
+    hh = offs_m % HPP
+    head = h * G + pack * HP + hh
     gl.store(X + b * s_xb + gl.expand_dims(tok.to(gl.int64) * s_xt + head * s_xh, 1) + gl.expand_dims(offs_d, 0),
-             x.to(X.dtype.element_ty), mask=gl.expand_dims(tok < de, 1))
+             x.to(X.dtype.element_ty), mask=gl.expand_dims((tok < de) & (hh < HP), 1))
 
 
 @gluon.jit
 def _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G: gl.constexpr,
-                   HP: gl.constexpr, M: gl.constexpr, D: gl.constexpr, o_layout: gl.constexpr):
+                   HP: gl.constexpr, HPP: gl.constexpr, M: gl.constexpr, D: gl.constexpr, o_layout: gl.constexpr):
     """A forward program's outputs: o = acc / l ``[M, D]`` (``_store_tile``) and the base-2 LSE of its rows
     (``offs_m`` / ``tok``: the rows and their tokens; ``inf`` on rows that attended to no key)."""
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     _store_tile(O, o / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1), b, s_ob, s_ot, s_oh,
-                qs, de, h, pack, G, HP, M, D, o_layout)
-    head = h * G + pack * HP + offs_m % HP
+                qs, de, h, pack, G, HP, HPP, M, D, o_layout)
+    hh = offs_m % HPP
+    head = h * G + pack * HP + hh
     lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
-    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=tok < de)
+    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=(tok < de) & (hh < HP))
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
 def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                      s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
-                     HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                     D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
+                     HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr, QT: gl.constexpr,
+                     BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
                      num_warps: gl.constexpr):
     """One program per (query tile, KV head, pack of HP heads), later tiles first, as the Triton kernel."""
-    M: gl.constexpr = HP * QT
+    M: gl.constexpr = HPP * QT
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
     FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
@@ -201,11 +206,11 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
     k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D)
 
-    # the query tile: row m is token m // HP of the tile, head pack * HP + m % HP of the KV group
-    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS, num_warps)
+    # the query tile: row m is token m // HPP of the tile, head pack * HP + m % HPP of the KV group
+    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS, num_warps)
 
     offs_m = gl.arange(0, M, layout=row_s)
-    r = offs_m // HP
+    r = offs_m // HPP
     tok = qs + r
     offs_n = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
     bbase = Bias + b * s_bb + h * s_bh
@@ -248,20 +253,20 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
-    _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, M, D,
+    _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, HPP, M, D,
                    o_layout)
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_bwd_dq_kernel"])
 def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap, T,
                         s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
-                        HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                        D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
+                        HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr,
+                        QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
                         num_warps: gl.constexpr):
     """dQ: the forward's programs and lists; P recomputed from the saved LSE. Per entry three products:
     ``S = Q K^T`` and ``dP = dO V^T`` (issued together), then ``dQ += dS K`` left in flight until the
     next entry's ``dS`` is ready."""
-    M: gl.constexpr = HP * QT
+    M: gl.constexpr = HPP * QT
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
     FULL: gl.constexpr = -1 if QT >= 32 else (1 << QT) - 1
@@ -275,15 +280,16 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
 
     pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
     k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D)
-    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS, num_warps)
-    do_op = _tile_operand(DO, b, s_ob, s_ot, s_oh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, IN_REGS,
+    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS, num_warps)
+    do_op = _tile_operand(DO, b, s_ob, s_ot, s_oh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS,
                           num_warps)
 
     offs_m = gl.arange(0, M, layout=row_s)
-    r = offs_m // HP
+    r = offs_m // HPP
     tok = qs + r
-    head = h * G + pack * HP + offs_m % HP
-    rvalid = tok < de
+    hh = offs_m % HPP
+    head = h * G + pack * HP + hh
+    rvalid = (tok < de) & (hh < HP)  # padding heads: LSE +inf, so their P and dS are 0
     lse = gl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = gl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
     offs_n = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
@@ -328,4 +334,4 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
 
-    _store_tile(DQ, dq * sm_scale, b, s_qb, s_qt, s_qh, qs, de, h, pack, G, HP, M, D, o_layout)
+    _store_tile(DQ, dq * sm_scale, b, s_qb, s_qt, s_qh, qs, de, h, pack, G, HP, HPP, M, D, o_layout)

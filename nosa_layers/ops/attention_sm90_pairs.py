@@ -73,11 +73,11 @@ def _pair_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale,
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
 def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                            s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
-                           HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, QT: gl.constexpr, BS: gl.constexpr,
-                           D: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+                           HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr,
+                           QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (query tile, KV head, pack of HP heads), as the default Hopper forward; per step
     a pair of list entries: one ``[M, 2 * BS]`` score product and one ``P V`` product over its keys."""
-    M: gl.constexpr = HP * QT
+    M: gl.constexpr = HPP * QT
     S: gl.constexpr = BS // QT
     NP: gl.constexpr = G // HP
     W: gl.constexpr = 2 * BS
@@ -109,9 +109,10 @@ def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStar
     _issue_pair(v_desc, vbar.index(0), v_smem.index(0), ks0, ks1, row0, col, BS, n > 0)
     _issue_pair(v_desc, vbar.index(1), v_smem.index(1), ksa1, ksb1, row0, col, BS, 2 < n2)
 
-    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, M, D, a_layout, True, num_warps)
+    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, True,
+                         num_warps)
     offs_m = gl.arange(0, M, layout=row_s)
-    r = offs_m // HP
+    r = offs_m // HPP
     tok = qs + r
     offs_n = gl.arange(0, W, layout=gl.SliceLayout(0, s_layout))
     bbase = Bias + b * s_bb + h * s_bh
@@ -161,5 +162,5 @@ def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStar
     mbarrier.invalidate(vbar.index(0))
     mbarrier.invalidate(vbar.index(1))
 
-    _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, M, D,
+    _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de, h, pack, offs_m, tok, G, HP, HPP, M, D,
                    o_layout)

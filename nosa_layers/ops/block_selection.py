@@ -242,8 +242,9 @@ def block_chunks(launch: dict, R: int, E: int, EP: int, on_gpu: bool) -> tuple[i
 
 
 def lse_heads_per_program(G: int) -> int:
-    """Query heads per program of the LSE kernel: the largest divisor of G up to ``SEL_CONFIG``'s HP."""
-    return max(d for d in range(1, min(G, SEL_CONFIG["lse"]["HP"]) + 1) if G % d == 0)
+    """Query heads per program of the LSE kernel: the largest power of two dividing G, up to ``SEL_CONFIG``'s
+    HP (a program's ``HP * BS`` rows are one Triton tile, a power of two; G = 3 or 9 takes one head)."""
+    return max(d for d in range(1, min(G, SEL_CONFIG["lse"]["HP"]) + 1) if G % d == 0 and d & (d - 1) == 0)
 
 
 def _pow2(x: int) -> bool:

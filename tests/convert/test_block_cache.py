@@ -99,7 +99,7 @@ def _run(model, cache, ids, mask, new_tokens, chunk=None, record=True):
     return torch.stack(logits, 1), sels, cache
 
 
-@pytest.mark.parametrize("G,seed", [(1, 0), (4, 1), (8, 2)])
+@pytest.mark.parametrize("G,seed", [(1, 0), (3, 3), (4, 1), (8, 2)])
 def test_batched_decode_selection_equals_select_rows(export_dirs, G, seed):
     """``select_decode_batched`` on capacity-sized state = ``select_rows`` on each sequence's prefix."""
     mod = _shipped(_load(export_dirs["nosa"]), "nosa_decode_select")

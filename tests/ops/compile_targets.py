@@ -5,7 +5,8 @@ the launch configuration each would get, without a GPU, and the hand-scheduled G
 (shared memory in bytes).
 Arguments get the specialisation a real launch gives them (pointers and strides that are multiples of
 16 marked so, unit strides constant), so loads vectorise and pipeline as on the GPU and the shared
-memory is what the GPU would allocate. Run by ``test_arch.py`` in a process without
+memory is what the GPU would allocate. Arguments: KV group sizes (every kernel at the first, the kernels
+that depend on the group at the others). Run by ``test_arch.py`` in a process without
 ``TRITON_INTERPRET``."""
 
 import json
@@ -22,6 +23,7 @@ from nosa_layers.ops import block_selection as bsel
 from nosa_layers.ops import sparse_index as si
 from nosa_layers.ops import attention_sm90, attention_sm90_dkdv, attention_sm90_fwd_dq, attention_sm90_pairs
 from nosa_layers.ops import gated_score, rms_norm, rope, topk
+from nosa_layers.ops._common import padded_heads
 from nosa_layers.ops.attention_op import heads_per_program
 from nosa_layers.ops.launch import CONFIG, SEL_CONFIG, triton_settings
 from nosa_layers.ops.sparse_index import query_tile
@@ -77,7 +79,8 @@ def cases(arch: str, G: int):
     common = dict(HKV=2, G=G, QT=qt, BS=BS, D=D, HAS_BIAS=True)
     for name, fn in (("fwd", ak._fwd_kernel), ("dq", ak._bwd_dq_kernel), ("dkdv", ak._bwd_dkdv_kernel)):
         c = cfg[name]
-        const = dict(common, HP=heads_per_program(G, qt, c["rows"]),
+        hp = heads_per_program(G, qt, c["rows"])
+        const = dict(common, HP=hp, HPP=padded_heads(hp),
                      **({"KB": c["blocks"], "NEED_DB": True} if name == "dkdv" else {}))
         yield name, fn, const, {"Word": word}, c["num_warps"], c["num_stages"]
     kb = cfg["dkdv"]["blocks"]
@@ -133,31 +136,43 @@ def gluon_cases(G: int):
     fwd_dq = attention_sm90_fwd_dq
     for name, fn in (("fwd", fwd_dq._fwd_kernel_sm90), ("dq", fwd_dq._bwd_dq_kernel_sm90)):
         c = cfg[name]
-        const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
+        hp = heads_per_program(G, qt, c["rows"])
+        const = dict(HKV=2, G=G, HP=hp, HPP=padded_heads(hp), QT=qt, BS=64, D=128, HAS_BIAS=True,
                      STAGES=c["num_stages"], IN_REGS=c["regs"], num_warps=4)
         yield f"{name}_sm90", GluonASTSource, fn, const, ptr, 4, 1
-    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, cfg["fwd"]["rows"]), QT=qt, BS=64, D=128, HAS_BIAS=True,
+    hp = heads_per_program(G, qt, cfg["fwd"]["rows"])
+    const = dict(HKV=2, G=G, HP=hp, HPP=padded_heads(hp), QT=qt, BS=64, D=128, HAS_BIAS=True,
                  num_warps=4)  # the forward over pairs of list entries (``keys_per_step = 128``)
     yield "fwd_pairs_sm90", GluonASTSource, attention_sm90_pairs._fwd_kernel_sm90_pairs, const, ptr, 4, 1
     c = cfg["dkdv"]
-    const = dict(HKV=2, G=G, HP=heads_per_program(G, qt, c["rows"]), QT=qt, BS=64, KB=c["blocks"], D=128,
+    hp = heads_per_program(G, qt, c["rows"])
+    const = dict(HKV=2, G=G, HP=hp, HPP=padded_heads(hp), QT=qt, BS=64, KB=c["blocks"], D=128,
                  HAS_BIAS=True, NEED_DB=True, STAGES=c["num_stages"], num_warps=4)
     rows = mangle_type(attention_sm90.rows_descriptor(torch.empty(1, 256, 2 * G, 128, dtype=torch.bfloat16), qt,
-                                                      const["HP"]))
+                                                      padded_heads(hp)))
     yield "dkdv_sm90", GluonASTSource, attention_sm90_dkdv._bwd_dkdv_kernel_sm90, const, \
         dict(ptr, q_desc=rows, do_desc=rows), 4, 1, dict(maxnreg=attention_sm90.dkdv_maxnreg(c["blocks"]))
 
 
-def main(G: int) -> None:
-    for arch, cap in (("sm80", 80), ("sm90", 90)):
-        rows = [(n, ASTSource, fn, const, ptr, w, st) for n, fn, const, ptr, w, st in cases(arch, G)]
-        rows += list(gluon_cases(G)) if arch == "sm90" else []
-        for name, source, fn, const, ptr, warps, stages, *extra in rows:
-            sig, const, attrs = specialise(fn, const, ptr)
-            k = triton.compile(source(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
-                               options=dict(num_warps=warps, num_stages=stages, **(extra[0] if extra else {})))
-            print(json.dumps(dict(arch=arch, kernel=name, G=G, shared=k.metadata.shared)), flush=True)
+# kernels whose constants follow the KV group size (its heads, or the query tile it shapes)
+GROUP_KERNELS = {"fwd", "dq", "dkdv", "pack_lists", "inv_count", "inv_fill", "sel_lse", "sel_block",
+                 "fwd_sm90", "dq_sm90", "fwd_pairs_sm90", "dkdv_sm90"}
+
+
+def main(groups: list[int]) -> None:
+    """Every kernel at the first group size; at the others, the kernels that depend on it."""
+    for i, G in enumerate(groups):
+        for arch, cap in (("sm80", 80), ("sm90", 90)):
+            rows = [(n, ASTSource, fn, const, ptr, w, st) for n, fn, const, ptr, w, st in cases(arch, G)]
+            rows += list(gluon_cases(G)) if arch == "sm90" else []
+            for name, source, fn, const, ptr, warps, stages, *extra in rows:
+                if i and name not in GROUP_KERNELS:
+                    continue
+                sig, const, attrs = specialise(fn, const, ptr)
+                k = triton.compile(source(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
+                                   options=dict(num_warps=warps, num_stages=stages, **(extra[0] if extra else {})))
+                print(json.dumps(dict(arch=arch, kernel=name, G=G, shared=k.metadata.shared)), flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    main([int(g) for g in sys.argv[1:]] or [8])

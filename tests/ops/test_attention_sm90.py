@@ -1,7 +1,7 @@
 """The hand-scheduled Hopper forward (one list entry per step, ``attention_sm90``, and two,
 ``attention_sm90_pairs``, the default), dQ and dK/dV (Gluon: async loads into rings of slots +
 overlapped wgmma) against the PyTorch reference and the Triton kernels, on an sm90 GPU only (wgmma is Hopper-only and
-Gluon has no interpreter): bf16 / fp16, head dims 64 and 128, GQA ratios 1-16, odd lengths, packed
+Gluon has no interpreter): bf16 / fp16, head dims 64 and 128, GQA ratios 1-16 (3, 6 and 9 too), odd lengths, packed
 documents, two batch rows (a block past the last row's end is zero-filled by TMA, one past the
 first row's end reads the next row's first keys, masked), ring depths 2-4, A operands from shared
 memory or registers. The sm90 compile check of ``test_arch`` covers these kernels on CPU."""
@@ -37,6 +37,10 @@ CASES = [  # B, T, Hq, Hkv, D, cu_seqlens, dtype
     pytest.param(2, 1100, 16, 2, 128, None, torch.bfloat16, id="B2-G8"),
     pytest.param(1, 2500, 8, 2, 64, [0, 1000, 2500], torch.float16, id="G4-D64-fp16"),
     pytest.param(1, 1999, 2, 2, 128, None, torch.bfloat16, id="G1-T1999"),
+    # groups that are not powers of two: query tiles padded to 4 / 8 / 16 head rows (SmolLM2 is 9 / 3, D 64)
+    pytest.param(1, 2200, 9, 3, 64, [0, 900, 2200], torch.bfloat16, id="G3-D64-docs"),
+    pytest.param(1, 1700, 6, 1, 128, None, torch.bfloat16, id="G6-T1700"),
+    pytest.param(1, 1800, 9, 1, 64, None, torch.float16, id="G9-D64-fp16"),
 ]
 
 

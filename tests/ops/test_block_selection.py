@@ -43,6 +43,9 @@ def _assert_matches_reference(q, k, s, cfg, cu, tol):
 
 CASES = [
     pytest.param(tiny_cfg(), 1, 150, 16, 2, 16, None, True, id="tiny-G8"),
+    pytest.param(tiny_cfg(), 1, 150, 9, 3, 16, None, True, id="tiny-G3"),
+    pytest.param(tiny_cfg(), 1, 170, 9, 1, 16, [0, 30, 170], True, id="tiny-G9-varlen"),
+    pytest.param(tiny_cfg(), 1, 130, 6, 1, 16, None, True, id="tiny-G6"),
     pytest.param(tiny_cfg(), 2, 97, 16, 1, 16, None, True, id="tiny-G16-B2-odd"),
     pytest.param(tiny_cfg(), 1, 200, 4, 2, 16, [0, 37, 37, 150, 200], True, id="tiny-varlen"),
     pytest.param(tiny_cfg(), 1, 120, 4, 2, 16, None, False, id="tiny-no-evict"),

@@ -49,7 +49,16 @@ CASES = [  # B, T, Hq, Hkv, D, cu_seqlens
     pytest.param(2, 67, 4, 2, 32, None, id="B2-G2-T67-D32"),
     pytest.param(1, 150, 8, 1, 16, [0, 37, 37, 101, 150], id="varlen-G8"),
     pytest.param(1, 129, 2, 2, 16, [0, 1, 65, 129], id="G1-one-token-doc"),
+    # groups that are not powers of two (SmolLM2 9 / 3, Qwen2.5 14 / 2, 12 / 2): padded query tiles
+    pytest.param(1, 100, 6, 2, 16, None, id="G3-T100"),
+    pytest.param(1, 150, 9, 1, 16, [0, 37, 150], id="varlen-G9"),
 ]
+
+
+@pytest.mark.parametrize("G", [5, 6, 7])
+def test_any_group_size(dev, G):
+    """Every group size runs, its padding heads' rows masked (tiles of 8 tokens x 8 head rows)."""
+    _all_close(*_run(dev, 1, 90, G, 1, 16, seed=G), fp32_tol(dev))
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,cu", CASES)
