@@ -1,13 +1,21 @@
-"""Hugging Face Llama / NOSA directory -> Megatron distributed checkpoint the trainer can start from.
+"""Hugging Face Llama / NOSA directory, or a Llama GGUF file -> Megatron distributed checkpoint the
+trainer can start from, with the model config group and tokenizer it needs.
 
     python -m checkpoints_convert.from_hf --hf <dir> --out <ckpt dir> [--dtype fp32|bf16]
-        [--mup keep|unfold] [--make-vocab-size-divisible-by 8] [--family llama3|minicpm4]
-        [--geometry block_size=64,topk=64,...] [--longrope short|switch] [--mup-constants ...]
+        [--target-length 16384] [--mup keep|unfold] [--make-vocab-size-divisible-by 8]
+        [--family llama3|minicpm4] [--geometry block_size=64,topk=64,...] [--longrope short|switch]
+        [--mup-constants ...]
+    python -m checkpoints_convert.from_hf --gguf <file.gguf> --out <ckpt dir> [--target-length 16384]
 
 Writes ``<out>/iter_0000000/`` (megatron-core ``torch_dist``; the model's tensors under key
 ``model``, global shapes, so any TP/PP layout can load them), its ``nosa_config.json`` and a
 ``<out>/latest`` pointer: ``train/main.py ... init_from=<out>`` starts a stage from it (a dense
 Llama checkpoint becomes a NOSA model there: the new eviction-head parameters keep their init).
+Next to it: ``<out>/model/<name>.yaml``, the imported model as a ``model`` config group (with
+``--target-length N``: the LongRoPE factors of the extension from the source's context to N tokens,
+computed from its rope theta), used as ``hydra.searchpath=[file://<out>] model=<name>``; and
+``<out>/tokenizer/``, the source's tokenizer (``data.tokenizer=<out>/tokenizer``). ``--gguf`` reads
+llama.cpp files (quantized ones are dequantized; needs ``pip install 'nosa-train[gguf]'``).
 
 Accepted: dense ``LlamaForCausalLM`` checkpoints (``model_type: llama``, SiLU, no biases,
 default or ``longrope`` RoPE), this framework's NOSA / InfLLM-V2 exports (``model_type: nosa_llama``,
@@ -41,6 +49,7 @@ from checkpoints_convert.common import DTYPES, check_out_apart, check_out_dir, g
 from checkpoints_convert.common import safetensors_names
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, REFERENCE_ARCHITECTURE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
+from checkpoints_convert.model_group import extend_context, group_name, write_model_group
 from checkpoints_convert.reference_format import TOKEN_ID_KEYS, checkpoint_format, longrope_factors, parse_geometry
 from runtime.cli import run_cli
 from runtime.outputs import atomic_dir
@@ -253,18 +262,55 @@ def parse_mup_constants(text: str | None) -> dict:
     return out
 
 
-def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
-              family=None, log=print, geometry_override: str | None = None, longrope: str | None = None,
-              mup_constants: str | None = None, allow_non_finite: bool = False) -> Path:
-    t0 = time.time()
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+def _read_source(hf: str | None, gguf: str | None, out: str, log):
+    """``(path, config dict, state dict or None, tokenizer writer, name)`` of the import's source."""
+    if (hf is None) == (gguf is None):
+        raise ConversionError("give the source as --hf <dir> or --gguf <file> (one of them)")
+    if gguf is not None:
+        from checkpoints_convert.gguf_source import load_gguf
+
+        check_out_apart(out, Path(gguf), "--gguf")
+        g = load_gguf(gguf, log=log)
+        return Path(gguf), g.config, g.state_dict, g.tokenizer.save_pretrained, g.name
     src = Path(hf)
     check_out_apart(out, src, "--hf")
     if not (src / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json there")
     cfg = json.loads((src / "config.json").read_text())
-    fmt = checkpoint_format(cfg, safetensors_names(src))
+
+    def copy_tokenizer(dst: str) -> None:
+        import shutil
+
+        names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+        if names:
+            Path(dst).mkdir(parents=True, exist_ok=True)
+            for n in names:
+                shutil.copy2(src / n, Path(dst) / n)
+
+    return src, cfg, None, copy_tokenizer, src.resolve().name
+
+
+def import_hf(hf: str | None, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
+              family=None, log=print, geometry_override: str | None = None, longrope: str | None = None,
+              mup_constants: str | None = None, allow_non_finite: bool = False, gguf: str | None = None,
+              target_length: int | None = None) -> Path:
+    t0 = time.time()
+    src, cfg, gguf_sd, write_tokenizer, name = _read_source(hf, gguf, out, log)
+    fmt = checkpoint_format(cfg, safetensors_names(src) if gguf is None else [])
     model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override),
                                   longrope, parse_mup_constants(mup_constants))
+    if model.size == "hf":  # a source that is not our export: the group takes the source's name
+        model.size = group_name(name)
+    train_model = model
+    if target_length is not None:
+        try:
+            train_model = extend_context(model, int(target_length))
+        except ValueError as e:
+            raise ConversionError(f"--target-length {target_length}: {e}") from None
     assumed = assumed_fields(cfg, fmt, model, attn, longrope)
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}; use fp32, bf16 or fp16")
@@ -276,7 +322,7 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     warning = budget_warning(model, attn) if fmt == "reference" else None
     if warning:
         log(f"warning: {warning}")
-    hf_sd = load_safetensors_dir(src)
+    hf_sd = load_safetensors_dir(src) if gguf_sd is None else gguf_sd
     bad = [k for k, v in hf_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad and not allow_non_finite:
         raise ConversionError(f"--hf {hf}: {len(bad)} tensor(s) hold NaN/inf (e.g. {bad[0]}); import a finite "
@@ -292,20 +338,40 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(check_out_dir(out), need_bytes=need) as tmp:
         save_dist_checkpoint(tensors, tmp, model, attn, extra={
-            "source": str(src.resolve()), "source_format": fmt, "longrope": longrope,
+            "source": str(src.resolve()), "source_format": "gguf" if gguf is not None else fmt, "longrope": longrope,
             "token_ids": {k: cfg[k] for k in TOKEN_ID_KEYS if cfg.get(k) is not None}})
+        write_tokenizer(str(Path(tmp) / "tokenizer"))
+        group = write_model_group(tmp, train_model, src.name, _group_note(model, train_model))
+    final = Path(out).resolve()
     n_params = sum(t.numel() for t in tensors.values())
-    log(f"imported {src} ({fmt} format; {model.family}, {attn.variant}, {n_params / 1e6:.2f}M params incl. "
-        f"vocab padding, {dtype}, muP {'unfolded' if model.use_mup else 'as stored'}) -> {Path(out).resolve()} "
-        f"in {time.time() - t0:.1f}s")
+    log(f"imported {src} ({'gguf' if gguf is not None else fmt} format; {model.family}, {attn.variant}, "
+        f"{n_params / 1e6:.2f}M params incl. vocab padding, {dtype}, muP "
+        f"{'unfolded' if model.use_mup else 'as stored'}) -> {final} in {time.time() - t0:.1f}s")
     if assumed:
-        log(f"assumed (not in {src / 'config.json'}): " + "; ".join(assumed))
-    return Path(out).resolve()
+        log(f"assumed (not in {src / 'config.json' if gguf is None else src}): " + "; ".join(assumed))
+    tok = final / "tokenizer"
+    log(f"model group: {final / 'model' / group.name} ({_group_note(model, train_model) or 'the source model'}); "
+        f"train it with: hydra.searchpath=[file://{final}] model={group.stem} init_from={final}"
+        + (f" data.tokenizer={tok}" if tok.is_dir() else " (the source has no tokenizer files: give data.tokenizer)"))
+    return final
+
+
+def _group_note(model, train_model) -> str:
+    """What the model group changes against the imported model (the LongRoPE extension), or ''."""
+    if train_model is model:
+        return ""
+    lr = train_model.longrope
+    return (f"LongRoPE {model.max_position_embeddings} -> {train_model.max_position_embeddings} tokens "
+            f"(rope theta {model.rope_theta:g}, head dim {model.kv_channels}; short = long factors: the model "
+            f"changes at every length, attention factor {lr.attention_factor})")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.from_hf", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    ap.add_argument("--hf", default=None, help="Hugging Face model directory (config.json + safetensors)")
+    ap.add_argument("--gguf", default=None, help="a Llama GGUF file instead of --hf (needs the gguf package)")
+    ap.add_argument("--target-length", type=int, default=None, metavar="TOKENS",
+                    help="write the model group with LongRoPE factors extending the source's context to TOKENS")
     ap.add_argument("--out", required=True, help="output checkpoint dir (gets iter_0000000/ and latest)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--mup", default="keep", choices=["keep", "unfold"])
@@ -323,7 +389,8 @@ def main(argv=None) -> int:
                          "(released NOSA-8B / MiniCPM4: scale_emb=12,scale_depth=1.4,dim_model_base=256)")
     args = ap.parse_args(argv)
     return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
-                   args.family, print, args.geometry, args.longrope, args.mup_constants, args.allow_non_finite)
+                   args.family, print, args.geometry, args.longrope, args.mup_constants, args.allow_non_finite,
+                   args.gguf, args.target_length)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,25 @@ def nosa_attention(q: Tensor, k: Tensor, v: Tensor, evict_score: Tensor | None, 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def kernel_plan(num_q_heads: int, num_kv_heads: int, head_dim: int, cfg: NOSAConfig, dtype: torch.dtype,
+                device: torch.device, backend: str = "auto") -> list[str]:
+    """What NOSA attention of this shape runs on ``device``, decided before any step: one line per
+    fast path it does not take (the kernel that serves instead and why), and one on the padding of query
+    tiles for a KV group that is not a power of two; ``[]`` where every fast path runs as designed."""
+    backend = resolve_backend(backend, device, head_dim, cfg.block_size)
+    if device.type != "cuda":
+        return []
+    if backend != "triton":
+        why = "triton is not installed" if ops is None else f"head dim {head_dim} / block {cfg.block_size}"
+        return [f"NOSA kernels: the PyTorch reference runs attention and selection ({why}; the kernels take "
+                f"head dims {ops.HEAD_DIMS if ops else '16..256'} and 16/32/64-token blocks): slow, for checks only"]
+    notes = []
+    if not ops.supports_selection(cfg, head_dim):
+        notes.append(f"NOSA kernels: block selection runs the PyTorch reference (no kernel for head dim {head_dim}, "
+                     f"block/stride/kernel {cfg.block_size}/{cfg.kernel_stride}/{cfg.kernel_size})")
+    return notes + ops.attention_plan(num_q_heads // num_kv_heads, head_dim, cfg.block_size, dtype, device)
+
+
 def host_cu_seqlens(cu_seqlens: Tensor) -> list[int]:
     """Host values of ``cu_seqlens``: those the trainer handed to the kernels' block table when there
     are some (no device read), else one read."""

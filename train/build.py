@@ -72,7 +72,23 @@ def build_model(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str
         f"precision={precision}, "
         f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
         f"{'on' if fusions else 'off'}, initial weights {init}")
+    _log_kernel_plan(cfg, env, precision, log)
     return model
+
+
+def _log_kernel_plan(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str], None]) -> None:
+    """One line per NOSA fast path this model's shape does not take on this GPU (``kernel_plan``), before
+    step 1: a shape no kernel covers gets another one from the start, never a failure mid-run."""
+    m = cfg.model
+    if not cfg.attention.has_sparse_layers(m.num_layers):
+        return
+    from nosa_layers.dispatch import kernel_plan
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    sparse = next(v for v in cfg.attention.layer_variants(m.num_layers) if v != "dense")  # one geometry for all
+    for note in kernel_plan(m.num_attention_heads, m.num_kv_heads, m.kv_channels,
+                            cfg.attention.nosa_config_for(sparse), dtype, env.device, cfg.attention.backend):
+        log(note)
 
 
 def build_loaders(cfg: RunConfig, env: DistEnv, log: Callable[[str], None]) -> tuple:

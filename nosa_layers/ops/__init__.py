@@ -7,10 +7,11 @@ them. See README.md in this folder."""
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
-from .attention_op import sparse_attention, supports_attention
+from .attention_op import HEAD_DIMS, attention_plan, sparse_attention, supports_attention
 from .block_selection import select_blocks_triton, supports_selection
 from .launch import CONFIG, SEL_CONFIG
 from .sparse_index import SparseIndex, build_sparse_index
 
-__all__ = ["select_blocks_triton", "supports_selection", "sparse_attention", "supports_attention",
+__all__ = ["select_blocks_triton", "supports_selection", "sparse_attention", "supports_attention", "attention_plan",
+           "HEAD_DIMS",
            "build_sparse_index", "SparseIndex", "CONFIG", "SEL_CONFIG"]

@@ -9,7 +9,7 @@ from torch import Tensor
 from ._common import LOG2E, check_device, padded_heads
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _dkdv_reduce_kernel, _fwd_kernel
 from .launch import CONFIG, arch, hopper_device, launch_config, sm90_kernels, triton_settings
-from .sparse_index import SparseIndex, largest_divisor
+from .sparse_index import SparseIndex, largest_divisor, query_tile
 
 
 def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "query") -> bool:
@@ -52,6 +52,40 @@ def heads_per_program(G: int, qt: int, rows: int) -> int:
     while padded_heads(hp) * qt < 16 and hp < G:
         hp = next(d for d in range(hp + 1, G + 1) if G % d == 0)
     return hp
+
+
+def attention_plan(G: int, head_dim: int, block: int, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """Which attention kernels serve KV groups of ``G`` query heads on ``device`` (a CUDA GPU), said before
+    a run starts: a line on the padded query tiles of a group that is not a power of two, and one naming the
+    kernels that take the Triton path where the Hopper kernels are asked for but do not cover the shape."""
+    q = torch.empty(1, 1, 1, head_dim, dtype=dtype, device="meta")  # what the launch checks read: dtype, D
+    launch = launch_config(device, q, block)
+    qt = query_tile(G, block, launch["tile"]["rows"])[0]
+    notes = []
+    if padded_heads(G) != G:
+        hp = heads_per_program(G, qt, launch["fwd"]["rows"])
+        rows = padded_heads(hp) * qt
+        notes.append(f"NOSA kernels: KV groups of {G} query heads run in query tiles of {qt} tokens x "
+                     f"{padded_heads(hp)} head rows ({hp} real: {100 * (rows - hp * qt) // rows}% of the rows are "
+                     f"padding)")
+    if not hopper_device(device):
+        return notes
+    cfg = CONFIG[arch(device)]
+    missed = []
+    for name in ("fwd", "dq", "dkdv"):
+        if cfg[name]["impl"] != "gluon":
+            continue
+        rows = padded_heads(heads_per_program(G, qt, launch[name]["rows"])) * qt
+        sm90 = sm90_kernels()
+        ok = (sm90.supported_dkdv(q, block, rows, launch[name]["blocks"]) if name == "dkdv"
+              else sm90.supported(q, block, rows))
+        if not ok:
+            missed.append(name)
+    if missed:
+        notes.append(f"NOSA kernels: the Triton {', '.join(missed)} kernels serve instead of the Hopper ones, which "
+                     f"cover 16-bit inputs, head dims 64 / 128 and 64-token blocks (this model: "
+                     f"{str(dtype).replace('torch.', '')}, head dim {head_dim}, {block}-token blocks)")
+    return notes
 
 
 HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -91,3 +91,42 @@ def longrope_cos_sin(cfg: LongRoPEConfig, positions: Tensor, rotary_dim: int, th
     emb = torch.cat([freqs, freqs], dim=-1)
     scale = cfg.resolved_attention_factor(max_position_embeddings)
     return emb.cos() * scale, emb.sin() * scale
+
+
+def yarn_ramp_factors(head_dim: int, theta: float, orig_len: int, target_len: int,
+                      alpha: float = 1.0, beta: float = 32.0) -> list[float]:
+    """Initial LongRoPE factors of a context extension ``orig_len -> target_len``: YaRN's "NTK-by-parts"
+    ramp, where LongRoPE's search starts. ``head_dim // 2`` factors (one per rotary frequency, dividing its
+    inverse frequency)::
+
+        ratio_i = orig_len / wavelength_i,   wavelength_i = 2 pi theta^(2i / head_dim)
+        gamma_i = clamp((ratio_i - alpha) / (beta - alpha), 0, 1)
+        factor_i = 1 / ((1 - gamma_i) / s + gamma_i),   s = target_len / orig_len
+
+    so high frequencies (many periods inside the original context) keep factor 1 and low ones are
+    interpolated by ``s``."""
+    s = target_len / orig_len
+    out = []
+    for i in range(head_dim // 2):
+        wavelength = 2 * math.pi * theta ** (2 * i / head_dim)
+        gamma = min(1.0, max(0.0, (orig_len / wavelength - alpha) / (beta - alpha)))
+        out.append(1.0 / ((1.0 - gamma) / s + gamma))
+    return out
+
+
+def extension_attention_factor(orig_len: int, target_len: int) -> float:
+    """``sqrt(1 + ln(s) / ln(orig_len))`` for ``s = target_len / orig_len`` (1 when ``s <= 1``)."""
+    s = target_len / orig_len
+    return 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(orig_len))
+
+
+def initial_longrope(head_dim: int, theta: float, orig_len: int, target_len: int) -> LongRoPEConfig:
+    """The LongRoPE block of a context extension (``yarn_ramp_factors``, rounded to 6 decimals; short =
+    long factors, as NOSA-8B ships, so the model is the same function at every length; the explicit
+    ``attention_factor``)."""
+    if target_len <= orig_len:
+        raise ValueError(f"a LongRoPE extension needs a target length above the original context {orig_len}, "
+                         f"got {target_len}")
+    f = [round(x, 6) for x in yarn_ramp_factors(head_dim, theta, orig_len, target_len)]
+    return LongRoPEConfig(short_factor=f, long_factor=list(f), original_max_position_embeddings=orig_len,
+                          attention_factor=round(extension_attention_factor(orig_len, target_len), 6))
