@@ -64,8 +64,8 @@ def _query_program(Blocks, QTiles, QRow, n_tiles, HKV: tl.constexpr, G: tl.const
 
     Returns its (tile, KV head) list ``w`` (int64), KV head ``h``, batch row ``b`` (int64), per row of
     the ``[HPP*QT]`` tile: query head, token, its query row (the token itself without ``SUBSET``),
-    validity (false on padding heads), token-in-tile ``r``; plus the first token of the tile's own KV block ``kdiag`` and the
-    document end ``de``."""
+    validity (false on padding heads), token-in-tile ``r``; plus the first token of the tile's own KV block
+    ``kdiag`` and the document end ``de``."""
     if SUBSET:
         pack, h, w, b, kdiag, de, qs = _query_tile_subset(Blocks, QTiles, n_tiles, HKV, G // HP, S, QT)
     else:

@@ -162,8 +162,8 @@ def _bwd_dkdv_kernel_sm90(Q, K, V, Bias, DO, LSE, Delta, DK, DV, DB, WDK, WDV, W
                           s_ob, s_ot, s_oh, s_lb, s_lh, s_db_b, s_db_t, s_db_h, qk_scale, sm_scale,
                           k_desc, v_desc, q_desc, do_desc, T,
                           HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr, QT: gl.constexpr,
-                          BS: gl.constexpr, KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, NEED_DB: gl.constexpr,
-                          STAGES: gl.constexpr, num_warps: gl.constexpr):
+                          BS: gl.constexpr, KB: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          NEED_DB: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV, db, warp-specialised: the Triton kernel's programs (pieces of inverse lists of
     ``KB * BS``-key groups), partial slots and outputs. One producer warp loads the group's K / V once
     and each step's query and dO rows (list entry x head pack: a ``[QT, HPP, D]`` TMA box each; ``HPP``:
