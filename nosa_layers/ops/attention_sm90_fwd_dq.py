@@ -187,7 +187,8 @@ def _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de,
 def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                      s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                      HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr, QT: gl.constexpr,
-                     BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
+                     BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                     IN_REGS: gl.constexpr,
                      num_warps: gl.constexpr):
     """One program per (query tile, KV head, pack of HP heads), later tiles first, as the Triton kernel."""
     M: gl.constexpr = HPP * QT
@@ -207,7 +208,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
     k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D)
 
     # the query tile: row m is token m // HPP of the tile, head pack * HP + m % HPP of the KV group
-    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS, num_warps)
+    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS,
+                         num_warps)
 
     offs_m = gl.arange(0, M, layout=row_s)
     r = offs_m // HPP
@@ -261,7 +263,8 @@ def _fwd_kernel_sm90(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Wor
 def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Count, KStart, Word, n_tiles, cap, T,
                         s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale, sm_scale,
                         HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr,
-                        QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, IN_REGS: gl.constexpr,
+                        QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        STAGES: gl.constexpr, IN_REGS: gl.constexpr,
                         num_warps: gl.constexpr):
     """dQ: the forward's programs and lists; P recomputed from the saved LSE. Per entry three products:
     ``S = Q K^T`` and ``dP = dO V^T`` (issued together), then ``dQ += dS K`` left in flight until the
@@ -280,7 +283,8 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
 
     pack, h, b, kdiag, de, qs, base, n, row0, col = _query_program(Blocks, Count, n_tiles, cap, T, HKV, NP, S, QT, D)
     k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES, BS, D)
-    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS, num_warps)
+    q_op = _tile_operand(Q, b, s_qb, s_qt, s_qh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS,
+                         num_warps)
     do_op = _tile_operand(DO, b, s_ob, s_ot, s_oh, qs, de, h, pack, k_desc, G, HP, HPP, M, D, a_layout, IN_REGS,
                           num_warps)
 

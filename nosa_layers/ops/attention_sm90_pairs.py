@@ -74,7 +74,8 @@ def _pair_scores(s, ksa, ksb, wa, wb, bias, kdiag, de, tok, r, offs_n, qk_scale,
 def _fwd_kernel_sm90_pairs(Q, k_desc, v_desc, Bias, O, LSE, Blocks, Count, KStart, Word, n_tiles, cap, T,
                            s_qb, s_qt, s_qh, s_bb, s_bh, s_ob, s_ot, s_oh, s_lb, s_lh, qk_scale,
                            HKV: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: gl.constexpr,
-                           QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+                           QT: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, HAS_BIAS: gl.constexpr,
+                           num_warps: gl.constexpr):
     """One program per (query tile, KV head, pack of HP heads), as the default Hopper forward; per step
     a pair of list entries: one ``[M, 2 * BS]`` score product and one ``P V`` product over its keys."""
     M: gl.constexpr = HPP * QT
