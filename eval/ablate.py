@@ -60,6 +60,7 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 HANDOFF_SHARD_BYTES = 16 << 20  # --export: weight files of at most 16 MiB
+BASE = "base"  # the table's row of the imported model before any CPT (presets with ``model_from_init``)
 HANDOFF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -145,8 +146,14 @@ class Ablation:
         demo_dir = DEFAULT_OUT if p.demo == "full" else str(self.out / "data" / "demo")
         self.say(f"data: demo corpus ({p.demo}) in {demo_dir}")
         man = build_demo(demo_dir, DemoSpec() if p.demo == "full" else SMALL, log=self.say)
-        tokenizer = man["tokenizer"]
-        if self.init is not None:  # the pretrained weights came with their tokenizer: the corpus must match it
+        tokenizer, corpus_prefix = man["tokenizer"], man["indexed_prefix"]
+        if p.model_from_init:  # an imported model: every token of every stage comes from its own tokenizer
+            tokenizer = str(self.pretrained() / "tokenizer")
+            if not (Path(tokenizer) / "tokenizer.json").is_file():
+                raise EvalError(f"--init {self.init}: the import has no tokenizer.json ({tokenizer}); import a "
+                                f"source that carries its tokenizer")
+            corpus_prefix = self._corpus_for(man["corpus"], tokenizer)
+        elif self.init is not None:  # the pretrained weights came with their tokenizer: the corpus must match it
             if tokenizer_hash(self.init) != tokenizer_hash(tokenizer):
                 raise EvalError(f"--init {self.init}: its tokenizer differs from the demo corpus' ({tokenizer}); "
                                 f"the corpus was tokenized for another model")
@@ -161,15 +168,27 @@ class Ablation:
         paths = {}
         for name, mix in mixes.items():
             prefix = str(data_dir / f"retrieval_{name}_text_document")
-            paths[name] = [prefix, man["indexed_prefix"]]
+            paths[name] = [prefix, corpus_prefix]
             if name in stages:
                 t0 = time.time()
                 sm = build_retrieval_dataset(man["corpus"], tokenizer, prefix, mix, log=self.say)
                 self.say(f"data: {name} = {sm['documents']} retrieval documents at {mix.lengths} "
                          f"({sm['tokens'] / 1e6:.1f}M tokens, {time.time() - t0:.0f} s) + the corpus, "
                          f"{p.retrieval_share:.0%} / {1 - p.retrieval_share:.0%} of the tokens")
-        return DataPaths(tokenizer, man["indexed_prefix"], paths["pretrain"], paths["cpt"],
+        return DataPaths(tokenizer, corpus_prefix, paths["pretrain"], paths["cpt"],
                          [p.retrieval_share, round(1 - p.retrieval_share, 6)], str(tasks_dir))
+
+    def _corpus_for(self, corpus: str, tokenizer: str) -> str:
+        """The demo corpus tokenized with ``tokenizer`` (an imported model's), once: its indexed prefix."""
+        from data.preprocess import preprocess
+
+        prefix = self.out / "data" / "corpus_text_document"
+        if not Path(f"{prefix}.idx").is_file():
+            t0 = time.time()
+            summ = preprocess(corpus, tokenizer, str(prefix), progress=False)
+            self.say(f"data: corpus tokenized with the model's tokenizer: {summ['documents']} documents, "
+                     f"{summ['tokens'] / 1e6:.1f}M tokens ({time.time() - t0:.0f} s)")
+        return str(prefix)
 
     # ------------------------------------------------------------------ 2./3. training
     def train_args(self, stage, run_dir: Path, paths: list[str], data: DataPaths, curve_points: int = 0) -> list[str]:
@@ -226,7 +245,9 @@ class Ablation:
             self.curve("pretrain", run_dir, data, self.preset.curve_length_pretrain, self.devices[0])
 
     def pretrained(self) -> Path:
-        """What CPT starts from: ``<out>/pretrain``, or the ``--init`` export imported once."""
+        """What CPT starts from: ``<out>/pretrain``, or the ``--init`` source (an export, a Hugging Face
+        directory or a GGUF file) imported once; with ``model_from_init``, its model group extends the
+        context to the preset's ``cpt_length``."""
         if self.init is None:
             return self.out / "pretrain"
         from checkpoints_convert.from_hf import import_hf
@@ -234,8 +255,20 @@ class Ablation:
         dst = self.out / "pretrain_import"
         if not (dst / "latest").is_file():
             self.say(f"init: importing {self.init} -> {dst}")
-            import_hf(str(self.init), str(dst), log=self.say)
+            gguf = self.init.suffix == ".gguf"
+            import_hf(None if gguf else str(self.init), str(dst), log=self.say, gguf=str(self.init) if gguf else None,
+                      target_length=self.preset.cpt_length if self.preset.model_from_init else None)
         return dst
+
+    def model_args(self) -> list[str]:
+        """The CPT's model: the import's own group (``from_hf``'s ``model/<name>.yaml``) with ``model_from_init``."""
+        if not self.preset.model_from_init:
+            return []
+        src = self.pretrained()
+        groups = sorted((src / "model").glob("*.yaml"))
+        if len(groups) != 1:
+            raise EvalError(f"{src}: expected one model group file in {src / 'model'}, found {len(groups)}")
+        return [f"hydra.searchpath=[file://{src}]", f"model={groups[0].stem}"]
 
     def export_pretrained(self, data: DataPaths) -> None:
         """``--export``: the pretrained weights as a bf16 HF export in files of at most 16 MiB, with
@@ -281,29 +314,52 @@ class Ablation:
         job.device, job.started, job.status = device, time.time(), "training"
         job.log = str(self.out / "cpt" / f"{v}.log")
         args = self.train_args(stage, cpt_dir, data.cpt_paths, data, self.preset.curve_points_cpt) + [
-            f"attention={VARIANTS[v]}", f"init_from={self.pretrained()}"]
+            f"attention={VARIANTS[v]}", f"init_from={self.pretrained()}", *self.model_args()]
         self.train(v, args, cpt_dir, stage.steps, [device])
         if self.preset.curve_points_cpt:
             job.status = "curve"
             self.curve(v, cpt_dir, data, self.preset.curve_length_cpt, device)
         job.status = "evaluating"
-        cfg = self.suite_config()
+        job.log = self.evaluate(v, cpt_dir, device, data)
+        job.status = "done"
+
+    def evaluate(self, name: str, ckpt: Path, device: Optional[str], data: DataPaths,
+                 max_length: Optional[int] = None) -> Optional[str]:
+        """``eval.suite`` of ``ckpt`` -> ``<out>/eval/<name>`` (locality and perplexity documents of at most
+        ``max_length`` tokens); returns its log (``None``: on the console)."""
+        cfg, eval_dir = self.suite_config(), self.out / "eval" / name
+        if max_length is not None and cfg.length > max_length:
+            cfg.length = max_length
         if device is None:  # CPU: in this process (one megatron import for every variant), output on the console
             from eval.suite import evaluate
 
-            job.log = None
-            evaluate(str(cpt_dir), data.tasks, data.corpus_prefix, str(eval_dir), cfg,
-                     log=lambda m: self.say(f"{v}: {m}"))
-        else:
-            log = eval_dir.parent / f"{v}.log"
-            job.log = str(log)
-            cmd = [sys.executable, "-m", "eval.suite", "--ckpt", str(cpt_dir), "--tasks", data.tasks,
-                   "--data", data.corpus_prefix, "--split", self.preset.split, "--length", str(cfg.length),
-                   "--docs", str(cfg.docs), "--ppl-docs", str(cfg.ppl_docs), "--out", str(eval_dir)]
-            rc = self.run_logged(f"{v}-eval", cmd, log, device)
-            if rc != 0 or not (eval_dir / RESULT).is_file():
-                raise RuntimeError(f"evaluation exited with {rc}; see {log}")
-        job.status = "done"
+            evaluate(str(ckpt), data.tasks, data.corpus_prefix, str(eval_dir), cfg, tokenizer=data.tokenizer,
+                     log=lambda m: self.say(f"{name}: {m}"))
+            return None
+        log = eval_dir.parent / f"{name}.log"
+        cmd = [sys.executable, "-m", "eval.suite", "--ckpt", str(ckpt), "--tasks", data.tasks,
+               "--data", data.corpus_prefix, "--split", self.preset.split, "--length", str(cfg.length),
+               "--docs", str(cfg.docs), "--ppl-docs", str(cfg.ppl_docs), "--tokenizer", data.tokenizer,
+               "--out", str(eval_dir)]
+        rc = self.run_logged(f"{name}-eval", cmd, log, device)
+        if rc != 0 or not (eval_dir / RESULT).is_file():
+            raise RuntimeError(f"evaluation exited with {rc}; see {log}")
+        return str(log)
+
+    def evaluate_base(self, data: DataPaths) -> None:
+        """The imported model as it came (no training): the table's ``base`` row."""
+        if (self.out / "eval" / BASE / RESULT).is_file():
+            self.say(f"{BASE}: already evaluated")
+            return
+        src = self.pretrained()
+        context = json.loads(next(src.glob("iter_*/nosa_config.json")).read_text())["model"]["max_position_embeddings"]
+        self.say(f"{BASE}: evaluating the imported model {self.init} (its context: {context} tokens; tasks up to it)")
+        t0 = time.time()
+        try:
+            self.evaluate(BASE, src, self.devices[0], data, max_length=context)
+            self.say(f"{BASE}: done ({time.time() - t0:.0f} s)")
+        except (RuntimeError, EvalError) as e:
+            self.say(f"{BASE}: FAILED: {e}")
 
     def suite_config(self) -> SuiteConfig:
         p = self.preset
@@ -369,7 +425,8 @@ class Ablation:
         """The table's variants: those asked for, and any other already evaluated under ``--out``."""
         asked = [] if self.stage == "pretrain" else self.variants
         done = [v for v in VARIANTS if (self.out / "eval" / v / RESULT).is_file()]
-        return asked + [v for v in done if v not in asked]
+        base = [BASE] if (self.out / "eval" / BASE / RESULT).is_file() else []
+        return base + asked + [v for v in done if v not in asked]
 
     def collect(self) -> dict:
         rows = {}
@@ -414,6 +471,8 @@ class Ablation:
                 self.pretrain(data)
             if self.export is not None:
                 self.export_pretrained(data)
+            if self.stage == "all" and self.preset.model_from_init:
+                self.evaluate_base(data)
             if self.stage == "all":
                 self.run_variants(data)
         except KeyboardInterrupt:
@@ -477,7 +536,7 @@ def parse_devices(spec: Optional[str]) -> list[Optional[str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.ablate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--preset", default="tiny", help="tiny | proof_h200")
+    ap.add_argument("--preset", default="tiny", help="tiny | proof_h200 | smollm2_135m")
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     ap.add_argument("--devices", default=None,
@@ -491,7 +550,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stage", default="all", choices=["all", "pretrain"],
                     help="pretrain: stop after the pretraining (and --export)")
     ap.add_argument("--export", default=None, help="write the pretrained weights here (bf16, files <= 16 MiB)")
-    ap.add_argument("--init", default=None, help="start CPT from an --export of another run (no pretraining)")
+    ap.add_argument("--init", default=None,
+                    help="start CPT from an --export of another run, a Hugging Face model directory or a GGUF file "
+                         "(no pretraining)")
     ap.add_argument("--progress", type=float, default=None, help="seconds between progress lines")
     a = ap.parse_args(argv)
     try:
@@ -501,8 +562,15 @@ def main(argv=None) -> int:
         devices = parse_devices(a.devices)
         if a.init and a.stage == "pretrain":
             raise EvalError("--init skips the pretraining; --stage pretrain has nothing to do with it")
-        if a.init and not (Path(a.init) / "config.json").is_file():
-            raise EvalError(f"--init {a.init}: no export there (config.json missing); give an --export directory")
+        if preset.needs_init and not a.init:
+            raise EvalError(f"preset {preset.name} starts from an imported model: give --init <HF dir or .gguf file> "
+                            f"(SmolLM2: bash scripts/fetch_smollm2.sh DIR)")
+        if a.init and Path(a.init).suffix == ".gguf":
+            if not Path(a.init).is_file():
+                raise EvalError(f"--init {a.init}: no such file")
+        elif a.init and not (Path(a.init) / "config.json").is_file():
+            raise EvalError(f"--init {a.init}: no export there (config.json missing); give an --export directory, a "
+                            f"Hugging Face model directory or a .gguf file")
         if a.export and Path(a.export).exists() and not (Path(a.export) / "config.json").is_file():
             raise EvalError(f"--export {a.export} exists and is not an export; give a new directory")
     except EvalError as e:

@@ -56,6 +56,40 @@ def verdicts(table: dict) -> list[str]:
             better = n["ed_dma"]["gamma_mean"] > n["none"]["gamma_mean"]
             out.append(f"locality: gamma mean {n['ed_dma']['gamma_mean']:.3f} (ed_dma) vs "
                        f"{n['none']['gamma_mean']:.3f} (none): {'above' if better else 'NOT above'} none's")
+    if table["preset"].get("model_from_init"):
+        out += import_targets(table)
+    return out
+
+
+def _by_length(row: dict) -> dict:
+    """RULER score per task length of a row (``{length: score}``)."""
+    by_length = (((row.get("result") or {}).get("ruler") or {}).get("by_length")) or {}
+    return {int(k): float(v) for k, v in by_length.items() if v is not None}
+
+
+def import_targets(table: dict) -> list[str]:
+    """The targets of an imported model's ablation (``model_from_init`` presets): dense CPT at least 60 at
+    the longest length, ed_dma's mean over the lengths within 3 points of dense's and at least none's at
+    the longest length."""
+    rows = {v: row for v, row in table["variants"].items() if row["result"]}
+    out = []
+    per = {v: _by_length(row) for v, row in rows.items()}
+    longest = max((n for d in per.values() for n in d), default=None)
+    if longest is None:
+        return out
+    label = _length_label(longest)
+    if longest in per.get("dense", {}):
+        x = per["dense"][longest]
+        out.append(f"dense RULER {label}: {x:.1f} (target at least 60): {'met' if x >= 60 else f'MISSED by {60 - x:.1f}'}")
+    if per.get("ed_dma") and per.get("dense"):
+        common = sorted(set(per["ed_dma"]) & set(per["dense"]))
+        d = sum(per["ed_dma"][n] - per["dense"][n] for n in common) / len(common)
+        out.append(f"ed_dma - dense, mean over {[_length_label(n) for n in common]}: {d:+.1f} (target within 3): "
+                   f"{'met' if abs(d) <= 3 else f'MISSED by {abs(d) - 3:.1f}'}")
+    if longest in per.get("ed_dma", {}) and longest in per.get("none", {}):
+        d = per["ed_dma"][longest] - per["none"][longest]
+        out.append(f"ed_dma - none RULER {label}: {d:+.1f} (target at least 0): "
+                   f"{'met' if d >= 0 else f'MISSED by {-d:.1f}'}")
     return out
 
 
@@ -79,7 +113,8 @@ def ablation_markdown(table: dict) -> str:
                      *[n.get(k) for k in lengths], avg, n["needles"], n["token_match"], n["gamma_mean"],
                      n["gamma_p5"], n["gamma_min"], n["fetched"], n["mb_per_token"], n["tok_s"], n["vs_dense"]])
     lines = [f"# Eviction-head ablation: preset {p['name']}", "", p["description"], "",
-             f"Pretraining {p['pretrain']['recipe']} ({p['pretrain']['steps']} steps), CPT {p['cpt']['recipe']} "
+             (f"Pretraining {p['pretrain']['recipe']} ({p['pretrain']['steps']} steps)" if p.get("pretrain") else
+              "No pretraining: the imported model (row base, before any step)") + f", CPT {p['cpt']['recipe']} "
              f"({p['cpt']['steps']} steps per variant); evaluation on held-out documents of {p['eval_length']} "
              f"tokens (validation part of split {p['split']}), RULER-style tasks at {p['task_lengths']} "
              f"({p['task_samples']} samples per task and length, another seed than the training documents; "

@@ -8,7 +8,7 @@ runs from the same pretrained checkpoint, and the evaluation (task lengths, docu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from eval.errors import EvalError
 from nosa_layers.config import tiny_geometry
@@ -46,9 +46,13 @@ class AblationPreset:
 
     name: str
     description: str
-    pretrain: Stage
+    pretrain: Optional[Stage]  # None: no pretraining, CPT starts from ``--init`` (an imported model)
     cpt: Stage
     variants: List[str]
+    # CPT trains the ``--init`` model as imported (``from_hf``'s model group, with LongRoPE to the CPT's
+    # ``cpt_length``), on data tokenized with its own tokenizer; the imported model is scored as the base row
+    model_from_init: bool = False
+    cpt_length: int = 16384
     demo: str = "full"  # demo corpus spec: full (cached under .cache/demo_data) | small (under <out>/data)
     split: str = "95,5,0"  # data.split of both stages: the corpus' validation documents are the held-out set
     task_lengths: List[int] = field(default_factory=lambda: [4096, 8192, 16384])
@@ -77,6 +81,11 @@ class AblationPreset:
         if not 0 < self.retrieval_share < 1:
             raise EvalError(f"preset {self.name}: retrieval_share={self.retrieval_share} must be in (0, 1)")
 
+    @property
+    def needs_init(self) -> bool:
+        """Whether the preset starts from an imported model (``--init``) instead of pretraining its own."""
+        return self.pretrain is None
+
     def with_settings(self, settings: List[str], train_overrides: List[str]) -> "AblationPreset":
         """The preset with ``FIELD=VALUE`` settings of its own fields (``pretrain.steps`` / ``cpt.steps``
         too; lists as ``512,1024``) and ``STAGE:KEY=VALUE`` overrides added to a stage's ``train/main.py``
@@ -88,6 +97,8 @@ class AblationPreset:
                 raise EvalError(f"--set {item!r}: give FIELD=VALUE")
             if key in ("pretrain.steps", "cpt.steps"):
                 stage = key.split(".")[0]
+                if getattr(out, stage) is None:
+                    raise EvalError(f"--set {key}: preset {self.name} has no {stage} stage")
                 out = replace(out, **{stage: replace(getattr(out, stage), steps=_parse(key, value, int))})
                 continue
             kinds = {f.name: f.type for f in fields(self) if f.name not in ("name", "pretrain", "cpt")}
@@ -106,6 +117,8 @@ class AblationPreset:
             if override.split("=")[0] == "train.max_steps":
                 raise EvalError(f"--train-override {item!r}: set the steps with --set {stage}.steps=N")
             st = getattr(out, stage)
+            if st is None:
+                raise EvalError(f"--train-override {item!r}: preset {self.name} has no {stage} stage")
             out = replace(out, **{stage: replace(st, overrides=[*st.overrides, override])})
         return out
 
@@ -114,7 +127,7 @@ class AblationPreset:
         2 steps each)."""
         if factor <= 0:
             raise EvalError(f"--scale {factor}: give a positive factor")
-        step = lambda s: replace(s, steps=max(2, round(s.steps * factor)))  # noqa: E731
+        step = lambda s: s and replace(s, steps=max(2, round(s.steps * factor)))  # noqa: E731
         return replace(self, pretrain=step(self.pretrain), cpt=step(self.cpt),
                        pretrain_retrieval_tokens=max(1, round(self.pretrain_retrieval_tokens * factor)),
                        cpt_retrieval_tokens=max(1, round(self.cpt_retrieval_tokens * factor)))
@@ -152,6 +165,34 @@ PRESETS: Dict[str, AblationPreset] = {
         pretrain_doc_lengths=[256, 512, 1024, 2048, 4095], pretrain_retrieval_tokens=95_000_000,
         cpt_doc_lengths=[1024, 4096, 8192, 16383], cpt_retrieval_tokens=17_000_000,
         curve_points_pretrain=4, curve_points_cpt=3, curve_samples=12),
+    # The import path of smollm2_135m at CPU size (tests, smoke runs): --init a small Llama GGUF or HF directory
+    # whose context is under 1024 tokens; its model, tokenizer and a 1024-token CPT with the tiny geometry.
+    "tiny_import": AblationPreset(
+        name="tiny_import", description="an imported small Llama (--init), 1024-token CPT per variant (CPU)",
+        pretrain=None,
+        cpt=Stage("import_cpt_16k", 3, ["train.seq_length=1024", "train.global_batch_size=2",
+                                        "train.precision=fp32", "train.locality_interval=0", "train.log_interval=1",
+                                        *_QUIET,
+                                        "optim.warmup_steps=1", *_TINY_GEOMETRY]),
+        variants=["ed_dma", "dense"], model_from_init=True, cpt_length=1024, demo="small", split="90,10,0",
+        task_lengths=[512], task_samples=2, retrieval_share=0.5, cpt_doc_lengths=[512], cpt_retrieval_tokens=20_000,
+        eval_length=512, locality_docs=2, ppl_docs=2),
+    # A real pretrained model made sparse: SmolLM2-135M-Instruct (30 x 576, GQA 9 / 3 heads of 64, 8K context,
+    # rope theta 1e5; scripts/fetch_smollm2.sh), imported with its tokenizer (--init FILE.gguf), 16K CPT per
+    # variant from the same import on the same data order; each variant's CPT is a few minutes on one H100.
+    "smollm2_135m": AblationPreset(
+        name="smollm2_135m",
+        description="SmolLM2-135M-Instruct imported from GGUF (30 x 576, GQA 9/3, head_dim 64, 8K context), LongRoPE "
+                    "8K -> 16K, 16K CPT per variant (released NOSA geometry; 80 x 8 x 16K tokens, lr 2e-4 WSD) on "
+                    "the demo corpus + synthetic retrieval documents (60% of the tokens, whole documents, loss on "
+                    "their answers), all tokenized with the model's tokenizer",
+        pretrain=None,
+        cpt=Stage("import_cpt_16k", 80),
+        variants=["ed_dma", "none", "dense", "dma", "s_dma", "locret"],  # the key comparison runs first
+        model_from_init=True, cpt_length=16384,
+        task_samples=40, retrieval_share=0.6,
+        cpt_doc_lengths=[1024, 4096, 8192, 16383], cpt_retrieval_tokens=6_500_000,
+        curve_points_cpt=2, curve_samples=8),
 }
 
 

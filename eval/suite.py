@@ -69,7 +69,8 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
                                            "by_length_detail", "needles", "graded")} | {"items": len(items)},
               "ppl": pp, "seconds": time.perf_counter() - t0}
     write_json(out_dir / RESULT, result)
-    log(f"[{src.label}] {locality.summary_line(loc)}; RULER {rs['average']:.1f}; "
+    ruler_avg = "none of the task lengths fits its context" if rs["average"] is None else f"{rs['average']:.1f}"
+    log(f"[{src.label}] {locality.summary_line(loc)}; RULER {ruler_avg}; "
         f"ppl {pp['overall']['ppl']:.2f} ({result['seconds']:.0f} s)")
     return result
 

@@ -17,28 +17,31 @@ gguf = pytest.importorskip("gguf")
 H, LAYERS, HEADS, KV, FFN, CTX = 48, 2, 6, 2, 96, 256
 
 
-def _bpe(tmp_path):
-    """A byte-level BPE trained on a few sentences: (tokens, merges), ids 0-2 special."""
+def _bpe(texts=None, vocab=300):
+    """A byte-level BPE trained on ``texts`` (a few sentences by default): (tokens, merges), ids 0-2 special."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = ["the quick brown fox jumps over the lazy dog", "a needle in a haystack of passkeys"] * 20
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    texts = texts or ["the quick brown fox jumps over the lazy dog", "a needle in a haystack of passkeys"] * 20
+    specials = ["<|endoftext|>", "<s>", "</s>"]  # GPT-2 style: the converted tokenizer adds no token of its own
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     spec = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
     return tokens, merges
 
 
-def write_tiny_gguf(path, tmp_path, seed=0):
-    tokens, merges = _bpe(tmp_path)
+def write_tiny_gguf(path, seed=0, texts=None, vocab=300, context=CTX):
+    """A random Llama GGUF (F32) at ``path`` of a ``context``-token model with a byte-level BPE trained on ``texts``
+    (``vocab`` entries)."""
+    tokens, merges = _bpe(texts, vocab)
     g = torch.Generator().manual_seed(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("Tiny GGUF Llama")
-    w.add_context_length(CTX)
+    w.add_context_length(context)
     w.add_embedding_length(H)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FFN)
@@ -82,7 +85,7 @@ def test_gguf_import_matches_transformers_and_writes_its_model_group(tmp_path):
     from checkpoints_convert.from_hf import import_hf
     from checkpoints_convert.to_hf import export
 
-    src = write_tiny_gguf(tmp_path / "Tiny-Llama.F32.gguf", tmp_path)
+    src = write_tiny_gguf(tmp_path / "Tiny-Llama.F32.gguf")
     lines = []
     out = import_hf(None, str(tmp_path / "imported"), gguf=str(src), target_length=1024, log=lines.append)
     group = out / "model" / "tiny_llama_f32.yaml"
