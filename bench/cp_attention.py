@@ -91,9 +91,9 @@ def _ms(fn) -> float:
     import torch
 
     if torch.cuda.is_available():
-        from triton.testing import do_bench
+        from bench.device_timing import median_ms
 
-        return do_bench(fn, warmup=10, rep=100, quantiles=[0.5])[0]
+        return median_ms(fn, warmup_ms=10, rep_ms=100)
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3

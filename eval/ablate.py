@@ -471,10 +471,10 @@ class Ablation:
                 self.pretrain(data)
             if self.export is not None:
                 self.export_pretrained(data)
-            if self.stage == "all" and self.preset.model_from_init:
-                self.evaluate_base(data)
             if self.stage == "all":
                 self.run_variants(data)
+            if self.stage == "all" and self.preset.model_from_init:  # after the variants: they come first
+                self.evaluate_base(data)
         except KeyboardInterrupt:
             self.stop_all()
             raise

@@ -48,3 +48,21 @@ def test_chunk_by_chunk_equality_and_share_timing_run():
     assert rows[1]["ratio"] > 0 and rows[1]["whole_over_cp_ms"] == pytest.approx(rows[0]["total_ms"] / 2)
     table = m.gpu_table(rows).splitlines()
     assert table[2].startswith("| 0K | NOSA |") and table[-1].startswith("| 0K | 2 |")  # 128 tokens
+
+
+def test_device_timing_takes_what_the_installed_do_bench_returns(monkeypatch):
+    """API drift of ``triton.testing.do_bench`` (a list for one quantile in older triton, a float in 3.6)
+    cannot break the GPU benchmarks: the arguments bind to the installed signature, and either result
+    is one float."""
+    import inspect
+
+    import triton.testing
+
+    from bench import device_timing
+
+    inspect.signature(triton.testing.do_bench).bind(lambda: None, warmup=10, rep=100, return_mode="median")
+    for returned in (1.25, [1.25], (1.25, 1.0, 2.0)):
+        monkeypatch.setattr(triton.testing, "do_bench", lambda fn, returned=returned, **kw: returned)
+        assert device_timing.median_ms(lambda: None) == 1.25
+    with pytest.raises(ValueError):
+        device_timing.as_ms([])
