@@ -38,6 +38,7 @@ import torch.distributed as dist
 from data import disk_space
 from runtime import checkpoint_manifest as manifest
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
+from runtime.outputs import write_atomic
 from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
 from train.lost_rank import is_collective_failure
 
@@ -120,12 +121,12 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
     final, tmp = root / iter_name(step), root / (iter_name(step) + ".tmp")
 
     def publish():  # the complete checkpoint under its name, then `latest` moved to it
-        if final.exists():
+        if final.is_symlink():  # a link is replaced, never followed
+            final.unlink()
+        elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer_tmp = root / (LATEST + ".tmp")
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / LATEST)
+        write_atomic(root / LATEST, final.name + "\n")  # a rename: a link named `latest` is replaced
         manifest.fsync_dir(root)
         log(f"saved checkpoint {final}")
 
@@ -145,7 +146,9 @@ def _write_checkpoint(tmp: Path, step: int, model_chunks, optimizer, scheduler, 
     from megatron.core import dist_checkpointing
 
     def start():
-        if tmp.exists():
+        if tmp.is_symlink():
+            tmp.unlink()
+        elif tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
 

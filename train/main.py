@@ -150,6 +150,7 @@ def train(cfg, last: bool = True) -> int:
     from train.config import config_changes
     from train.distributed import init_distributed, shutdown
     from train.lost_rank import Peers, is_collective_failure, lost_rank_line
+    from train.metrics import RunFileError, check_metrics_file
     from train.preemption import StopSignal
     from train.run_lock import RunDirLock, RunDirLocked
     from train.trainer import NonFiniteError, Trainer
@@ -166,7 +167,8 @@ def train(cfg, last: bool = True) -> int:
         if env.is_main:
             try:
                 lock.acquire()
-            except RunDirLocked as e:
+                check_metrics_file(cfg.run_dir)  # before anything is built
+            except (RunDirLocked, RunFileError) as e:
                 held_by[0] = str(e)
         dist.broadcast_object_list(held_by, src=0)
         if held_by[0]:
@@ -179,7 +181,7 @@ def train(cfg, last: bool = True) -> int:
         dist.barrier()
         trainer = Trainer(cfg, env)
         trainer.run(held)
-    except (NonFiniteError, CheckpointError, RunDirLocked, BadInputError) as e:
+    except (NonFiniteError, CheckpointError, RunDirLocked, RunFileError, BadInputError) as e:
         if env.is_main or env.world_size == 1:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3 if isinstance(e, NonFiniteError) else 2

@@ -179,6 +179,55 @@ def test_a_lock_path_that_is_a_directory_is_one_line(tmp_path):
         RunDirLock(tmp_path).acquire()
 
 
+def test_run_files_that_are_links_or_not_files_are_one_line_and_nothing_outside_is_touched(
+        trained, tmp_path, data_args, capsys):
+    """A ``.lock`` or ``metrics.jsonl`` that is a symbolic link (its target is never truncated), a directory or
+    another file under that name: one line before anything is built, nothing written."""
+    import os
+
+    run = _copy(trained, tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    before = _files(run)
+    args = [*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"]
+    lock, metrics = run / ".lock", run / "metrics.jsonl"
+    rows = metrics.read_bytes()
+    metrics.unlink()
+    lock.unlink(missing_ok=True)
+    for path, make, what in (
+            (lock, lambda p: p.symlink_to(victim), f"{lock} is a symbolic link to {victim}, not this trainer's lock "
+                                                   f"file; remove it, or choose another run.dir"),
+            (lock, os.mkfifo, f"{lock} is a FIFO, not this trainer's lock file"),
+            (metrics, lambda p: p.symlink_to(victim), f"{metrics} is a symbolic link to {victim}, not the metrics "
+                                                      f"file this trainer writes"),
+            (metrics, lambda p: p.mkdir(), f"{metrics} is a directory, not the metrics file this trainer writes"),
+            (metrics, lambda p: p.write_bytes(bytes(range(256)) * 4),
+             f"{metrics} holds no JSON rows (1024 bytes): not a metrics file written by train/main.py: move it "
+             f"away, or choose another run.dir")):
+        make(path)
+        rc, err = _main(args, capsys)
+        assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and what in err, err
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+    assert victim.read_text() == "precious\n" and _files(run) == before
+    metrics.write_bytes(rows)
+
+
+def test_a_resume_replaces_links_at_latest_and_loss_png_and_never_writes_through_them(trained, tmp_path, data_args):
+    run = _copy(trained, tmp_path)
+    ckpts = run / "checkpoints"
+    pointer, plot = tmp_path / "pointer.txt", tmp_path / "plot.png"
+    pointer.write_text("iter_0000004\n")
+    plot.write_bytes(b"not yours")
+    (ckpts / "latest").unlink()
+    (ckpts / "latest").symlink_to(pointer)
+    (run / "loss.png").symlink_to(plot)
+    p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6", "logging.plot=true"])
+    assert f"resumed from {ckpts / 'iter_0000004'} at step 4" in p.stdout
+    assert pointer.read_text() == "iter_0000004\n" and plot.read_bytes() == b"not yours"
+    assert not (ckpts / "latest").is_symlink() and (ckpts / "latest").read_text() == "iter_0000006\n"
+    assert not (run / "loss.png").is_symlink() and (run / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_path, data_args):
     import os
     import socket
