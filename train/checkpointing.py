@@ -226,12 +226,13 @@ def verify_shared(ckpt: Path) -> str | None:
     except ValueError as e:
         return str(e)
     names = sorted(entries)
+    missing = manifest.unlisted(ckpt, entries)  # every rank lists the same directory: no collective
     mine = manifest.check_entries(ckpt, {n: entries[n] for n in _my_share(names)})
     if not dist.is_initialized():
-        return manifest.first_problem(mine)
+        return manifest.first_problem(missing + mine)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    return manifest.first_problem([p for part in parts for p in part])
+    return manifest.first_problem(missing + [p for part in parts for p in part])
 
 
 def newest_verified_checkpoint(run_dir: str) -> Path | None:

@@ -5,6 +5,7 @@ modeling code only when it is the code this project ships (or ``--trust-remote-c
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import re
@@ -76,6 +77,13 @@ def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, 
     with pytest.raises(ValueError, match=re.escape(lost)):
         resolve_source(str(run))
     (tmp_path / "manifest.bak").rename(ckpt / "manifest.json")
+    kept = (ckpt / "manifest.json").read_text()  # flipped bytes whose manifest entry was deleted: still damaged
+    entries = json.loads(kept)
+    del entries["files"][shard.name]
+    (ckpt / "manifest.json").write_text(json.dumps(entries))
+    with pytest.raises(ConversionError, match=f"{shard.name} is not listed in its manifest.json"):
+        export(str(run), str(tmp_path / "hf6"), **QUIET)
+    (ckpt / "manifest.json").write_text(kept)
     shard.write_bytes(original)
 
     # a crafted .metadata whose manifest was rewritten to match: the restricted unpickler refuses it

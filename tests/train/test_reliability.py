@@ -2,6 +2,7 @@
 back from, rotation keeps verified checkpoints, a full disk or Ctrl-C costs no data, one training per run dir,
 and surprising inputs give one line."""
 
+import re
 import shutil
 
 import pytest
@@ -109,6 +110,29 @@ def test_damaged_latest_shard_metadata_or_manifest_select_the_newest_verified_ch
     (newest / "manifest.json").write_text("{")
     with pytest.raises(CheckpointError, match="no verified checkpoint in .*manifest.json is unreadable"):
         select_checkpoint(ckpts)
+
+
+def test_a_manifest_that_omits_a_file_fails_the_check(trained, tmp_path):
+    """Flipped bytes in a shard whose manifest entry was deleted (or a manifest of no files): the checkpoint is
+    damaged for resume (hashing split over the ranks), rotation and init_from, never trusted."""
+    import json
+
+    from train.checkpointing import load_weights, verify_shared
+
+    ckpts = _copy(trained, tmp_path) / "checkpoints"
+    newest, older = ckpts / "iter_0000004", ckpts / "iter_0000002"
+    _flip(newest / "__0_0.distcp")
+    raw = json.loads((newest / "manifest.json").read_text())
+    for files in ({k: v for k, v in raw["files"].items() if k != "__0_0.distcp"}, {}):
+        (newest / "manifest.json").write_text(json.dumps({**raw, "files": files}))
+        first = "__0_0.distcp" if files else sorted(raw["files"])[0]
+        problem = f"{first} is not listed in its manifest.json (a checkpoint verifies only when every file is)"
+        assert verify(newest).startswith(problem) and verify_shared(newest).startswith(problem)
+        logs = []
+        assert select_checkpoint(ckpts, verify=verify_shared, log=logs.append) == older
+        assert logs == [f"warning: checkpoint {newest} is damaged: {verify(newest)}: falling back to {older}"]
+        with pytest.raises(CheckpointError, match=re.escape(f"{newest} is damaged: {problem}")):
+            load_weights(str(ckpts.parent), [])
 
 
 def test_init_from_refuses_a_checkpoint_whose_manifest_is_lost(trained, tmp_path):
