@@ -175,6 +175,11 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
                 if has_loss_from(p) and cfg.packing != "best_fit":
                     raise ValueError(f"data.paths entry {p!r} trains only parts of its documents "
                                      f"({p}.loss_from.npy), which needs data.packing=best_fit")
+            if cfg.packing != "best_fit":  # best-fit rows are counted when the loader builds its epoch
+                from data.indexed import check_parts_fill_a_sample
+
+                weighted = cfg.weights is not None and len(cfg.paths) > 1
+                check_parts_fill_a_sample(cfg, [1, 1, 1 if weighted else None], weighted)  # the trainer's asks
             _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
     elif isinstance(cfg, SFTConfig):
         what = "sft"

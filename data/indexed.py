@@ -72,6 +72,53 @@ def count_tokens(prefix: str) -> int:
     return total
 
 
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _split_matrix(split: str) -> list:
+    """megatron-core's ``[start, end)`` fractions of each part of ``split``; None for a part of weight 0."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def split_ranges(split: str, num_docs: int) -> dict[str, range]:
+    """Document index ranges of the train / valid / test parts, as megatron-core computes them."""
+    return {name: range(0) if b is None else range(int(round(b[0] * num_docs)), int(round(b[1] * num_docs)))
+            for name, b in zip(SPLIT_NAMES, _split_matrix(split))}
+
+
+def check_parts_fill_a_sample(cfg, sizes: list, weighted: bool) -> None:
+    """Refuse (one line, with the counts) a path whose part of ``data.split`` holds fewer tokens than one sample
+    (``seq_length + 1``) when samples are asked of it (``sizes``): megatron-core repeats a part's epochs until
+    they hold the samples asked for, forever for an empty one. Several paths without weights are read one
+    epoch each (nothing repeated), so a short path there only adds no samples."""
+    if len(cfg.paths) > 1 and not weighted:
+        return
+    need = cfg.seq_length + 1
+    weights = cfg.weights if weighted else [1.0]
+    for path, weight in zip(cfg.paths, weights):
+        if weight <= 0:
+            continue
+        ds = read_indexed(path)
+        lengths = np.array(ds.sequence_lengths, dtype=np.int64)
+        del ds
+        built = [b is not None for b in _split_matrix(cfg.split)]
+        for (part, r), size, is_built in zip(split_ranges(cfg.split, len(lengths)).items(), sizes, built):
+            if not is_built or size is None:
+                continue
+            tokens = int(lengths[r.start:r.stop].sum())
+            if tokens < need:
+                fix = "add data or lower data.seq_length" + (
+                    "" if part == "train" else f", or give the {part} part no weight in data.split (e.g. '100,0,0')")
+                raise ValueError(f"data.paths entry {path!r}: its {part} part (data.split={cfg.split!r}) holds "
+                                 f"{tokens} tokens in {len(r)} document(s), fewer than one sample of "
+                                 f"data.seq_length + 1 = {need} tokens: {fix}")
+
+
 def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_samples: Optional[int] = None):
     """Build ``[train, valid, test]`` megatron-core datasets for a validated ``DataConfig``.
 
@@ -109,4 +156,5 @@ def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_
         num_dataset_builder_threads=cfg.num_builder_threads,
     )
     sizes = [train_samples, valid_samples, valid_samples if weighted else None]
+    check_parts_fill_a_sample(cfg, sizes, weighted)
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()

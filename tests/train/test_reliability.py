@@ -275,10 +275,14 @@ def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_pat
 
 
 def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, data_args, capsys):
+    import numpy as np
+
     from data.indexed import write_indexed
 
-    empty = str(tmp_path / "empty")
+    empty, tiny, short_valid = (str(tmp_path / n) for n in ("empty", "tiny", "short_valid"))
     write_indexed(empty, [], vocab_size=1024)
+    write_indexed(tiny, [np.arange(1, 11)], vocab_size=1024)  # 10 tokens: less than one sample of 129
+    write_indexed(short_valid, [np.arange(300) % 1000, np.arange(20)], vocab_size=1024)
     resume = [*RUN, *data_args, f"run.dir={trained}", "train.max_steps=4"]
     fresh = [*RUN, *data_args, f"run.dir={tmp_path / 'fresh'}", "train.max_steps=4"]
     cases = [
@@ -291,6 +295,13 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
         (fresh, ["run.device=cuda"], "run.device=cuda but CUDA is not available"),
         (fresh, ["model.vocab_size=512"], "has 1024 tokens but the model's vocabulary is 512"),
         (fresh, [f"data.paths=[{empty}]"], "is empty (0 documents)"),
+        (fresh, [f"data.paths=[{tiny}]"], f"data.paths entry '{tiny}': its train part (data.split='95,5,0') holds 10 "
+                                         f"tokens in 1 document(s), fewer than one sample of data.seq_length + 1 = "
+                                         f"129 tokens: add data or lower data.seq_length"),
+        (fresh, [f"data.paths=[{short_valid}]", "data.split='50,50,0'"],
+         "its valid part (data.split='50,50,0') holds 20 tokens in 1 document(s), fewer than one sample of "
+         "data.seq_length + 1 = 129 tokens: add data or lower data.seq_length, or give the valid part no weight in "
+         "data.split (e.g. '100,0,0')"),
     ]
     from nosa_layers.megatron.spec import have_te
 
@@ -300,6 +311,30 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
         rc, err = _main([*base, *extra], capsys)
         assert rc == 2 and len(err.splitlines()) == 1 and msg in err, (extra, err)
     assert not (tmp_path / "fresh").exists()
+
+
+def test_sigterm_while_starting_ends_the_start_at_once(tmp_path, data_args, capsys, monkeypatch):
+    """A save signal before the steps begin (here while the data is built, as megatron-core's epoch loop over a
+    part that never fills a sample would spin) has nothing to save: the start ends at once, in one line."""
+    import os
+    import signal
+    import time
+
+    import train.trainer
+
+    def spin(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise AssertionError("SIGTERM did not end the start")
+
+    monkeypatch.setattr(train.trainer, "build_loaders", spin)
+    rc, err = _main([*RUN, *data_args, f"run.dir={tmp_path / 'run'}", "train.max_steps=4"], capsys)
+    assert rc == 128 + signal.SIGTERM and err == ("SIGTERM received while starting: nothing was trained, no "
+                                                  "checkpoint was changed"), err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_sft_file_without_a_usable_row_is_one_line(tmp_path, data_args):
