@@ -87,7 +87,8 @@ class Trainer:
                                         foreign_hint=ckpt.UNVERIFIED_HINT) \
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
-            self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
+            self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler,
+                                                                  cfg.run.seed, log=partial(log0, env))
             use_fused_adam(self.optimizer, cfg.optim.fused)  # the checkpoint brought its groups' settings
             self.train_batches.load_state_dict(loader_state)
             self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))

@@ -252,6 +252,28 @@ def test_a_resume_replaces_links_at_latest_and_loss_png_and_never_writes_through
     assert not (run / "loss.png").is_symlink() and (run / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_resume_on_another_number_of_ranks_reseeds_or_drops_the_rng_states_in_one_line(trained, tmp_path, data_args):
+    """1 rank -> 2 (DP=2) -> 1: the RNG states are per rank; the ranks without one are re-seeded, the surplus
+    dropped, each in one line, and the losses follow the one-process run (within the rounding of the reduction)."""
+    import math
+
+    from tests.train.conftest import losses, run_main
+
+    reference, run = _copy(trained, tmp_path), shutil.copytree(trained, tmp_path / "ranks")
+    train_here([*RUN, *data_args, f"run.dir={reference}", "train.max_steps=8"])
+    ckpts = run / "checkpoints"
+    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], nproc=2)
+    assert (f"resuming {ckpts / 'iter_0000004'}, saved by 1 rank(s), on 2: rank 1 re-seeded from "
+            f"run.seed=1234, the others continue their RNG states; the run continues, though not bit for bit as it "
+            f"would on 1") in p.stdout, p.stdout[-3000:]
+    p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=8"])
+    assert (f"resuming {ckpts / 'iter_0000006'}, saved by 2 rank(s), on 1: the RNG state of rank 1 dropped; "
+            f"the run continues, though not bit for bit as it would on 2") in p.stdout
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-5) for s in want), (got, want)
+
+
 def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_path, data_args):
     import os
     import socket
