@@ -29,7 +29,6 @@ Our exports record the constants; for a checkpoint without the record give them 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from checkpoints_convert.common import DTYPES, check_out_apart, check_out_dir, geometry, load_safetensors_dir
-from checkpoints_convert.common import safetensors_names
+from checkpoints_convert.common import read_json, safetensors_names
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, REFERENCE_ARCHITECTURE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
 from checkpoints_convert.reference_format import TOKEN_ID_KEYS, checkpoint_format, longrope_factors, parse_geometry
@@ -261,7 +260,7 @@ def import_hf(hf: str, out: str, dtype: str = "fp32", mup: str = "keep", make_vo
     check_out_apart(out, src, "--hf")
     if not (src / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json there")
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_json(src / "config.json")
     fmt = checkpoint_format(cfg, safetensors_names(src))
     model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override),
                                   longrope, parse_mup_constants(mup_constants))

@@ -34,6 +34,7 @@ from checkpoints_convert.common import (
     load_megatron_tensors,
     load_safetensors_dir,
     max_abs,
+    read_json,
     read_model_config,
     rel_err,
     resolve_checkpoint,
@@ -45,7 +46,7 @@ def tensor_roundtrip(hf_dir: Path, ckpt: Optional[Path]) -> list[str]:
     """Returns a list of failures (empty = all bitwise equal)."""
     from checkpoints_convert.from_hf import configs_from_hf
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = read_json(Path(hf_dir) / "config.json")
     model, attn = configs_from_hf(cfg, longrope_choice="switch")  # tensors only: the RoPE choice does not matter
     geo = geometry(model, attn)
     hf = load_safetensors_dir(hf_dir)
@@ -81,7 +82,7 @@ def trust_remote_code(hf_dir: Path, allowed: bool = False) -> bool:
     Any other modeling code is refused in one line."""
     from checkpoints_convert.hf_modeling import AUTO_MAP, reference_sources
 
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    cfg = read_json(Path(hf_dir) / "config.json")
     if "auto_map" not in cfg:
         return False
     if allowed:
@@ -101,7 +102,7 @@ def is_reference_export(hf_dir: Path) -> bool:
     """A released-NOSA-layout folder (its own modeling code needs CUDA kernels; we run ours)."""
     from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
 
-    return is_reference_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+    return is_reference_config(read_json(Path(hf_dir) / "config.json"))
 
 
 def load_hf_model(hf_dir: Path, allow_remote_code: bool = False):
@@ -148,7 +149,7 @@ def geometry_of(hf_dir: Path):
     """(ModelConfig, AttentionConfig) of an export's ``config.json``."""
     from checkpoints_convert.from_hf import configs_from_hf
 
-    return configs_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), longrope_choice="switch")
+    return configs_from_hf(read_json(Path(hf_dir) / "config.json"), longrope_choice="switch")
 
 
 def default_seq_len(model, attn) -> int:

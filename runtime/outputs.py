@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import stat
 import tempfile
 from contextlib import contextmanager
@@ -126,16 +127,21 @@ def atomic_dir(out: str | os.PathLike, need_bytes: int | None = None) -> Iterato
                                 f"{disk_space.human(written)} written): the partial output was removed and {out} is "
                                 f"as it was; free {need} there and run again") from None
         raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # both renames or none
+    try:
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
         else:
-            old.unlink()
-    else:
-        os.replace(tmp, out)
+            old = None
+            os.replace(tmp, out)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if old is not None and old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        old.unlink()
 
 
 def _normal_permissions(root: Path) -> None:

@@ -96,7 +96,7 @@ def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, 
     assert not any(p.name.startswith("hf") for p in tmp_path.iterdir())  # nothing was written
 
 
-def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts, tmp_path, monkeypatch):
+def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts, tmp_path, monkeypatch, capsys):
     src = megatron_ckpts.ckpt(CASE)
     foreign = tmp_path / "a_run"
     foreign.mkdir()
@@ -151,6 +151,19 @@ def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts,
         export(str(src), str(out), **QUIET)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+
+    def ctrl_c(sd, where, max_shard_bytes):  # Ctrl-C while the weights are written
+        (where / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(to_hf, "save_safetensors_sharded", ctrl_c)
+    capsys.readouterr()
+    assert to_hf.main(["--ckpt", str(src), "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"to_hf: interrupted (Ctrl-C): no partial export was left; --out {out} is "
+                                       f"intact (an export is written beside it and renamed into place only when "
+                                       f"complete)\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
     monkeypatch.setattr(to_hf, "save_safetensors_sharded", save)
 
     monkeypatch.setattr(to_hf, "load_megatron_tensors", with_nan)
@@ -159,6 +172,37 @@ def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts,
     assert not (tmp_path / "hf_nan").exists()
     nan_out = export(str(src), str(tmp_path / "hf_nan"), allow_non_finite=True, **QUIET)
     assert nan_out.is_dir()
+
+
+def test_half_written_weights_and_invalid_config_json_are_one_line_naming_the_file(exports, tmp_path, capsys):
+    """from_hf, verify and eval.ppl on an export whose model.safetensors was cut in half, or whose config.json
+    is not JSON: one line naming that file, exit status 2, nothing written."""
+    from checkpoints_convert.from_hf import main as from_hf_main
+    from eval.ppl import main as ppl_main
+
+    hf = shutil.copytree(exports["llama3-dense-tp2"], tmp_path / "hf")
+    weights, config = hf / "model.safetensors", hf / "config.json"
+    good_weights, good_config = weights.read_bytes(), config.read_bytes()
+    out = tmp_path / "out"
+    commands = (("from_hf", lambda: from_hf_main(["--hf", str(hf), "--out", str(out)])),
+                ("verify", lambda: verify_main(["--hf", str(hf), "--decode-steps", "0"])),
+                ("eval.ppl", lambda: ppl_main(["--ckpt", str(hf), "--data", str(tmp_path / "docs.jsonl"),
+                                               "--length", "64", "--out", str(out)])))
+    for damage, restore, what in ((lambda: weights.write_bytes(good_weights[:len(good_weights) // 2]),
+                                   lambda: weights.write_bytes(good_weights),
+                                   f"{weights} is damaged or incomplete (safetensors: Error while deserializing "
+                                   f"header: "),
+                                  (lambda: config.write_text('{"model_type": "lla'),
+                                   lambda: config.write_bytes(good_config),
+                                   f"{config} is not valid JSON (Unterminated string starting at: line 1 column 16")):
+        damage()
+        for prog, run in commands:
+            capsys.readouterr()
+            assert run() == 2, prog
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("note:")]
+            assert len(err) == 1 and err[0].startswith(f"{prog}: error: {what}"), (prog, err)
+        restore()
+    assert not out.exists()
 
 
 def test_verify_runs_only_the_shipped_modeling_code(exports, tmp_path, capsys):
