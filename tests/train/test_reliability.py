@@ -301,7 +301,8 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
 
     from data.indexed import write_indexed
 
-    empty, tiny, short_valid = (str(tmp_path / n) for n in ("empty", "tiny", "short_valid"))
+    empty, tiny, short_valid, foreign = (str(tmp_path / n) for n in ("empty", "tiny", "short_valid", "foreign"))
+    write_indexed(foreign, [np.arange(300) % 1000] * 39 + [np.array([7, 9000, 9] * 100)], vocab_size=65536)
     write_indexed(empty, [], vocab_size=1024)
     write_indexed(tiny, [np.arange(1, 11)], vocab_size=1024)  # 10 tokens: less than one sample of 129
     write_indexed(short_valid, [np.arange(300) % 1000, np.arange(20)], vocab_size=1024)
@@ -320,6 +321,9 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
         (fresh, [f"data.paths=[{tiny}]"], f"data.paths entry '{tiny}': its train part (data.split='95,5,0') holds 10 "
                                          f"tokens in 1 document(s), fewer than one sample of data.seq_length + 1 = "
                                          f"129 tokens: add data or lower data.seq_length"),
+        (fresh, [f"data.paths=[{foreign}]"], f"data.paths entry '{foreign}' holds token id 9000 but the model's "
+                                            f"vocabulary is 8192: it was tokenized with another tokenizer or "
+                                            f"{foreign}.bin is damaged"),
         (fresh, [f"data.paths=[{short_valid}]", "data.split='50,50,0'"],
          "its valid part (data.split='50,50,0') holds 20 tokens in 1 document(s), fewer than one sample of "
          "data.seq_length + 1 = 129 tokens: add data or lower data.seq_length, or give the valid part no weight in "
