@@ -230,10 +230,27 @@ def main(argv=None) -> int:
         print(f"verify: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)
-    print(text)
+    print(text, flush=True)
     if args.json:
         Path(args.json).write_text(text)
+    print(verdict(report, args.tol), file=sys.stderr, flush=True)  # last: the long report stays on stdout
     return 0 if report["ok"] else 1
+
+
+def verdict(report: dict, tol: float) -> str:
+    """One line: ``verify: ok (...)`` with what was checked, or ``verify: FAILED: <first failing check>``."""
+    fails = report.get("tensor_roundtrip")
+    if fails not in (None, "ok"):
+        more = f" (+{len(fails) - 1} more)" if len(fails) > 1 else ""
+        return f"verify: FAILED: tensor_roundtrip: {fails[0]}{more}"
+    done = ["tensor_roundtrip bitwise"]
+    for key in ("logits_vs_megatron", "decode_vs_forward"):
+        if key in report:
+            rel = report[key]["rel"]
+            if not rel <= tol:
+                return f"verify: FAILED: {key}: relative error {rel:.3g} > --tol {tol:g}"
+            done.append(f"{key} {rel:.3g} <= {tol:g}")
+    return f"verify: {'ok' if report.get('ok') else 'FAILED'} ({', '.join(done)})"
 
 
 def run_checks(args) -> dict:

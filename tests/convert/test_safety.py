@@ -244,3 +244,21 @@ def test_checkpoint_objects_are_loaded_without_running_code(tmp_path):
     assert load_error_line(e.value) == ("UnpicklingError: a checkpoint object refers to posix.system, which "
                                         "checkpoints never contain: refusing to load it (crafted or foreign file)")
     assert not marker.exists()
+
+
+def test_verify_ends_with_a_one_line_verdict_naming_the_first_failing_check(monkeypatch, capsys):
+    from checkpoints_convert import verify
+
+    good = {"hf": "x", "tensor_roundtrip": "ok", "logits_vs_megatron": {"rel": 2e-6},
+            "decode_vs_forward": {"rel": 1e-7}}
+    reports = (({**good, "ok": True}, 0, "verify: ok (tensor_roundtrip bitwise, logits_vs_megatron 2e-06 <= 0.0001, "
+                                         "decode_vs_forward 1e-07 <= 0.0001)"),
+               ({**good, "logits_vs_megatron": {"rel": 3e-3}, "decode_vs_forward": {"rel": 5e-3}, "ok": False}, 1,
+                "verify: FAILED: logits_vs_megatron: relative error 0.003 > --tol 0.0001"),
+               ({**good, "tensor_roundtrip": ["HF->Megatron->HF: a differs", "HF->Megatron->HF: b lost"], "ok": False},
+                1, "verify: FAILED: tensor_roundtrip: HF->Megatron->HF: a differs (+1 more)"))
+    for report, rc, line in reports:
+        monkeypatch.setattr(verify, "run_checks", lambda args, r=report: r)
+        assert verify.main(["--hf", "x"]) == rc
+        out, err = capsys.readouterr()
+        assert json.loads(out) == report and err.splitlines()[-1] == line, err
