@@ -186,7 +186,7 @@ def train(cfg, last: bool = True) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3 if isinstance(e, NonFiniteError) else 2
     except KeyboardInterrupt as e:  # Ctrl-C, or a save signal before the steps: nothing is saved
-        broken = True
+        broken = env.world_size > 1  # alone, the usual teardown waits for no one
         if env.is_main:
             print(trainer.interrupted(e) if trainer else f"{interruption(e)} while starting: nothing was trained, "
                   f"no checkpoint was changed", file=sys.stderr, flush=True)
