@@ -1,6 +1,7 @@
-"""Nothing is lost or poisoned: damaged checkpoints (a lost manifest among them) are detected and fallen
-back from, rotation keeps verified checkpoints, a full disk or Ctrl-C costs no data, one training per run dir,
-and surprising inputs give one line."""
+"""Nothing is lost or poisoned: damaged checkpoints (a lost manifest, or one that omits a file, among them) are
+detected and fallen back from, rotation keeps verified checkpoints, a full disk or Ctrl-C costs no data, one training
+per run dir and nothing written outside it (no link is followed), a resume on another number of ranks, no start
+that waits forever, and surprising inputs give one line."""
 
 import re
 import shutil
