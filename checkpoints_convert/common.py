@@ -144,6 +144,26 @@ def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
     return out
 
 
+# --- model-dir files ----------------------------------------------------------------------------
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object file of a model dir (``config.json``, an index); one that is not valid JSON or not an
+    object is a one-line :class:`ConversionError` naming it."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ConversionError(f"{path} is not valid JSON ({e}); fix or replace that file") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object; fix or replace that file")
+    return data
+
+
+def _damaged(path: Path, e: Exception) -> ConversionError:
+    """The one line for a weight file that cannot be read (truncated, half-written, not safetensors)."""
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ConversionError(f"{path} is damaged or incomplete (safetensors: {why}); copy or export it again")
+
+
 # --- safetensors --------------------------------------------------------------------------------
 
 def save_safetensors_sharded(sd: Dict[str, Tensor], out: Path, max_shard_bytes: int = 4 << 30) -> List[str]:
@@ -182,7 +202,10 @@ def safetensors_files(path: Path) -> List[str]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{index} has no weight_map object; fix or replace that file")
+        files = sorted(set(map(str, weight_map.values())))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -194,23 +217,30 @@ def safetensors_files(path: Path) -> List[str]:
 
 def safetensors_names(path: Path) -> List[str]:
     """Tensor names of an HF directory, read from the file headers (no tensor data is loaded)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     names: List[str] = []
     for f in safetensors_files(path):
-        with safe_open(str(Path(path) / f), framework="pt") as fh:
-            names.extend(fh.keys())
+        try:
+            with safe_open(str(Path(path) / f), framework="pt") as fh:
+                names.extend(fh.keys())
+        except SafetensorError as e:
+            raise _damaged(Path(path) / f, e) from None
     return names
 
 
 def load_safetensors_dir(path: Path) -> Dict[str, Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     files = safetensors_files(path)
     sd: Dict[str, Tensor] = {}
     for f in files:
-        sd.update(load_file(str(path / f)))
+        try:
+            sd.update(load_file(str(path / f)))
+        except SafetensorError as e:
+            raise _damaged(path / f, e) from None
     return sd
 
 

@@ -37,7 +37,6 @@ Our exports record the constants; for a checkpoint without the record give them 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 
 from checkpoints_convert.common import DTYPES, check_out_apart, check_out_dir, geometry, load_safetensors_dir
-from checkpoints_convert.common import safetensors_names
+from checkpoints_convert.common import read_json, safetensors_names
 from checkpoints_convert.hf_modeling.configuration_nosa import MODEL_TYPE, REFERENCE_ARCHITECTURE, reference_settings
 from checkpoints_convert.mapping import ConversionError, hf_to_megatron
 from checkpoints_convert.model_group import extend_context, group_name, write_model_group
@@ -280,7 +279,7 @@ def _read_source(hf: str | None, gguf: str | None, out: str, log):
     check_out_apart(out, src, "--hf")
     if not (src / "config.json").is_file():
         raise ConversionError(f"--hf {hf}: no config.json there")
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_json(src / "config.json")
 
     def copy_tokenizer(dst: str) -> None:
         import shutil

@@ -267,7 +267,9 @@ def main(argv=None) -> int:
                          "the default for --format nosa)")
     args = ap.parse_args(argv)
     return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size),
-                   print, args.overwrite, args.allow_non_finite, args.format, args.longrope)
+                   print, args.overwrite, args.allow_non_finite, args.format, args.longrope,
+                   interrupted=f"no partial export was left; --out {args.out} is intact (an export is written "
+                               f"beside it and renamed into place only when complete)")
 
 
 if __name__ == "__main__":

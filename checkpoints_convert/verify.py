@@ -34,6 +34,7 @@ from checkpoints_convert.common import (
     load_megatron_tensors,
     load_safetensors_dir,
     max_abs,
+    read_json,
     read_model_config,
     rel_err,
     resolve_checkpoint,
@@ -45,7 +46,7 @@ def tensor_roundtrip(hf_dir: Path, ckpt: Optional[Path]) -> list[str]:
     """Returns a list of failures (empty = all bitwise equal)."""
     from checkpoints_convert.from_hf import configs_from_hf
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = read_json(Path(hf_dir) / "config.json")
     model, attn = configs_from_hf(cfg, longrope_choice="switch")  # tensors only: the RoPE choice does not matter
     geo = geometry(model, attn)
     hf = load_safetensors_dir(hf_dir)
@@ -81,7 +82,7 @@ def trust_remote_code(hf_dir: Path, allowed: bool = False) -> bool:
     Any other modeling code is refused in one line."""
     from checkpoints_convert.hf_modeling import AUTO_MAP, reference_sources
 
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    cfg = read_json(Path(hf_dir) / "config.json")
     if "auto_map" not in cfg:
         return False
     if allowed:
@@ -101,7 +102,7 @@ def is_reference_export(hf_dir: Path) -> bool:
     """A released-NOSA-layout folder (its own modeling code needs CUDA kernels; we run ours)."""
     from checkpoints_convert.hf_modeling.configuration_nosa import is_reference_config
 
-    return is_reference_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+    return is_reference_config(read_json(Path(hf_dir) / "config.json"))
 
 
 def load_hf_model(hf_dir: Path, allow_remote_code: bool = False):
@@ -148,7 +149,7 @@ def geometry_of(hf_dir: Path):
     """(ModelConfig, AttentionConfig) of an export's ``config.json``."""
     from checkpoints_convert.from_hf import configs_from_hf
 
-    return configs_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), longrope_choice="switch")
+    return configs_from_hf(read_json(Path(hf_dir) / "config.json"), longrope_choice="switch")
 
 
 def default_seq_len(model, attn) -> int:
@@ -229,10 +230,27 @@ def main(argv=None) -> int:
         print(f"verify: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)
-    print(text)
+    print(text, flush=True)
     if args.json:
         Path(args.json).write_text(text)
+    print(verdict(report, args.tol), file=sys.stderr, flush=True)  # last: the long report stays on stdout
     return 0 if report["ok"] else 1
+
+
+def verdict(report: dict, tol: float) -> str:
+    """One line: ``verify: ok (...)`` with what was checked, or ``verify: FAILED: <first failing check>``."""
+    fails = report.get("tensor_roundtrip")
+    if fails not in (None, "ok"):
+        more = f" (+{len(fails) - 1} more)" if len(fails) > 1 else ""
+        return f"verify: FAILED: tensor_roundtrip: {fails[0]}{more}"
+    done = ["tensor_roundtrip bitwise"]
+    for key in ("logits_vs_megatron", "decode_vs_forward"):
+        if key in report:
+            rel = report[key]["rel"]
+            if not rel <= tol:
+                return f"verify: FAILED: {key}: relative error {rel:.3g} > --tol {tol:g}"
+            done.append(f"{key} {rel:.3g} <= {tol:g}")
+    return f"verify: {'ok' if report.get('ok') else 'FAILED'} ({', '.join(done)})"
 
 
 def run_checks(args) -> dict:

@@ -30,26 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.epoch_rows import EpochRows
+from data.indexed import SPLIT_NAMES, split_ranges  # noqa: F401 (re-exported)
 from data.packing import assemble_row, best_fit
-
-SPLIT_NAMES = ("train", "valid", "test")
-
-
-def split_ranges(split: str, num_docs: int) -> dict[str, range]:
-    """Document index ranges of the train / valid / test parts, as megatron-core computes them."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
-    out = {}
-    for name, bounds in zip(SPLIT_NAMES, convert_split_vector_to_split_matrix(parse_and_normalize_split(split))):
-        if bounds is None:
-            out[name] = range(0)
-        else:
-            out[name] = range(int(round(bounds[0] * num_docs)), int(round(bounds[1] * num_docs)))
-    return out
-
 
 @dataclass
 class Pieces:

@@ -108,19 +108,19 @@ def _check_tokenizer_dir(path: str, what: str, model_vocab_size: Optional[int] =
 
 
 def _check_indexed(prefix: str) -> None:
-    """Both files of an indexed dataset exist and hold at least one document."""
+    """Both files of an indexed dataset exist, are whole (:func:`data.indexed.read_index`) and hold at least one
+    document."""
+    from data.indexed import read_index
+
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise ValueError(f"data.paths entry {prefix!r}: {prefix + ext} not found; build it with "
                              f"`python -m data.preprocess --out {prefix}`")
-    import struct
-
-    with open(prefix + ".idx", "rb") as f:
-        head = f.read(26)  # magic (9 bytes), version (8), dtype code (1), sequence count (8)
-    if len(head) < 26 or not head.startswith(b"MMIDIDX"):
-        raise ValueError(f"data.paths entry {prefix!r}: {prefix}.idx is not a megatron index (truncated or another "
-                         f"format); rebuild it with `python -m data.preprocess --out {prefix}`")
-    if struct.unpack("<Q", head[18:26])[0] == 0 or os.path.getsize(prefix + ".bin") == 0:
+    try:
+        lengths, _ = read_index(prefix)
+    except ValueError as e:
+        raise ValueError(f"data.paths entry {prefix!r}: {e}") from None
+    if len(lengths) == 0 or os.path.getsize(prefix + ".bin") == 0:
         raise ValueError(f"data.paths entry {prefix!r} is empty (0 documents); rebuild it with "
                          f"`python -m data.preprocess --out {prefix}`")
 
@@ -175,7 +175,15 @@ def validate(cfg: DataConfig | SFTConfig, dp_size: int = 1, check_files: bool = 
                 if has_loss_from(p) and cfg.packing != "best_fit":
                     raise ValueError(f"data.paths entry {p!r} trains only parts of its documents "
                                      f"({p}.loss_from.npy), which needs data.packing=best_fit")
+            from data.indexed import check_parts_fill_a_sample, check_token_ids
+
+            if cfg.packing != "best_fit":  # best-fit rows are counted when the loader builds its epoch
+                weighted = cfg.weights is not None and len(cfg.paths) > 1
+                check_parts_fill_a_sample(cfg, [1, 1, 1 if weighted else None], weighted)  # the trainer's asks
             _check_tokenizer_dir(cfg.tokenizer, what, cfg.model_vocab_size)
+            if cfg.model_vocab_size is not None:  # reads every token once
+                for p in cfg.paths:
+                    check_token_ids(p, cfg.model_vocab_size, "data.paths entry")
     elif isinstance(cfg, SFTConfig):
         what = "sft"
         _check_common(cfg, what, dp_size)

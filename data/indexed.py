@@ -57,11 +57,75 @@ def write_indexed(prefix: str, docs: Iterable, vocab_size: int) -> tuple[int, in
     return w.documents, w.tokens
 
 
+_INDEX_HEADER = b"MMIDIDX\x00\x00"
+_INDEX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+                 8: np.uint16}  # megatron-core's DType codes
+_REBUILD = "rebuild it with `python -m data.preprocess`"
+
+
+def read_index(prefix: str) -> tuple[np.ndarray, type]:
+    """``(document lengths, token dtype)`` from ``<prefix>.idx``, after checking that both files exist, that the
+    index is a whole megatron index and that ``<prefix>.bin`` holds the tokens it describes; anything else is a
+    one-line ``FileNotFoundError`` / ``ValueError`` naming the file (megatron-core's reader would raise deep inside,
+    or not at all for a short ``.bin``)."""
+    idx, bin_path = prefix + ".idx", prefix + ".bin"
+    for f in (bin_path, idx):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f} does not exist (give the prefix of an indexed dataset, without .bin/.idx)")
+    with open(idx, "rb") as f:
+        head = f.read(34)  # magic (9 bytes), version (8), dtype code (1), sequence count (8), document count (8)
+        code = head[17] if len(head) == 34 else None
+        if code not in _INDEX_DTYPES or not head.startswith(_INDEX_HEADER):
+            raise ValueError(f"{idx} is not a megatron index (truncated or another format); {_REBUILD}")
+        n = int.from_bytes(head[18:26], "little")
+        lengths = np.fromfile(f, dtype=np.int32, count=n)
+    if len(lengths) < n:
+        raise ValueError(f"{idx} is truncated (it lists {n} documents but holds the lengths of {len(lengths)}); "
+                         f"{_REBUILD}")
+    dtype = _INDEX_DTYPES[code]
+    tokens = int(lengths.sum(dtype=np.int64))
+    need, have = tokens * np.dtype(dtype).itemsize, os.path.getsize(bin_path)
+    if have < need:
+        raise ValueError(f"{bin_path} holds {have} bytes but {idx} describes {n} documents of {tokens} tokens "
+                         f"({need} bytes): the dataset is damaged or incomplete; {_REBUILD}")
+    return lengths, dtype
+
+
 def read_indexed(prefix: str):
-    """Open ``<prefix>.bin/.idx`` (mmap); ``ds[i]`` is document i as a numpy array."""
+    """Open ``<prefix>.bin/.idx`` (mmap); ``ds[i]`` is document i as a numpy array. Damaged, incomplete or
+    empty files are a one-line error naming them (:func:`read_index`)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if len(read_index(prefix)[0]) == 0:
+        raise ValueError(f"{prefix}.bin/.idx holds no documents; {_REBUILD}")
     return IndexedDataset(prefix, multimodal=False, mmap=True)
+
+
+def token_id_range(prefix: str, chunk: int = 1 << 26) -> tuple[int, int] | None:
+    """``(smallest, largest)`` token id of ``<prefix>.bin`` (None when it holds none), read in chunks."""
+    lengths, dtype = read_index(prefix)
+    total = int(lengths.sum(dtype=np.int64))
+    if total == 0:
+        return None
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,))
+    lo, hi = None, None
+    for i in range(0, total, chunk):
+        part = tokens[i:i + chunk]
+        lo = int(part.min()) if lo is None else min(lo, int(part.min()))
+        hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+    del tokens
+    return lo, hi
+
+
+def check_token_ids(prefix: str, vocab_size: int, what: str) -> None:
+    """Refuse (one line) a dataset holding a token id outside ``[0, vocab_size)``: the model's embedding would
+    fail on it steps into the run."""
+    got = token_id_range(prefix)
+    if got is not None and (got[0] < 0 or got[1] >= vocab_size):
+        bad = got[0] if got[0] < 0 else got[1]
+        raise ValueError(f"{what} {prefix!r} holds token id {bad} but the model's vocabulary is {vocab_size}: it was "
+                         f"tokenized with another tokenizer or {prefix}.bin is damaged; {_REBUILD} and the model's "
+                         f"tokenizer")
 
 
 def count_tokens(prefix: str) -> int:
@@ -70,6 +134,51 @@ def count_tokens(prefix: str) -> int:
     total = int(ds.sequence_lengths.sum())
     del ds
     return total
+
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _split_matrix(split: str) -> list:
+    """megatron-core's ``[start, end)`` fractions of each part of ``split``; None for a part of weight 0."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def split_ranges(split: str, num_docs: int) -> dict[str, range]:
+    """Document index ranges of the train / valid / test parts, as megatron-core computes them."""
+    return {name: range(0) if b is None else range(int(round(b[0] * num_docs)), int(round(b[1] * num_docs)))
+            for name, b in zip(SPLIT_NAMES, _split_matrix(split))}
+
+
+def check_parts_fill_a_sample(cfg, sizes: list, weighted: bool) -> None:
+    """Refuse (one line, with the counts) a path whose part of ``data.split`` holds fewer tokens than one sample
+    (``seq_length + 1``) when samples are asked of it (``sizes``): megatron-core repeats a part's epochs until
+    they hold the samples asked for, forever for an empty one. Several paths without weights are read one
+    epoch each (nothing repeated), so a short path there only adds no samples."""
+    if len(cfg.paths) > 1 and not weighted:
+        return
+    need = cfg.seq_length + 1
+    weights = cfg.weights if weighted else [1.0]
+    for path, weight in zip(cfg.paths, weights):
+        if weight <= 0:
+            continue
+        lengths = read_index(path)[0].astype(np.int64)
+        built = [b is not None for b in _split_matrix(cfg.split)]
+        for (part, r), size, is_built in zip(split_ranges(cfg.split, len(lengths)).items(), sizes, built):
+            if not is_built or size is None:
+                continue
+            tokens = int(lengths[r.start:r.stop].sum())
+            if tokens < need:
+                fix = "add data or lower data.seq_length" + (
+                    "" if part == "train" else f", or give the {part} part no weight in data.split (e.g. '100,0,0')")
+                raise ValueError(f"data.paths entry {path!r}: its {part} part (data.split={cfg.split!r}) holds "
+                                 f"{tokens} tokens in {len(r)} document(s), fewer than one sample of "
+                                 f"data.seq_length + 1 = {need} tokens: {fix}")
 
 
 def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_samples: Optional[int] = None):
@@ -109,4 +218,5 @@ def build_gpt_splits(cfg, tokenizer, train_samples: Optional[int] = None, valid_
         num_dataset_builder_threads=cfg.num_builder_threads,
     )
     sizes = [train_samples, valid_samples, valid_samples if weighted else None]
+    check_parts_fill_a_sample(cfg, sizes, weighted)
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()

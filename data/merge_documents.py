@@ -23,6 +23,8 @@ import sys
 
 import numpy as np
 
+from data import disk_space
+
 
 def merged_spans(lengths: np.ndarray, min_tokens: int) -> list[tuple[int, int]]:
     """``[start, end)`` document index ranges whose lengths sum to at least ``min_tokens`` (the last
@@ -49,10 +51,8 @@ def merge_documents(src: str, out: str, min_tokens: int) -> dict:
     for ext in (".bin", ".idx"):
         if not os.path.exists(src + ext):
             raise FileNotFoundError(f"{src + ext} does not exist (pass the prefix without .bin/.idx)")
-    ds = read_indexed(src)
+    ds = read_indexed(src)  # damaged, incomplete or empty files: one line naming them
     lengths = np.asarray(ds.sequence_lengths)
-    if lengths.size == 0:
-        raise ValueError(f"{src} holds no documents")
     vocab = 65536 if ds.index.dtype == np.uint16 else 1 << 31  # keeps the source's token dtype
     spans = merged_spans(lengths, min_tokens)
     tmp = f"{out}.tmp-{os.getpid()}"
@@ -61,11 +61,23 @@ def merge_documents(src: str, out: str, min_tokens: int) -> dict:
         for a, b in spans:
             writer.add(np.concatenate([ds[i] for i in range(a, b)]))
         writer.close()
-    except BaseException:
-        writer.discard()
+    except BaseException as e:
+        where = os.path.dirname(os.path.abspath(out))
+        written = sum(disk_space.tree_bytes(tmp + ext) for ext in (".bin", ".idx"))
+        full = isinstance(e, Exception) and disk_space.is_disk_full(e, where)
+        free = disk_space.free_bytes(where)
+        try:
+            writer.discard()
+        except OSError:  # closing flushes: on a full disk that fails too
+            pass
         for ext in (".bin", ".idx"):
             if os.path.exists(tmp + ext):
                 os.remove(tmp + ext)
+        if full:
+            need = disk_space.tree_bytes(src + ".bin") + disk_space.tree_bytes(src + ".idx")
+            raise ValueError(f"disk full writing {out}.bin in {where} ({disk_space.human(free)} free) after "
+                             f"{disk_space.human(written)} of it: the temporary files were removed and an existing "
+                             f"{out}.* is untouched; free about {disk_space.human(need)} there and run again") from None
         raise
     for ext in (".bin", ".idx"):
         os.replace(tmp + ext, out + ext)

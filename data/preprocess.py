@@ -54,7 +54,11 @@ def preprocess(
     tok.check_model_vocab(model_vocab_size)
     stats = ReadStats()
     tmp_prefix = f"{out_prefix}.tmp-{os.getpid()}"
-    writer = IndexedWriter(tmp_prefix, tok.vocab_size)
+    try:
+        writer = IndexedWriter(tmp_prefix, tok.vocab_size)
+    except OSError as e:  # a read-only file system, no permission, a missing parent that cannot be made
+        raise ValueError(f"--out {out_prefix}: cannot write {e.filename or tmp_prefix + '.bin'} ({e.strerror or e}); "
+                         f"give an --out where files can be written") from None
     t0 = time.perf_counter()
     chars = 0
     bar = None
@@ -198,7 +202,7 @@ def main(argv=None) -> int:
     try:
         s = preprocess(args.input, args.tokenizer, args.out, args.text_key, args.split, args.batch_docs,
                        args.max_docs, args.model_vocab_size, args.strict)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: an input or output the process cannot read or write
         print(f"[preprocess] error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -7,8 +7,10 @@ entry ``<cache_dir>/sft-<key>/`` holds ``tokens.npy`` (int32, all conversations 
 ``masks.npy`` (uint8, same length), ``offsets.npy`` (int64 [n+1]), ``sources.npy`` (int32 [n]) and
 ``meta.json`` (counts, and the size and xxh3-128 hash of each array file). It is written under a
 temporary name and renamed when complete, so a reader sees a whole entry or none. Every read checks
-the hashes first (the summary line says how long that took): a damaged entry (flipped bytes, a
-truncated array, an unreadable ``meta.json``) is never trained on; it is rebuilt, with one line.
+the hashes first (the summary line says how long that took), then the range of the token ids: a damaged
+entry (flipped bytes, a truncated array, an unreadable ``meta.json``, ids the tokenizer does not have) is
+never trained on; it is rebuilt, with one line. A disk that fills up while an entry is written leaves no
+entry and the run tokenizes without the cache, with one line.
 
 Who builds: with a process group, rank 0 (the only rank that reads the inputs to hash them; under
 a file lock, so concurrent jobs do not build the same entry twice) while the other ranks wait in a
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data import file_hashes
+from data import disk_space, file_hashes
 from data.sft import SFTData, check_losses, tokenize_inputs
 from data.sources import BadInputError, ReadStats
 
@@ -130,9 +132,10 @@ def _meta_problem(meta) -> str | None:
     return None
 
 
-def check_entry(entry: Path) -> tuple[SFTData | None, str | None]:
-    """``(data, None)`` for an entry whose files match their hashes (memory-mapped views), ``(None, problem)``
-    for a damaged one (one line), ``(None, None)`` where there is none. Reads (hashes) every byte once."""
+def check_entry(entry: Path, vocab_size: int | None = None) -> tuple[SFTData | None, str | None]:
+    """``(data, None)`` for an entry whose files match their hashes and whose token ids lie below ``vocab_size``
+    (memory-mapped views), ``(None, problem)`` for a damaged one (one line), ``(None, None)`` where there is
+    none. Reads (hashes) every byte once."""
     if not entry.exists():
         return None, None
     t0 = time.perf_counter()
@@ -157,6 +160,9 @@ def check_entry(entry: Path) -> tuple[SFTData | None, str | None]:
     if not (n >= 0 and off[0] == 0 and np.all(np.diff(off) >= 0) and off[-1] == len(tokens) == len(masks)
             and len(sources) == n):
         return None, "its arrays disagree in length"
+    if vocab_size is not None and len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        return None, f"tokens.npy holds token id {bad}, outside the tokenizer's {vocab_size} ids"
     read = ReadStats(rows=meta["read"]["rows"], kept=meta["read"]["kept"])
     read.rejected.update(meta["read"]["rejected"])
     read.first_at.update(meta["read"]["first_at"])
@@ -192,7 +198,7 @@ def _build_or_read(cfg, tok, entry: Path, progress: bool, warn) -> SFTData:
             if e.errno not in _CANNOT_WRITE:
                 raise
             unwritable = e.strerror
-        data, problem = check_entry(entry)
+        data, problem = check_entry(entry, tok.vocab_size)
         if data is not None:
             return data
         if problem:
@@ -206,9 +212,11 @@ def _build_or_read(cfg, tok, entry: Path, progress: bool, warn) -> SFTData:
                                else f"tokenized; another job cached the same entry in {entry} meanwhile")
                 return data
             except OSError as e:
-                if e.errno not in _CANNOT_WRITE:
+                full = disk_space.is_disk_full(e, entry.parent)  # numpy's writer drops the errno
+                if e.errno not in _CANNOT_WRITE and not full:
                     raise
-                unwritable = e.strerror
+                unwritable = f"disk full, {disk_space.human(disk_space.free_bytes(entry.parent))} free" if full \
+                    else e.strerror
         warn(f"warning: cannot write the SFT cache in {entry.parent} ({unwritable}); tokenized without a cache "
              f"(set sft.cache_dir to a writable directory shared by all nodes)")
         data.origin = "tokenized, not cached"
@@ -243,7 +251,7 @@ def load_sft_cached(cfg, tok, log=None) -> SFTData:
         raise BadInputError(status[0])
     if data is None:
         entry = Path(status[1])
-        data, problem = check_entry(entry)
+        data, problem = check_entry(entry, tok.vocab_size)
         if data is None:
             why = f"finds the SFT cache entry {entry} damaged ({problem})" if problem else (
                 f"finds no SFT cache entry {entry} (sft.cache_dir not shared between nodes, or not writable)")

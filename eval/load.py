@@ -18,7 +18,6 @@ project's modeling code: :func:`lm_eval_dir` gives one for every form.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,14 +81,14 @@ def resolve_source(ckpt: str, tokenizer: Optional[str] = None) -> ModelSource:
 
 def _hf_source(p: Path, tokenizer: Optional[str]) -> ModelSource:
     """A Hugging Face dir: our export, a stock Llama or a reference-format (released NOSA) checkpoint."""
-    from checkpoints_convert.common import safetensors_names
+    from checkpoints_convert.common import read_json, safetensors_names
     from checkpoints_convert.from_hf import configs_from_hf
     from checkpoints_convert.reference_format import checkpoint_format
 
     if not any(p.glob("*.safetensors")):
         raise EvalError(f"--ckpt {p}: config.json but no *.safetensors weights (only safetensors checkpoints are "
                         f"read; save the model with save_pretrained(..., safe_serialization=True))")
-    cfg = json.loads((p / "config.json").read_text())
+    cfg = read_json(p / "config.json")
     fmt = checkpoint_format(cfg, safetensors_names(p))
     longrope = "short" if fmt == "reference" else None  # what the reference code runs at every length
     model, attn = configs_from_hf(cfg, longrope_choice=longrope)

@@ -4,7 +4,9 @@
 (temp name, fsync, rename), so a checkpoint with a manifest is a finished one; verifying it
 re-reads every file and compares. xxh3-128 (the ``xxhash`` package) hashes at memory speed,
 far faster than the storage that holds a checkpoint; it protects against truncation, deleted
-shards and flipped bytes, not against someone who rewrites the manifest too.
+shards and flipped bytes; a file the manifest does not list fails the check too (a manifest that lost an
+entry would otherwise switch that file's check off). It guards against accidental damage, not against
+someone who can rewrite the directory: they can rewrite the manifest too.
 
     {"format": 1, "hash": "xxh3_128", "files": {"<relative path>": {"size": int, "xxh3_128": hex}}}
 
@@ -70,11 +72,19 @@ def read_manifest(ckpt: str | os.PathLike) -> dict:
     return files
 
 
+def unlisted(ckpt: str | os.PathLike, entries: dict) -> list[str]:
+    """Problems for the files of ``ckpt`` that its manifest ``entries`` do not list: a file without an entry
+    would go unchecked, so a checkpoint verifies only when its manifest lists every file it holds."""
+    return [f"{name} is not listed in its {MANIFEST} (a checkpoint verifies only when every file is)"
+            for name in list_files(ckpt) if name not in entries]
+
+
 def verify(ckpt: str | os.PathLike, deep: bool = True) -> str | None:
-    """Why ``ckpt`` is not intact (one line), or None when every file matches its manifest entry."""
+    """Why ``ckpt`` is not intact (one line), or None when its manifest lists every file and every file
+    matches its entry."""
     try:
         entries = read_manifest(ckpt)
     except ValueError as e:
         return str(e)
-    return first_problem(check_entries(ckpt, entries, deep))
+    return first_problem(unlisted(ckpt, entries) + check_entries(ckpt, entries, deep))
 

@@ -1,6 +1,7 @@
 """Outputs appear whole or not at all: a file or a directory is written under a temporary name beside its
 place and renamed into it only when complete (a rename within one file system is atomic), so a crash or an
-error leaves what was there before and never a partial file.
+error leaves what was there before and never a partial file. Nothing is written through a symbolic link: a
+rename replaces a link at the output's place, and a file opened in place (:func:`open_in_place`) refuses one.
 
 ``write_atomic`` / ``write_json`` for contents in memory, ``atomic_path`` for a writer that streams to a path
 (rows of a JSONL file, a profiler's trace, a plot), ``atomic_dir`` for a directory of files. None of them
@@ -14,6 +15,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,12 +36,49 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    if tmp.is_symlink():  # our own temporary name (this pid): a link there is never written through
+        tmp.unlink()
     try:
         yield tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (``a symbolic link to ...``, ``a directory``,
+    ``a FIFO``, ...); None when it is absent or a regular file. Links are not followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link to {os.readlink(path)}"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(st.st_mode)), "a device file")
+
+
+class NotARegularFile(OSError):
+    """A file written in place is something else (a symbolic link, a directory, ...); the message says what."""
+
+
+def open_in_place(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a file written in place (a lock, an appended log) that never follows a symbolic link
+    and opens only a regular file; anything else raises :class:`NotARegularFile` (``<path> is <what>``)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError:
+        what = not_a_file(path)
+        if what is None:
+            raise
+        raise NotARegularFile(f"{path} is {what}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotARegularFile(f"{path} is {not_a_file(path) or 'not a regular file'}")
+    return fd
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -87,16 +127,21 @@ def atomic_dir(out: str | os.PathLike, need_bytes: int | None = None) -> Iterato
                                 f"{disk_space.human(written)} written): the partial output was removed and {out} is "
                                 f"as it was; free {need} there and run again") from None
         raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # both renames or none
+    try:
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
         else:
-            old.unlink()
-    else:
-        os.replace(tmp, out)
+            old = None
+            os.replace(tmp, out)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if old is not None and old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        old.unlink()
 
 
 def _normal_permissions(root: Path) -> None:

@@ -10,15 +10,26 @@ METRICS = "metrics.jsonl"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of ``<run_dir>/metrics.jsonl`` ([] without one; a line cut by a crash is skipped)."""
+    """The rows of ``<run_dir>/metrics.jsonl`` ([] without one; a line cut by a crash is skipped). A
+    ``metrics.jsonl`` that is a directory, or a non-empty one without a single JSON row (another file under
+    that name), is a one-line ``ValueError`` naming it."""
     path = Path(run_dir) / METRICS
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a metrics file written by train/main.py")
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
     rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # UnicodeDecodeError included
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    if data.strip() and not rows:
+        raise ValueError(f"{path} holds no JSON rows ({len(data)} bytes): not a metrics file written by "
+                         f"train/main.py")
     return rows
 
 

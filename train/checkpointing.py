@@ -38,6 +38,7 @@ import torch.distributed as dist
 from data import disk_space
 from runtime import checkpoint_manifest as manifest
 from runtime.checkpoint_files import LATEST, MODEL_CONFIG, CheckpointError, complete_checkpoints, select_checkpoint
+from runtime.outputs import write_atomic
 from runtime.safe_unpickling import load_error_line, read_checkpoint_metadata
 from train.lost_rank import is_collective_failure
 
@@ -120,12 +121,12 @@ def save_checkpoint(run_dir: str, step: int, model_chunks, optimizer, scheduler,
     final, tmp = root / iter_name(step), root / (iter_name(step) + ".tmp")
 
     def publish():  # the complete checkpoint under its name, then `latest` moved to it
-        if final.exists():
+        if final.is_symlink():  # a link is replaced, never followed
+            final.unlink()
+        elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer_tmp = root / (LATEST + ".tmp")
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / LATEST)
+        write_atomic(root / LATEST, final.name + "\n")  # a rename: a link named `latest` is replaced
         manifest.fsync_dir(root)
         log(f"saved checkpoint {final}")
 
@@ -145,7 +146,9 @@ def _write_checkpoint(tmp: Path, step: int, model_chunks, optimizer, scheduler, 
     from megatron.core import dist_checkpointing
 
     def start():
-        if tmp.exists():
+        if tmp.is_symlink():
+            tmp.unlink()
+        elif tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
 
@@ -223,12 +226,13 @@ def verify_shared(ckpt: Path) -> str | None:
     except ValueError as e:
         return str(e)
     names = sorted(entries)
+    missing = manifest.unlisted(ckpt, entries)  # every rank lists the same directory: no collective
     mine = manifest.check_entries(ckpt, {n: entries[n] for n in _my_share(names)})
     if not dist.is_initialized():
-        return manifest.first_problem(mine)
+        return manifest.first_problem(missing + mine)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    return manifest.first_problem([p for part in parts for p in part])
+    return manifest.first_problem(missing + [p for part in parts for p in part])
 
 
 def newest_verified_checkpoint(run_dir: str) -> Path | None:
@@ -308,33 +312,70 @@ def _init_empty_adam_states(optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
-def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler) -> tuple[int, dict, dict]:
-    """Full resume: model, optimizer, scheduler, RNG. Returns ``(step, loader_state, extra)``."""
+def saved_world_size(ckpt: Path) -> int | None:
+    """How many ranks saved ``ckpt`` (its per-rank RNG states ``rng_state/shard_<rank>_<world>``); None when
+    its metadata does not say (the load reports an unreadable one)."""
+    try:
+        keys = read_checkpoint_metadata(ckpt).state_dict_metadata
+    except Exception:  # noqa: BLE001 - reported in one line by the load itself
+        return None
+    sizes = {k.rsplit("_", 1)[1] for k in keys if k.startswith("rng_state/shard_")}
+    return int(sizes.pop()) if len(sizes) == 1 and next(iter(sizes)).isdigit() else None
+
+
+def load_checkpoint(ckpt: Path, model_chunks, optimizer, scheduler, seed: int = 0,
+                    log=print) -> tuple[int, dict, dict]:
+    """Full resume: model, optimizer, scheduler, RNG. Returns ``(step, loader_state, extra)``.
+
+    The RNG states are per rank: saved by another number of ranks, the ranks the checkpoint has a state for
+    take theirs, the others are re-seeded from ``seed`` as at a fresh start (one line says so)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     from runtime.megatron_compat import patch_distributed_optimizer_step_state, untie_adam_step_tensors
+    from train.distributed import seed_everything
 
     patch_distributed_optimizer_step_state()
     _init_empty_adam_states(optimizer)
     sd = _model_sharded_state(model_chunks)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
-    sd["rng_state"] = _rng_sharded(dist.get_world_size(), dist.get_rank())
-    loaded = _load(sd, ckpt)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    saved = saved_world_size(ckpt) or world
+    rng = {"rng_state": ShardedObject("rng_state", _rng_state(), (saved,), (rank,), replica_id=0)} \
+        if rank < saved else {}
+    loaded = _load({**sd, **rng} if saved == world else sd, ckpt)
+    if saved != world:  # some states are not read (fewer ranks) or not there (more): megatron's check of
+        again = _load(rng, ckpt, validate=False)  # whole coverage does not apply to them
+        loaded["rng_state"] = again.get("rng_state")  # (the rest of `again` is the common state once more)
     _load_model(model_chunks, loaded, strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     untie_adam_step_tensors(optimizer)
     scheduler.num_steps = 0  # megatron's load_state_dict *adds* the saved step count
     scheduler.load_state_dict(loaded["scheduler"])
-    _set_rng_state(loaded["rng_state"])
+    if rank < saved:
+        _set_rng_state(loaded["rng_state"])
+    else:
+        seed_everything(seed)
+    if saved != world and rank == 0:
+        def ranks(a, b, one, many):
+            return f"{one} {a}" if a == b else f"{many} {a}-{b}"
+
+        what = (f"{ranks(saved, world - 1, 'rank', 'ranks')} re-seeded from run.seed={seed}, the others continue "
+                f"their RNG states" if world > saved else
+                f"{ranks(world, saved - 1, 'the RNG state of rank', 'the RNG states of ranks')} dropped")
+        log(f"resuming {ckpt}, saved by {saved} rank(s), on {world}: {what}; the run continues, though not bit "
+            f"for bit as it would on {saved}")
     return int(loaded["step"]), loaded["data"], loaded.get("extra", {})
 
 
-def _load(sharded_state: dict, ckpt: Path) -> dict:
-    """``dist_checkpointing.load`` whose failures (unreadable or unsafe files) are one ``CheckpointError`` line."""
+def _load(sharded_state: dict, ckpt: Path, validate: bool = True) -> dict:
+    """``dist_checkpointing.load`` whose failures (unreadable or unsafe files) are one ``CheckpointError`` line;
+    ``validate``: megatron-core's check that the ranks together read every shard exactly once."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         read_checkpoint_metadata(ckpt)
-        return dist_checkpointing.load(sharded_state, str(ckpt))
+        return dist_checkpointing.load(sharded_state, str(ckpt), validate_access_integrity=validate)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's is a BaseException
         if is_collective_failure(e):
             raise

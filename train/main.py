@@ -150,7 +150,8 @@ def train(cfg, last: bool = True) -> int:
     from train.config import config_changes
     from train.distributed import init_distributed, shutdown
     from train.lost_rank import Peers, is_collective_failure, lost_rank_line
-    from train.preemption import StopSignal
+    from train.metrics import RunFileError, check_metrics_file
+    from train.preemption import StopSignal, StoppedWhileStarting, interruption
     from train.run_lock import RunDirLock, RunDirLocked
     from train.trainer import NonFiniteError, Trainer
 
@@ -160,13 +161,14 @@ def train(cfg, last: bool = True) -> int:
     trainer, broken = None, False  # broken: collectives unusable, leave without a barrier
     # save signals (from the lock on): the trainer acts on them at a step boundary; while the run winds down
     # (torchrun stopping the survivors of a lost rank) they do not kill the report
-    held = StopSignal(cfg.cluster.save_signals, env.device)
+    held = StopSignal(cfg.cluster.save_signals, env.device, armed=False)
     try:
         held_by = [None]
         if env.is_main:
             try:
                 lock.acquire()
-            except RunDirLocked as e:
+                check_metrics_file(cfg.run_dir)  # before anything is built
+            except (RunDirLocked, RunFileError) as e:
                 held_by[0] = str(e)
         dist.broadcast_object_list(held_by, src=0)
         if held_by[0]:
@@ -179,16 +181,16 @@ def train(cfg, last: bool = True) -> int:
         dist.barrier()
         trainer = Trainer(cfg, env)
         trainer.run(held)
-    except (NonFiniteError, CheckpointError, RunDirLocked, BadInputError) as e:
+    except (NonFiniteError, CheckpointError, RunDirLocked, RunFileError, BadInputError) as e:
         if env.is_main or env.world_size == 1:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3 if isinstance(e, NonFiniteError) else 2
-    except KeyboardInterrupt:  # Ctrl-C: nothing is saved, the checkpoints stay as they are
-        broken = True
+    except KeyboardInterrupt as e:  # Ctrl-C, or a save signal before the steps: nothing is saved
+        broken = env.world_size > 1  # alone, the usual teardown waits for no one
         if env.is_main:
-            print(trainer.interrupted() if trainer else "interrupted while starting: nothing was trained, no "
-                  "checkpoint was changed", file=sys.stderr, flush=True)
-        return 130
+            print(trainer.interrupted(e) if trainer else f"{interruption(e)} while starting: nothing was trained, "
+                  f"no checkpoint was changed", file=sys.stderr, flush=True)
+        return 128 + e.signum if isinstance(e, StoppedWhileStarting) else 130
     except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         if peers is None or isinstance(e, SystemExit) or not is_collective_failure(e):
             raise

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
-from runtime.outputs import write_atomic
+from runtime.outputs import NotARegularFile, atomic_path, not_a_file, open_in_place, write_atomic
+from runtime.run_metrics import METRICS, read_metrics
 
 # Dense bf16 peak TFLOP/s of common training GPUs (tensor cores, no sparsity).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A800": 312.0, "A100": 312.0, "L40S": 362.0}
@@ -195,6 +196,25 @@ def tensorboard_missing() -> str | None:
     return None
 
 
+class RunFileError(RuntimeError):
+    """A file the trainer writes in the run dir is something else: a symbolic link (never written through), a
+    directory, or not the trainer's format (one-line message)."""
+
+
+def check_metrics_file(run_dir: str) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl`` the trainer may rewrite; :class:`RunFileError` when it is not a
+    metrics file of this trainer (a link, a directory, another file under that name)."""
+    path = Path(run_dir) / METRICS
+    what = not_a_file(path)
+    if what is not None:
+        raise RunFileError(f"{path} is {what}, not the metrics file this trainer writes (it never writes through a "
+                           f"link or into anything else): remove it, or choose another run.dir")
+    try:
+        return read_metrics(run_dir)
+    except ValueError as e:
+        raise RunFileError(f"{e}: move it away, or choose another run.dir") from None
+
+
 class MetricsLogger:
     """Writes metrics on the owning rank; a no-op elsewhere."""
 
@@ -202,7 +222,7 @@ class MetricsLogger:
                  wandb_project: str = "nosa-train", run_name: str = "run", config: dict | None = None,
                  resume_step: int = 0, tensorboard: bool = False):
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS
         self.history: list[dict] = []
         self._wandb = None
         self._tb = None
@@ -210,10 +230,10 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = check_metrics_file(run_dir)
         if self.path.exists():  # a resumed run keeps what was logged up to its checkpoint
-            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             self.history = [r for r in rows if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.history))
         if wandb_mode != "disabled":
             import wandb
 
@@ -230,7 +250,11 @@ class MetricsLogger:
             return
         row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.history.append(row)
-        with self.path.open("a") as f:
+        try:
+            fd = open_in_place(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except NotARegularFile as e:  # replaced by something else while the run went on
+            raise RunFileError(f"{e}: the trainer never writes through a link or into anything else") from None
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -264,7 +288,8 @@ class MetricsLogger:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out, dpi=110)
+        with atomic_path(out) as tmp:  # a rename: never written through a link at ``out``
+            fig.savefig(tmp, dpi=110)
         plt.close(fig)
         return out
 

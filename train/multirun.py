@@ -50,7 +50,10 @@ def summary(jobs: list[tuple[str, str, str]]) -> str:
     head = ["job", "status", "steps", "final loss", "val loss", "tokens/s", "run dir"]
     rows = []
     for name, run_dir, status in jobs:
-        f = run_figures(read_metrics(run_dir)) if status != NOT_RUN else {}
+        try:
+            f = run_figures(read_metrics(run_dir)) if status != NOT_RUN else {}
+        except ValueError:  # the job reported its unusable metrics.jsonl itself
+            f = {}
         rows.append([name or "-", status, _fmt(f.get("steps"), "d"), _fmt(f.get("loss"), ".4f"),
                      _fmt(f.get("val_loss"), ".4f"), _fmt(f.get("tokens_per_s"), ",.0f"), run_dir])
     widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(head)]

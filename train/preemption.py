@@ -17,18 +17,42 @@ import torch
 from train.metrics import max_over_ranks
 
 
-class StopSignal:
-    """Record ``signals`` (names such as ``"SIGTERM"``) instead of dying; restore on :meth:`release`."""
+class StoppedWhileStarting(KeyboardInterrupt):
+    """A save signal arrived before the training steps began (nothing to save): the start is abandoned."""
 
-    def __init__(self, signals: list[str], device: torch.device):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interruption(e: KeyboardInterrupt) -> str:
+    """``interrupted`` (Ctrl-C) or ``SIGTERM received`` (a save signal before the steps began)."""
+    return f"{e} received" if isinstance(e, StoppedWhileStarting) else "interrupted"
+
+
+class StopSignal:
+    """Record ``signals`` (names such as ``"SIGTERM"``) instead of dying; restore on :meth:`release`.
+
+    Until :meth:`arm` (``armed=False``: the trainer arms it when its steps begin) such a signal raises
+    :class:`StoppedWhileStarting` at once instead: whatever the start waits on (a build, a load, a lock,
+    data that never fills a sample), there is nothing to save yet."""
+
+    def __init__(self, signals: list[str], device: torch.device, armed: bool = True):
         self.device = device
+        self.armed = armed
         self.received: str | None = None  # the first signal this process got
         self._previous = {}
         for name in signals:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._record)
 
+    def arm(self) -> None:
+        """From now on a signal is recorded and acted on at a step boundary (:meth:`agreed`)."""
+        self.armed = True
+
     def _record(self, signum, frame) -> None:
+        if not self.armed:
+            raise StoppedWhileStarting(signum)
         if self.received is None:
             self.received = signal.Signals(signum).name
 

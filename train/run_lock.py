@@ -2,7 +2,8 @@
 
 The lock is released by the kernel when the process exits (even on kill -9), so a stale lock
 file never blocks a later run; the file's text (pid, host, start time) names the holder in the
-refusal. ``flock`` works across nodes on NFSv4 and Lustre mounts with ``flock`` enabled.
+refusal. ``flock`` works across nodes on NFSv4 and Lustre mounts with ``flock`` enabled. A lock path that
+is not a regular file (a symbolic link, a directory) is refused: the lock is never written through a link.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import socket
 import time
 from pathlib import Path
+
+from runtime.outputs import NotARegularFile, open_in_place
 
 LOCK_FILE = ".lock"
 
@@ -30,11 +33,13 @@ class RunDirLock:
     def acquire(self) -> "RunDirLock":
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_in_place(self.path, os.O_RDWR | os.O_CREAT)
+        except NotARegularFile as e:  # a link is never followed: its target is not ours to truncate
+            raise RunDirLocked(f"run.dir {self.path.parent}: {e}, not this trainer's lock file; remove it, or "
+                               f"choose another run.dir") from None
         except OSError as e:
-            what = (f"{self.path} is a directory, not this trainer's lock file; remove it" if self.path.is_dir()
-                    else f"cannot create the lock file {self.path} ({e.strerror}); fix that")
-            raise RunDirLocked(f"run.dir {self.path.parent}: {what}, or choose another run.dir") from None
+            raise RunDirLocked(f"run.dir {self.path.parent}: cannot create the lock file {self.path} ({e.strerror}); "
+                               f"fix that, or choose another run.dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

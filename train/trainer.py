@@ -33,7 +33,7 @@ from train.forward_step import forward_step, to_microbatch
 from train.metrics import IntervalStats, MetricsLogger, format_row, local_peak_memory_gib, max_over_ranks
 from train.metrics import causal_attention_work, peak_flops, train_flops_per_token
 from train.optim import adam_is_fused, build_optimizer, build_scheduler, mixed_precision, use_fused_adam
-from train.preemption import StopSignal
+from train.preemption import StopSignal, interruption
 from train.profiling import StepProfiler
 from train.read_ahead import StepBatches
 
@@ -87,7 +87,8 @@ class Trainer:
                                         foreign_hint=ckpt.UNVERIFIED_HINT) \
             if cfg.checkpoint.resume == "auto" else None
         if latest is not None:
-            self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
+            self.step, loader_state, extra = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler,
+                                                                  cfg.run.seed, log=partial(log0, env))
             use_fused_adam(self.optimizer, cfg.optim.fused)  # the checkpoint brought its groups' settings
             self.train_batches.load_state_dict(loader_state)
             self.nonfinite_streak = int(extra.get("nonfinite_streak", 0))
@@ -284,11 +285,12 @@ class Trainer:
             good = ckpt.newest_verified_checkpoint(str(self.run_dir))
         return f"newest verified checkpoint: {good}" if good else "no checkpoint of this run was written"
 
-    def interrupted(self) -> str:
-        """The line for a run stopped by Ctrl-C (nothing saved)."""
+    def interrupted(self, e: KeyboardInterrupt | None = None) -> str:
+        """The line for a run stopped by Ctrl-C, or by a save signal before its steps began (nothing saved)."""
+        what = interruption(e) if e is not None else "interrupted"
         if not self.restored:
-            return "interrupted while starting: nothing was trained, no checkpoint was changed"
-        return f"interrupted at step {self.step}; {self.newest_verified()}"
+            return f"{what} while starting: nothing was trained, no checkpoint was changed"
+        return f"{what} at step {self.step}; {self.newest_verified()}"
 
     @contextmanager
     def _params_synced(self):
@@ -343,10 +345,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def run(self, stop: StopSignal | None = None) -> dict:
         """Build, restore and train. ``stop``: the caller's save-signal handler, left installed (else one for
-        the run); a signal during the build counts too."""
+        the run); armed when the steps begin: a signal before that ends the start at once (nothing to save)."""
         cfg, env = self.cfg, self.env
         own = stop is None
-        stop = stop or StopSignal(cfg.cluster.save_signals, env.device)
+        stop = stop or StopSignal(cfg.cluster.save_signals, env.device, armed=False)
         try:
             self.build()
             self.restore()
@@ -366,6 +368,7 @@ class Trainer:
                                config=dataclasses.asdict(cfg), resume_step=self.step,
                                tensorboard=cfg.logging.tensorboard)
         interval = IntervalStats()
+        stop.arm()  # a save signal from here on saves at the next step boundary
         tokens_per_step = t.global_batch_size * t.seq_length
         start_step, saved_at = self.step, self.step
         last: dict = {}

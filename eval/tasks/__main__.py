@@ -10,20 +10,18 @@ import sys
 from eval.tasks import DEFAULT_LENGTHS, TASKS, TaskSetConfig, build_task_set
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def run(a) -> None:
-    from eval.errors import EvalError
+    from eval.errors import EvalError, int_list
     from data.tokenizer import Tokenizer
 
+    lengths = int_list(a.lengths, "--lengths")
+    train_lengths = int_list(a.train_lengths, "--train-lengths") if a.train_lengths else None
     try:
         tok = Tokenizer(a.tokenizer)
     except ValueError as e:
         raise EvalError(f"--tokenizer {a.tokenizer}: {e}") from None
-    cfg = TaskSetConfig(lengths=_ints(a.lengths), tasks=a.tasks.split(","), samples=a.samples, seed=a.seed,
-                        train_docs=a.train_docs, train_lengths=_ints(a.train_lengths) if a.train_lengths else None)
+    cfg = TaskSetConfig(lengths=lengths, tasks=a.tasks.split(","), samples=a.samples, seed=a.seed,
+                        train_docs=a.train_docs, train_lengths=train_lengths)
     print(f"generating {len(cfg.tasks)} task(s) x {cfg.lengths} x {cfg.samples} samples (seed {cfg.seed})")
     out = build_task_set(a.corpus, tok, a.out, cfg)
     print(f"wrote task set {out}")

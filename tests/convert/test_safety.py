@@ -5,6 +5,7 @@ modeling code only when it is the code this project ships (or ``--trust-remote-c
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import re
@@ -76,6 +77,13 @@ def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, 
     with pytest.raises(ValueError, match=re.escape(lost)):
         resolve_source(str(run))
     (tmp_path / "manifest.bak").rename(ckpt / "manifest.json")
+    kept = (ckpt / "manifest.json").read_text()  # flipped bytes whose manifest entry was deleted: still damaged
+    entries = json.loads(kept)
+    del entries["files"][shard.name]
+    (ckpt / "manifest.json").write_text(json.dumps(entries))
+    with pytest.raises(ConversionError, match=f"{shard.name} is not listed in its manifest.json"):
+        export(str(run), str(tmp_path / "hf6"), **QUIET)
+    (ckpt / "manifest.json").write_text(kept)
     shard.write_bytes(original)
 
     # a crafted .metadata whose manifest was rewritten to match: the restricted unpickler refuses it
@@ -88,7 +96,7 @@ def test_damaged_or_crafted_checkpoints_are_refused_in_one_line(megatron_ckpts, 
     assert not any(p.name.startswith("hf") for p in tmp_path.iterdir())  # nothing was written
 
 
-def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts, tmp_path, monkeypatch):
+def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts, tmp_path, monkeypatch, capsys):
     src = megatron_ckpts.ckpt(CASE)
     foreign = tmp_path / "a_run"
     foreign.mkdir()
@@ -143,6 +151,19 @@ def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts,
         export(str(src), str(out), **QUIET)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+
+    def ctrl_c(sd, where, max_shard_bytes):  # Ctrl-C while the weights are written
+        (where / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(to_hf, "save_safetensors_sharded", ctrl_c)
+    capsys.readouterr()
+    assert to_hf.main(["--ckpt", str(src), "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"to_hf: interrupted (Ctrl-C): no partial export was left; --out {out} is "
+                                       f"intact (an export is written beside it and renamed into place only when "
+                                       f"complete)\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == kept
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
     monkeypatch.setattr(to_hf, "save_safetensors_sharded", save)
 
     monkeypatch.setattr(to_hf, "load_megatron_tensors", with_nan)
@@ -151,6 +172,37 @@ def test_to_hf_out_keeps_foreign_dirs_and_non_finite_weights_out(megatron_ckpts,
     assert not (tmp_path / "hf_nan").exists()
     nan_out = export(str(src), str(tmp_path / "hf_nan"), allow_non_finite=True, **QUIET)
     assert nan_out.is_dir()
+
+
+def test_half_written_weights_and_invalid_config_json_are_one_line_naming_the_file(exports, tmp_path, capsys):
+    """from_hf, verify and eval.ppl on an export whose model.safetensors was cut in half, or whose config.json
+    is not JSON: one line naming that file, exit status 2, nothing written."""
+    from checkpoints_convert.from_hf import main as from_hf_main
+    from eval.ppl import main as ppl_main
+
+    hf = shutil.copytree(exports["llama3-dense-tp2"], tmp_path / "hf")
+    weights, config = hf / "model.safetensors", hf / "config.json"
+    good_weights, good_config = weights.read_bytes(), config.read_bytes()
+    out = tmp_path / "out"
+    commands = (("from_hf", lambda: from_hf_main(["--hf", str(hf), "--out", str(out)])),
+                ("verify", lambda: verify_main(["--hf", str(hf), "--decode-steps", "0"])),
+                ("eval.ppl", lambda: ppl_main(["--ckpt", str(hf), "--data", str(tmp_path / "docs.jsonl"),
+                                               "--length", "64", "--out", str(out)])))
+    for damage, restore, what in ((lambda: weights.write_bytes(good_weights[:len(good_weights) // 2]),
+                                   lambda: weights.write_bytes(good_weights),
+                                   f"{weights} is damaged or incomplete (safetensors: Error while deserializing "
+                                   f"header: "),
+                                  (lambda: config.write_text('{"model_type": "lla'),
+                                   lambda: config.write_bytes(good_config),
+                                   f"{config} is not valid JSON (Unterminated string starting at: line 1 column 16")):
+        damage()
+        for prog, run in commands:
+            capsys.readouterr()
+            assert run() == 2, prog
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("note:")]
+            assert len(err) == 1 and err[0].startswith(f"{prog}: error: {what}"), (prog, err)
+        restore()
+    assert not out.exists()
 
 
 def test_verify_runs_only_the_shipped_modeling_code(exports, tmp_path, capsys):
@@ -192,3 +244,21 @@ def test_checkpoint_objects_are_loaded_without_running_code(tmp_path):
     assert load_error_line(e.value) == ("UnpicklingError: a checkpoint object refers to posix.system, which "
                                         "checkpoints never contain: refusing to load it (crafted or foreign file)")
     assert not marker.exists()
+
+
+def test_verify_ends_with_a_one_line_verdict_naming_the_first_failing_check(monkeypatch, capsys):
+    from checkpoints_convert import verify
+
+    good = {"hf": "x", "tensor_roundtrip": "ok", "logits_vs_megatron": {"rel": 2e-6},
+            "decode_vs_forward": {"rel": 1e-7}}
+    reports = (({**good, "ok": True}, 0, "verify: ok (tensor_roundtrip bitwise, logits_vs_megatron 2e-06 <= 0.0001, "
+                                         "decode_vs_forward 1e-07 <= 0.0001)"),
+               ({**good, "logits_vs_megatron": {"rel": 3e-3}, "decode_vs_forward": {"rel": 5e-3}, "ok": False}, 1,
+                "verify: FAILED: logits_vs_megatron: relative error 0.003 > --tol 0.0001"),
+               ({**good, "tensor_roundtrip": ["HF->Megatron->HF: a differs", "HF->Megatron->HF: b lost"], "ok": False},
+                1, "verify: FAILED: tensor_roundtrip: HF->Megatron->HF: a differs (+1 more)"))
+    for report, rc, line in reports:
+        monkeypatch.setattr(verify, "run_checks", lambda args, r=report: r)
+        assert verify.main(["--hf", "x"]) == rc
+        out, err = capsys.readouterr()
+        assert json.loads(out) == report and err.splitlines()[-1] == line, err

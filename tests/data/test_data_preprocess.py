@@ -172,6 +172,27 @@ def test_disk_full_ctrl_c_and_sigterm_are_one_line_and_leave_no_temporary_files(
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, tok, monkeypatch, capsys):
+    """``--out`` on a read-only file system (simulated: root writes anywhere else)."""
+    import errno
+    import os
+
+    from data.indexed import IndexedWriter
+
+    good = tmp_path / "good.jsonl"
+    _write_jsonl(good, [{"text": t} for t in DOCS])
+    out = str(tmp_path / "ro" / "ds")
+
+    def read_only(self, prefix, vocab_size):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), prefix + ".bin")
+
+    monkeypatch.setattr(IndexedWriter, "__init__", read_only)
+    assert main(["--input", str(good), "--tokenizer", tok.path, "--out", out]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("preprocess:")]
+    assert len(err) == 1 and err[0].startswith(f"[preprocess] error: --out {out}: cannot write {out}.tmp-"), err
+    assert err[0].endswith(".bin (Read-only file system); give an --out where files can be written"), err
+
+
 def test_long_documents_are_encoded_in_pieces_with_the_same_tokens(demo, tok):
     from data.preprocess import encode_documents, split_for_encoding
 

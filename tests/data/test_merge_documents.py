@@ -48,3 +48,47 @@ def test_bad_input_is_refused(tmp_path, capsys):
     assert main(["--src", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--min-tokens", "4"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "o.bin").exists()
+
+
+def test_a_damaged_source_or_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    """A 0-byte or short ``--src`` .bin names the file (megatron-core's reader failed inside, then twice in
+    ``__del__``); a disk that fills up leaves no temporary file and the earlier output as it was."""
+    import errno
+    import os
+    import shutil
+
+    from data.indexed import IndexedWriter
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "long")
+    write_indexed(src, [np.arange(n) for n in (30, 50, 20, 40)], vocab_size=100)
+    good = (tmp_path / "src.bin").read_bytes()
+    argv = ["--src", src, "--out", out, "--min-tokens", "60"]
+    for damaged in (b"", good[:-2]):
+        (tmp_path / "src.bin").write_bytes(damaged)
+        assert main(argv) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert err == [f"error: {src}.bin holds {len(damaged)} bytes but {src}.idx describes 4 documents of 140 tokens "
+                       f"(280 bytes): the dataset is damaged or incomplete; rebuild it with `python -m "
+                       f"data.preprocess`"], err
+    (tmp_path / "src.bin").write_bytes(good)
+    assert main(argv) == 0
+    capsys.readouterr()
+    before = {ext: (tmp_path / f"long{ext}").read_bytes() for ext in (".bin", ".idx")}
+    add, usage = IndexedWriter.add, shutil.disk_usage
+
+    def disk_fills(self, ids):  # the .bin gets some bytes, then the disk is full
+        if self.documents == 1:
+            self._builder.data_file.write(b"\0" * 64)
+            monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=0))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        add(self, ids)
+
+    monkeypatch.setattr(IndexedWriter, "add", disk_fills)
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: disk full writing {out}.bin in {tmp_path} (0 B free) after "), err
+    assert f"the temporary files were removed and an existing {out}.* is untouched; free about " in err[0]
+    assert err[0].endswith(" there and run again"), err
+    assert {ext: (tmp_path / f"long{ext}").read_bytes() for ext in (".bin", ".idx")} == before
+    assert not list(tmp_path.glob("*.tmp-*"))

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from data.config import SFTConfig, validate
 from data.loader import build_sft_loaders
+from data.file_hashes import hash_files
 from data.sft_cache import cache_key, cache_root, load_sft_cached
 
 
@@ -79,6 +80,12 @@ def test_a_damaged_cache_entry_is_rebuilt_in_one_line_and_never_trained_on(tmp_p
         fn(meta)
         (entry / "meta.json").write_text(json.dumps(meta))
 
+    def out_of_range():
+        tokens = np.load(entry / "tokens.npy")
+        tokens[len(tokens) // 2] = tok.vocab_size + 5
+        np.save(entry / "tokens.npy", tokens)
+        edit_meta(lambda m: m["files"].update(hash_files(entry, ["tokens.npy"])))
+
     size = len(pristine["offsets.npy"])
     damages = [
         (lambda: flip("tokens.npy"), "tokens.npy does not match its checksum"),
@@ -87,6 +94,8 @@ def test_a_damaged_cache_entry_is_rebuilt_in_one_line_and_never_trained_on(tmp_p
         (lambda: (entry / "meta.json").write_text("{"), "meta.json is unreadable (JSONDecodeError)"),
         (lambda: (entry / "masks.npy").unlink(), "masks.npy is missing"),
         (lambda: edit_meta(lambda m: m.update(version=1)), "written by cache version 1, this is version 2"),
+        (out_of_range, f"tokens.npy holds token id {tok.vocab_size + 5}, outside the tokenizer's {tok.vocab_size} "
+                       f"ids"),  # its hash recomputed: only the range check finds it
     ]
     for damage, problem in damages:
         damage()
@@ -97,6 +106,34 @@ def test_a_damaged_cache_entry_is_rebuilt_in_one_line_and_never_trained_on(tmp_p
         assert data.origin == f"tokenized, rebuilt in {entry}" and _same(data, first)
         assert {f.name: f.read_bytes() for f in entry.iterdir()} == pristine  # replaced by a whole entry
         assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, entry.name + ".lock"]
+
+
+def test_a_disk_that_fills_while_the_cache_is_written_is_one_line_and_leaves_no_entry(tmp_path, tok, monkeypatch):
+    import shutil
+
+    import data.sft_cache as sc
+
+    a = _write(tmp_path / "a.jsonl", 40, "a", 6)
+    cfg = SFTConfig(path=a, tokenizer=tok.path, seq_length=128, cache_dir=str(tmp_path / "cache"))
+    usage = shutil.disk_usage
+
+    def full(path):
+        return usage(path)._replace(free=0)
+
+    def fills(file, arr, *args, **kwargs):  # numpy's writer reports a full disk without an errno
+        with open(file, "wb") as f:
+            f.write(b"\0" * 16)
+        monkeypatch.setattr(shutil, "disk_usage", full)
+        raise OSError(f"{arr.size} requested and 4 written")
+
+    monkeypatch.setattr(sc.np, "save", fills)
+    logs = []
+    data = load_sft_cached(cfg, tok, log=logs.append)
+    assert [ln for ln in logs if ln.startswith("warning:")] == [
+        f"warning: cannot write the SFT cache in {tmp_path / 'cache'} (disk full, 0 B free); tokenized without a "
+        f"cache (set sft.cache_dir to a writable directory shared by all nodes)"]
+    assert data.origin == "tokenized, not cached" and len(data.ids) == 40
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"sft-{cache_key(cfg, tok.path)}.lock"]
 
 
 def test_weights_repeat_or_subsample_each_input_per_epoch(tmp_path, tok):

@@ -84,3 +84,21 @@ def test_unusable_hugging_face_dirs_are_one_line(tmp_path, capsys):
     assert ppl.main(argv) == 2
     assert "unsupported Hugging Face config: model_type='gpt2'" in _one_line(capsys, "eval.ppl")
     assert not out.exists()
+
+
+def test_a_bad_option_value_or_a_binary_metrics_file_is_one_line_naming_it(tmp_path, capsys):
+    from eval.compare import main as compare_main
+    from eval.tasks.__main__ import main as tasks_main
+
+    out = tmp_path / "out"
+    assert tasks_main(["--tokenizer", str(tmp_path), "--corpus", str(tmp_path / "c.jsonl"), "--out", str(out),
+                       "--lengths", "abc"]) == 2
+    assert "--lengths 'abc': give comma-separated whole numbers of tokens, like 4096,8192" in _one_line(
+        capsys, "eval.tasks")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(bytes(range(256)) * 4)
+    assert compare_main([str(run), "--out", str(out)]) == 2
+    assert _one_line(capsys, "eval.compare") == (f"eval.compare: error: {run / 'metrics.jsonl'} holds no JSON rows "
+                                                 f"(1024 bytes): not a metrics file written by train/main.py")
+    assert not out.exists()

@@ -1,7 +1,9 @@
-"""Nothing is lost or poisoned: damaged checkpoints (a lost manifest among them) are detected and fallen
-back from, rotation keeps verified checkpoints, a full disk or Ctrl-C costs no data, one training per run dir,
-and surprising inputs give one line."""
+"""Nothing is lost or poisoned: damaged checkpoints (a lost manifest, or one that omits a file, among them) are
+detected and fallen back from, rotation keeps verified checkpoints, a full disk or Ctrl-C costs no data, one training
+per run dir and nothing written outside it (no link is followed), a resume on another number of ranks, no start
+that waits forever, and surprising inputs give one line."""
 
+import re
 import shutil
 
 import pytest
@@ -111,6 +113,29 @@ def test_damaged_latest_shard_metadata_or_manifest_select_the_newest_verified_ch
         select_checkpoint(ckpts)
 
 
+def test_a_manifest_that_omits_a_file_fails_the_check(trained, tmp_path):
+    """Flipped bytes in a shard whose manifest entry was deleted (or a manifest of no files): the checkpoint is
+    damaged for resume (hashing split over the ranks), rotation and init_from, never trusted."""
+    import json
+
+    from train.checkpointing import load_weights, verify_shared
+
+    ckpts = _copy(trained, tmp_path) / "checkpoints"
+    newest, older = ckpts / "iter_0000004", ckpts / "iter_0000002"
+    _flip(newest / "__0_0.distcp")
+    raw = json.loads((newest / "manifest.json").read_text())
+    for files in ({k: v for k, v in raw["files"].items() if k != "__0_0.distcp"}, {}):
+        (newest / "manifest.json").write_text(json.dumps({**raw, "files": files}))
+        first = "__0_0.distcp" if files else sorted(raw["files"])[0]
+        problem = f"{first} is not listed in its manifest.json (a checkpoint verifies only when every file is)"
+        assert verify(newest).startswith(problem) and verify_shared(newest).startswith(problem)
+        logs = []
+        assert select_checkpoint(ckpts, verify=verify_shared, log=logs.append) == older
+        assert logs == [f"warning: checkpoint {newest} is damaged: {verify(newest)}: falling back to {older}"]
+        with pytest.raises(CheckpointError, match=re.escape(f"{newest} is damaged: {problem}")):
+            load_weights(str(ckpts.parent), [])
+
+
 def test_init_from_refuses_a_checkpoint_whose_manifest_is_lost(trained, tmp_path):
     from train.checkpointing import load_weights
 
@@ -179,6 +204,77 @@ def test_a_lock_path_that_is_a_directory_is_one_line(tmp_path):
         RunDirLock(tmp_path).acquire()
 
 
+def test_run_files_that_are_links_or_not_files_are_one_line_and_nothing_outside_is_touched(
+        trained, tmp_path, data_args, capsys):
+    """A ``.lock`` or ``metrics.jsonl`` that is a symbolic link (its target is never truncated), a directory or
+    another file under that name: one line before anything is built, nothing written."""
+    import os
+
+    run = _copy(trained, tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    before = _files(run)
+    args = [*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"]
+    lock, metrics = run / ".lock", run / "metrics.jsonl"
+    rows = metrics.read_bytes()
+    metrics.unlink()
+    lock.unlink(missing_ok=True)
+    for path, make, what in (
+            (lock, lambda p: p.symlink_to(victim), f"{lock} is a symbolic link to {victim}, not this trainer's lock "
+                                                   f"file; remove it, or choose another run.dir"),
+            (lock, os.mkfifo, f"{lock} is a FIFO, not this trainer's lock file"),
+            (metrics, lambda p: p.symlink_to(victim), f"{metrics} is a symbolic link to {victim}, not the metrics "
+                                                      f"file this trainer writes"),
+            (metrics, lambda p: p.mkdir(), f"{metrics} is a directory, not the metrics file this trainer writes"),
+            (metrics, lambda p: p.write_bytes(bytes(range(256)) * 4),
+             f"{metrics} holds no JSON rows (1024 bytes): not a metrics file written by train/main.py: move it "
+             f"away, or choose another run.dir")):
+        make(path)
+        rc, err = _main(args, capsys)
+        assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and what in err, err
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+    assert victim.read_text() == "precious\n" and _files(run) == before
+    metrics.write_bytes(rows)
+
+
+def test_a_resume_replaces_links_at_latest_and_loss_png_and_never_writes_through_them(trained, tmp_path, data_args):
+    run = _copy(trained, tmp_path)
+    ckpts = run / "checkpoints"
+    pointer, plot = tmp_path / "pointer.txt", tmp_path / "plot.png"
+    pointer.write_text("iter_0000004\n")
+    plot.write_bytes(b"not yours")
+    (ckpts / "latest").unlink()
+    (ckpts / "latest").symlink_to(pointer)
+    (run / "loss.png").symlink_to(plot)
+    p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6", "logging.plot=true"])
+    assert f"resumed from {ckpts / 'iter_0000004'} at step 4" in p.stdout
+    assert pointer.read_text() == "iter_0000004\n" and plot.read_bytes() == b"not yours"
+    assert not (ckpts / "latest").is_symlink() and (ckpts / "latest").read_text() == "iter_0000006\n"
+    assert not (run / "loss.png").is_symlink() and (run / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_resume_on_another_number_of_ranks_reseeds_or_drops_the_rng_states_in_one_line(trained, tmp_path, data_args):
+    """1 rank -> 2 (DP=2) -> 1: the RNG states are per rank; the ranks without one are re-seeded, the surplus
+    dropped, each in one line, and the losses follow the one-process run (within the rounding of the reduction)."""
+    import math
+
+    from tests.train.conftest import losses, run_main
+
+    reference, run = _copy(trained, tmp_path), shutil.copytree(trained, tmp_path / "ranks")
+    train_here([*RUN, *data_args, f"run.dir={reference}", "train.max_steps=8"])
+    ckpts = run / "checkpoints"
+    p = run_main([*RUN, *data_args, f"run.dir={run}", "train.max_steps=6"], nproc=2)
+    assert (f"resuming {ckpts / 'iter_0000004'}, saved by 1 rank(s), on 2: rank 1 re-seeded from "
+            f"run.seed=1234, the others continue their RNG states; the run continues, though not bit for bit as it "
+            f"would on 1") in p.stdout, p.stdout[-3000:]
+    p = train_here([*RUN, *data_args, f"run.dir={run}", "train.max_steps=8"])
+    assert (f"resuming {ckpts / 'iter_0000006'}, saved by 2 rank(s), on 1: the RNG state of rank 1 dropped; "
+            f"the run continues, though not bit for bit as it would on 2") in p.stdout
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-5) for s in want), (got, want)
+
+
 def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_path, data_args):
     import os
     import socket
@@ -202,10 +298,15 @@ def test_second_training_into_a_locked_run_dir_names_the_holder(trained, tmp_pat
 
 
 def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, data_args, capsys):
+    import numpy as np
+
     from data.indexed import write_indexed
 
-    empty = str(tmp_path / "empty")
+    empty, tiny, short_valid, foreign = (str(tmp_path / n) for n in ("empty", "tiny", "short_valid", "foreign"))
+    write_indexed(foreign, [np.arange(300) % 1000] * 39 + [np.array([7, 9000, 9] * 100)], vocab_size=65536)
     write_indexed(empty, [], vocab_size=1024)
+    write_indexed(tiny, [np.arange(1, 11)], vocab_size=1024)  # 10 tokens: less than one sample of 129
+    write_indexed(short_valid, [np.arange(300) % 1000, np.arange(20)], vocab_size=1024)
     resume = [*RUN, *data_args, f"run.dir={trained}", "train.max_steps=4"]
     fresh = [*RUN, *data_args, f"run.dir={tmp_path / 'fresh'}", "train.max_steps=4"]
     cases = [
@@ -218,6 +319,16 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
         (fresh, ["run.device=cuda"], "run.device=cuda but CUDA is not available"),
         (fresh, ["model.vocab_size=512"], "has 1024 tokens but the model's vocabulary is 512"),
         (fresh, [f"data.paths=[{empty}]"], "is empty (0 documents)"),
+        (fresh, [f"data.paths=[{tiny}]"], f"data.paths entry '{tiny}': its train part (data.split='95,5,0') holds 10 "
+                                         f"tokens in 1 document(s), fewer than one sample of data.seq_length + 1 = "
+                                         f"129 tokens: add data or lower data.seq_length"),
+        (fresh, [f"data.paths=[{foreign}]"], f"data.paths entry '{foreign}' holds token id 9000 but the model's "
+                                            f"vocabulary is 8192: it was tokenized with another tokenizer or "
+                                            f"{foreign}.bin is damaged"),
+        (fresh, [f"data.paths=[{short_valid}]", "data.split='50,50,0'"],
+         "its valid part (data.split='50,50,0') holds 20 tokens in 1 document(s), fewer than one sample of "
+         "data.seq_length + 1 = 129 tokens: add data or lower data.seq_length, or give the valid part no weight in "
+         "data.split (e.g. '100,0,0')"),
     ]
     from nosa_layers.megatron.spec import have_te
 
@@ -227,6 +338,31 @@ def test_surprising_resumes_and_inputs_are_one_line_errors(trained, tmp_path, da
         rc, err = _main([*base, *extra], capsys)
         assert rc == 2 and len(err.splitlines()) == 1 and msg in err, (extra, err)
     assert not (tmp_path / "fresh").exists()
+
+
+def test_sigterm_while_starting_ends_the_start_at_once(tmp_path, data_args, capsys, monkeypatch):
+    """A save signal before the steps begin (here while the data is built, as megatron-core's epoch loop over a
+    part that never fills a sample would spin) has nothing to save: the start ends at once, in one line."""
+    import os
+    import signal
+    import time
+
+    import train.trainer
+
+    def spin(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise AssertionError("SIGTERM did not end the start")
+
+    monkeypatch.setattr(train.trainer, "build_loaders", spin)
+    before = signal.getsignal(signal.SIGTERM)
+    rc, err = _main([*RUN, *data_args, f"run.dir={tmp_path / 'run'}", "train.max_steps=4"], capsys)
+    assert rc == 128 + signal.SIGTERM and err == ("SIGTERM received while starting: nothing was trained, no "
+                                                  "checkpoint was changed"), err
+    assert signal.getsignal(signal.SIGTERM) is before  # the trainer's handler is gone again
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_sft_file_without_a_usable_row_is_one_line(tmp_path, data_args):
