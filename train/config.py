@@ -328,7 +328,15 @@ def init_changes_line(cfg: RunConfig) -> Optional[str]:
     if got is None:
         return None
     changed = [f"{n} ({d})" for n, d in init_differences(cfg, got[0], got[1]) if _declared(n, cfg.init_changes)]
-    return f"init_from {ckpt}: changed on purpose (init_changes): {'; '.join(changed)}" if changed else None
+    if not changed:
+        return None
+    lr = cfg.model.longrope if cfg.model.rope_type == "longrope" else None
+    short = lr is not None and got[0].rope_type != "longrope" and (
+        any(f != 1.0 for f in lr.short_factor) or lr.resolved_attention_factor(cfg.model.max_position_embeddings) != 1)
+    note = (f"; the LongRoPE short_factor / attention_factor change the model below "
+            f"{lr.original_max_position_embeddings} tokens too (python -m train.longrope_init --short original keeps "
+            f"it there)") if short else ""
+    return f"init_from {ckpt}: changed on purpose (init_changes): {'; '.join(changed)}{note}"
 
 
 # Settings a resumed run may change (said in one line); any other change alters the training
