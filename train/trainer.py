@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint_files import configs_to_dict
+from runtime.checkpoint_files import carried_record, configs_to_dict
 from train import checkpointing as ckpt
 from train.config import RunConfig, init_changes_line
 from train.build import build_loaders, build_model
@@ -58,6 +58,9 @@ class Trainer:
         self.nonfinite_streak = 0  # consecutive steps whose update was not applied (non-finite)
         self.precision = mixed_precision(cfg, env.device)
         self.micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.dp_size)
+        # the tokenizer and token ids every checkpoint records for the stages (and exports) after it
+        self.carried = carried_record(cfg.sft.tokenizer if cfg.stage.kind == "sft" else cfg.data.tokenizer,
+                                      cfg.init_from)
 
     # ------------------------------------------------------------------ build
     def build(self) -> "Trainer":
@@ -341,7 +344,8 @@ class Trainer:
             str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler, self.train_batches.state_dict(),
             {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
-            model_config={**configs_to_dict(self.cfg.model, self.cfg.attention), "recipe": self.cfg.recipe},
+            model_config={**configs_to_dict(self.cfg.model, self.cfg.attention), "recipe": self.cfg.recipe,
+                          **self.carried},
             newest_verified=self.verified)
 
     # ------------------------------------------------------------------ loop
