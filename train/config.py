@@ -344,8 +344,9 @@ def init_changes_line(cfg: RunConfig) -> Optional[str]:
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.step_reads", "train.eval_iters", "train.nan_policy", "train.nan_skip_limit",
                "train.locality_interval", "train.gc_interval", "train.fusions", "optim.fused", "checkpoint.",
-               "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "init_changes", "print_config",
-               "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
+               "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "init_changes",
+               "print_config", "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir",
+               "recipe")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
