@@ -45,6 +45,34 @@ import time
 from pathlib import Path
 from typing import Optional
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (defined before the heavy imports: ``--help`` answers without torch)."""
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
+    ap.add_argument("--out", required=True,
+                    help="output directory: new, empty or an earlier export (replaced atomically)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
+    ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="default: fp32 (--format nosa), bf16 (--format reference, as the released checkpoints)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer directory to copy into the export (default: the checkpoint's own: recorded with "
+                         "it, its run's data.tokenizer, or an import's source)")
+    ap.add_argument("--max-shard-size", default="4GB")
+    ap.add_argument("--format", default="nosa", choices=["nosa", "reference"],  # reference_format.FORMATS
+                    help="nosa: this project's layout + modeling code; reference: the released NOSA checkpoints' "
+                         "layout (thunlp/NOSA remote code; reference geometry only)")
+    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
+                    help="when short_factor != long_factor: write long_factor := short_factor (short everywhere, "
+                         "what the reference code runs) or keep both (switch past the original length; "
+                         "the default for --format nosa)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors exit here, before torch is imported
+
 import torch
 
 from checkpoints_convert.common import (
@@ -257,25 +285,7 @@ def parse_size(s: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
-    ap.add_argument("--out", required=True,
-                    help="output directory: new, empty or an earlier export (replaced atomically)")
-    ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
-    ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
-    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                    help="default: fp32 (--format nosa), bf16 (--format reference, as the released checkpoints)")
-    ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer directory to copy into the export (default: the checkpoint's own: recorded with "
-                         "it, its run's data.tokenizer, or an import's source)")
-    ap.add_argument("--max-shard-size", default="4GB")
-    ap.add_argument("--format", default="nosa", choices=list(FORMATS),
-                    help="nosa: this project's layout + modeling code; reference: the released NOSA checkpoints' "
-                         "layout (thunlp/NOSA remote code; reference geometry only)")
-    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
-                    help="when short_factor != long_factor: write long_factor := short_factor (short everywhere, "
-                         "what the reference code runs) or keep both (switch past the original length; "
-                         "the default for --format nosa)")
+    ap = build_parser()
     args = ap.parse_args(argv)
     return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size),
                    print, args.overwrite, args.allow_non_finite, args.format, args.longrope)

@@ -243,8 +243,8 @@ def decode_check(model, tokens: torch.Tensor, steps: int, full: Optional[torch.T
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.verify", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--ckpt", default=None, help="megatron checkpoint / run dir the export came from")
+    ap.add_argument("--hf", "--export", dest="hf", required=True, help="the export to check (--export: the same)")
+    ap.add_argument("--ckpt", default=None, help="the model it came from: a run dir, checkpoints/ dir or iter_* dir")
     ap.add_argument("--prompts", default=None, help="text file, one prompt per line")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--random", type=int, default=None,

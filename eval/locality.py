@@ -310,11 +310,12 @@ def run(ckpt: str, data: str, out: str, length: int, docs: int = 4, split: Optio
 
 
 def main(argv=None) -> int:
+    from eval import CKPT_HELP
     from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.locality", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir, iter_* dir or Hugging Face model dir")
+    ap.add_argument("--ckpt", required=True, help=CKPT_HELP)
     ap.add_argument("--data", required=True, help="indexed dataset prefix or JSONL (text field)")
     ap.add_argument("--length", type=int, required=True, help="tokens per document")
     ap.add_argument("--docs", type=int, default=4)
