@@ -52,6 +52,50 @@ import time
 import traceback
 from pathlib import Path
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (defined before the heavy imports: ``--help`` answers without torch)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for inference.json / inference.md")
+    p.add_argument("--quick", action="store_true", help="tiny model and contexts (CPU check of the script)")
+    p.add_argument("--mem-limit-gib", type=float, default=12.0, help="device memory limit of the batch search")
+    p.add_argument("--host-mem-limit-gib", type=float, default=48.0, help="pinned host memory limit (offload)")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="device slots per (sequence, layer, KV head) of the offloaded cache (default: topk)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
+    p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
+    p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
+    p.add_argument("--long-context", type=int, default=None,
+                   help="context of the offload rows (default: 16384; 512 with --quick)")
+    p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
+                   help="NOSA decode attention over the selected blocks: the Triton kernel reading them in "
+                        "place, or gathered copies + PyTorch (auto: triton on CUDA)")
+    p.add_argument("--decode-streams", type=int, default=None,
+                   help="offloaded NOSA decode: the batch in this many parts on their own CUDA streams "
+                        "(fetch / compute overlap; default: the cache's, 4; GPU-resident rows keep one stream)")
+    p.add_argument("--profile", action="store_true",
+                   help="offload rows: also the device time per decode step by kernel (top 20)")
+    p.add_argument("--part-fetch-grid", type=int, default=None,
+                   help="with --decode-streams: programs per SM of a part's host fetch (cache default 2)")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="offload rows (CUDA): what the decode steps allocate at the largest batch, by line")
+    p.add_argument("--ckpt", "--model", dest="model", default=None,
+                   help="trained HF exports (comma-separated): NOSA and dense Llama (--model: the same)")
+    p.add_argument("--data", default=None, help="with --ckpt: held-out text for the prompts (indexed prefix or JSONL)")
+    p.add_argument("--tokenizer", default=None, help="with --data: tokenizer dir (default: the first export's)")
+    p.add_argument("--split", default=None, help="with --data: the training data.split (its validation part is used)")
+    p.add_argument("--budget-batch", type=int, default=None,
+                   help="with --model: device budget = the dense export's GPU-resident peak at this batch")
+    p.add_argument("--baseline", default="static", choices=("static", "none"),
+                   help="dense models: also decode with a static KV cache + torch.compile (compile on CUDA only)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
+    return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors exit here, before torch is imported
+
 import torch
 
 from bench import exports
@@ -390,40 +434,7 @@ def markdown(rows: list, meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="directory for inference.json / inference.md")
-    p.add_argument("--quick", action="store_true", help="tiny model and contexts (CPU check of the script)")
-    p.add_argument("--mem-limit-gib", type=float, default=12.0, help="device memory limit of the batch search")
-    p.add_argument("--host-mem-limit-gib", type=float, default=48.0, help="pinned host memory limit (offload)")
-    p.add_argument("--gpu-blocks", type=int, default=None,
-                   help="device slots per (sequence, layer, KV head) of the offloaded cache (default: topk)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
-    p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
-    p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
-    p.add_argument("--long-context", type=int, default=None,
-                   help="context of the offload rows (default: 16384; 512 with --quick)")
-    p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
-                   help="NOSA decode attention over the selected blocks: the Triton kernel reading them in "
-                        "place, or gathered copies + PyTorch (auto: triton on CUDA)")
-    p.add_argument("--decode-streams", type=int, default=None,
-                   help="offloaded NOSA decode: the batch in this many parts on their own CUDA streams "
-                        "(fetch / compute overlap; default: the cache's, 4; GPU-resident rows keep one stream)")
-    p.add_argument("--profile", action="store_true",
-                   help="offload rows: also the device time per decode step by kernel (top 20)")
-    p.add_argument("--part-fetch-grid", type=int, default=None,
-                   help="with --decode-streams: programs per SM of a part's host fetch (cache default 2)")
-    p.add_argument("--memory-profile", action="store_true",
-                   help="offload rows (CUDA): what the decode steps allocate at the largest batch, by line")
-    p.add_argument("--model", default=None, help="trained HF exports (comma-separated): NOSA and dense Llama")
-    p.add_argument("--data", default=None, help="with --model: held-out text for the prompts (indexed prefix or JSONL)")
-    p.add_argument("--tokenizer", default=None, help="with --data: tokenizer dir (default: the first export's)")
-    p.add_argument("--split", default=None, help="with --data: the training data.split (its validation part is used)")
-    p.add_argument("--budget-batch", type=int, default=None,
-                   help="with --model: device budget = the dense export's GPU-resident peak at this batch")
-    p.add_argument("--baseline", default="static", choices=("static", "none"),
-                   help="dense models: also decode with a static KV cache + torch.compile (compile on CUDA only)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
+    p = build_parser()
     args = p.parse_args(argv)
     bad = set(args.only.split(",")) - {"prefill", "decode", "offload"}
     if bad:

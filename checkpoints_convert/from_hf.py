@@ -42,6 +42,36 @@ import sys
 import time
 from pathlib import Path
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (defined before the heavy imports: ``--help`` answers without torch)."""
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.from_hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", "--hf", dest="hf", default=None,
+                    help="Hugging Face model directory (config.json + safetensors; --hf: the same)")
+    ap.add_argument("--gguf", default=None, help="a Llama GGUF file instead of --ckpt (needs the gguf package)")
+    ap.add_argument("--target-length", type=int, default=None, metavar="TOKENS",
+                    help="write the model group with LongRoPE factors extending the source's context to TOKENS")
+    ap.add_argument("--out", required=True, help="output checkpoint dir (gets iter_0000000/ and latest)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--mup", default="keep", choices=["keep", "unfold"])
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
+    ap.add_argument("--family", default=None, choices=["llama3", "minicpm4"])
+    ap.add_argument("--geometry", default=None, metavar="FIELD=INT,...",
+                    help="reference-format checkpoints: override fields of the reference geometry (block_size, "
+                         "kernel_size, kernel_stride, init_blocks, local_blocks, select_blocks, topk)")
+    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
+                    help="when short_factor != long_factor: short everywhere (the reference code) or switch to "
+                         "long_factor past original_max_position_embeddings (transformers)")
+    ap.add_argument("--allow-non-finite", action="store_true", help="import weights that hold NaN/inf")
+    ap.add_argument("--mup-constants", default=None, metavar="scale_emb=S,scale_depth=S,dim_model_base=N",
+                    help="with --mup unfold: the muP constants a checkpoint without a record was folded with "
+                         "(released NOSA-8B / MiniCPM4: scale_emb=12,scale_depth=1.4,dim_model_base=256)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors exit here, before torch is imported
+
 import torch
 
 from checkpoints_convert.common import DTYPES, check_out_apart, check_out_dir, geometry, load_safetensors_dir
@@ -268,7 +298,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def _read_source(hf: str | None, gguf: str | None, out: str, log):
     """``(path, config dict, state dict or None, tokenizer writer, name)`` of the import's source."""
     if (hf is None) == (gguf is None):
-        raise ConversionError("give the source as --hf <dir> or --gguf <file> (one of them)")
+        raise ConversionError("give the source as --ckpt <HF dir> or --gguf <file> (one of them)")
     if gguf is not None:
         from checkpoints_convert.gguf_source import load_gguf
 
@@ -366,26 +396,7 @@ def _group_note(model, train_model) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.from_hf", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf", default=None, help="Hugging Face model directory (config.json + safetensors)")
-    ap.add_argument("--gguf", default=None, help="a Llama GGUF file instead of --hf (needs the gguf package)")
-    ap.add_argument("--target-length", type=int, default=None, metavar="TOKENS",
-                    help="write the model group with LongRoPE factors extending the source's context to TOKENS")
-    ap.add_argument("--out", required=True, help="output checkpoint dir (gets iter_0000000/ and latest)")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--mup", default="keep", choices=["keep", "unfold"])
-    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
-    ap.add_argument("--family", default=None, choices=["llama3", "minicpm4"])
-    ap.add_argument("--geometry", default=None, metavar="FIELD=INT,...",
-                    help="reference-format checkpoints: override fields of the reference geometry (block_size, "
-                         "kernel_size, kernel_stride, init_blocks, local_blocks, select_blocks, topk)")
-    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
-                    help="when short_factor != long_factor: short everywhere (the reference code) or switch to "
-                         "long_factor past original_max_position_embeddings (transformers)")
-    ap.add_argument("--allow-non-finite", action="store_true", help="import weights that hold NaN/inf")
-    ap.add_argument("--mup-constants", default=None, metavar="scale_emb=S,scale_depth=S,dim_model_base=N",
-                    help="with --mup unfold: the muP constants a checkpoint without a record was folded with "
-                         "(released NOSA-8B / MiniCPM4: scale_emb=12,scale_depth=1.4,dim_model_base=256)")
+    ap = build_parser()
     args = ap.parse_args(argv)
     return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
                    args.family, print, args.geometry, args.longrope, args.mup_constants, args.allow_non_finite,

@@ -98,8 +98,10 @@ def load_megatron_model(ckpt: Path, model_cfg, attn_cfg, backend: str = "referen
     return model.to(device)
 
 
-def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: str = "reference") -> Tensor:
-    """Logits ``[B, T, vocab_size]`` (fp32) of the Megatron model (TP=PP=1) loaded from ``ckpt``."""
+def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: str = "reference",
+                    on_row=None) -> Tensor:
+    """Logits ``[B, T, vocab_size]`` (fp32) of the Megatron model (TP=PP=1) loaded from ``ckpt``;
+    ``on_row()`` is called after each row."""
     model = load_megatron_model(ckpt, model_cfg, attn_cfg, backend)
     device = next(model.parameters()).device
     outs = []
@@ -108,4 +110,6 @@ def megatron_logits(ckpt: Path, model_cfg, attn_cfg, tokens: Tensor, backend: st
             ids = row[None].to(device)
             pos = torch.arange(ids.shape[1], device=device)[None]
             outs.append(model(ids, pos, None).float()[..., :model_cfg.vocab_size].cpu())
+            if on_row is not None:
+                on_row()
     return torch.cat(outs, dim=0)

@@ -20,9 +20,11 @@ model is described by the ``nosa_config.json`` the trainer writes next to the te
   the reference's ``modeling_llama_nosa.py`` and ``cis_pooling.py``, or it loads as a dense Llama; the
   export says so in one line); refused when the geometry is not the reference's;
 * the tokenizer files of ``--tokenizer`` (a tokenizer dir or a model dir: its config, weights and code
-  are not copied); ``generation_config.json``. Token ids
-  (``bos/eos/pad_token_id``) are the tokenizer's, else those of the Hugging Face source a
-  ``from_hf`` import recorded.
+  are not copied), by default the checkpoint's own: the one it records (each stage carries it on),
+  else its run's ``data.tokenizer`` / ``sft.tokenizer``, else the Hugging Face dir a ``from_hf``
+  import came from; ``generation_config.json``. Token ids (``bos/eos/pad_token_id``, in both
+  ``config.json`` and ``generation_config.json``) are the tokenizer's, else those of the Hugging Face
+  source a ``from_hf`` import recorded (carried through every stage).
 
 Any mismatch (missing / extra tensors, shapes, unknown variant) raises one error listing the names;
 the output directory is written to a temp dir and renamed at the end, so it is never partial (a full
@@ -42,6 +44,34 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (defined before the heavy imports: ``--help`` answers without torch)."""
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
+    ap.add_argument("--out", required=True,
+                    help="output directory: new, empty or an earlier export (replaced atomically)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
+    ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="default: fp32 (--format nosa), bf16 (--format reference, as the released checkpoints)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer directory to copy into the export (default: the checkpoint's own: recorded with "
+                         "it, its run's data.tokenizer, or an import's source)")
+    ap.add_argument("--max-shard-size", default="4GB")
+    ap.add_argument("--format", default="nosa", choices=["nosa", "reference"],  # reference_format.FORMATS
+                    help="nosa: this project's layout + modeling code; reference: the released NOSA checkpoints' "
+                         "layout (thunlp/NOSA remote code; reference geometry only)")
+    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
+                    help="when short_factor != long_factor: write long_factor := short_factor (short everywhere, "
+                         "what the reference code runs) or keep both (switch past the original length; "
+                         "the default for --format nosa)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors exit here, before torch is imported
 
 import torch
 
@@ -205,6 +235,13 @@ def export(ckpt: str, out: str, dtype: Optional[str] = None, tokenizer: Optional
     tok_dir = Path(tokenizer) if tokenizer else None
     if tok_dir is not None and not tok_dir.is_dir():
         raise ConversionError(f"--tokenizer {tokenizer}: not a directory")
+    if tok_dir is None:
+        from runtime.checkpoint_files import checkpoint_tokenizer
+
+        tok_dir, where = checkpoint_tokenizer(ck, extra)
+        log(f"tokenizer: {tok_dir} ({where})" if tok_dir else
+            f"warning: no tokenizer for {ck} (none recorded with it, in its run's config.yaml or an import's source): "
+            f"the export has no tokenizer files; pass --tokenizer DIR")
     tokens = token_ids(extra, tokenizer_ids(tok_dir) if tok_dir is not None else {})
     if fmt == "reference":  # refuse before the (long) weight conversion
         to_reference_config(hf_config(model, attn, torch_dtype), longrope)
@@ -248,23 +285,7 @@ def parse_size(s: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.to_hf", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir or iter_* dir")
-    ap.add_argument("--out", required=True,
-                    help="output directory: new, empty or an earlier export (replaced atomically)")
-    ap.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier export")
-    ap.add_argument("--allow-non-finite", action="store_true", help="export weights that hold NaN/inf")
-    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                    help="default: fp32 (--format nosa), bf16 (--format reference, as the released checkpoints)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer directory to copy into the export")
-    ap.add_argument("--max-shard-size", default="4GB")
-    ap.add_argument("--format", default="nosa", choices=list(FORMATS),
-                    help="nosa: this project's layout + modeling code; reference: the released NOSA checkpoints' "
-                         "layout (thunlp/NOSA remote code; reference geometry only)")
-    ap.add_argument("--longrope", default=None, choices=["short", "switch"],
-                    help="when short_factor != long_factor: write long_factor := short_factor (short everywhere, "
-                         "what the reference code runs) or keep both (switch past the original length; "
-                         "the default for --format nosa)")
+    ap = build_parser()
     args = ap.parse_args(argv)
     return run_cli("to_hf", export, args.ckpt, args.out, args.dtype, args.tokenizer, parse_size(args.max_shard_size),
                    print, args.overwrite, args.allow_non_finite, args.format, args.longrope,

@@ -1,7 +1,7 @@
 """Check an export: tensor round trip and logits against the Megatron model.
 
     python -m checkpoints_convert.verify --hf <export dir> [--ckpt <megatron ckpt or run dir>]
-        [--prompts prompts.txt --tokenizer DIR] [--random 2 --seq-len N] [--tol 1e-4] [--decode-steps 8]
+        [--prompts prompts.txt --tokenizer DIR] [--random 1 --seq-len N | --long] [--tol 1e-4] [--decode-steps 8]
 
 1. Tensors: HF -> Megatron -> HF must be bitwise equal; with ``--ckpt`` also Megatron -> HF must equal
    the export (after the export's dtype cast) and HF -> Megatron must give back the checkpoint's tensors.
@@ -9,10 +9,12 @@
    ``AutoModelForCausalLM.from_pretrained(hf)`` in fp32 on the prompts
    (one per line of ``--prompts``, tokenised with ``--tokenizer`` or the export's tokenizer) or on
    random token rows; reports the relative L2 error, max |diff|, KL and top-1 agreement. The default
-   ``--seq-len`` is twice the selection budget of a sparse model (``2 x topk x block_size``, at most
-   ``max_position_embeddings``; 256 for dense ones), so half of the tokens checked attend sparsely;
-   the report gives that share (``sparse``).
+   is one row of ``topk x block_size + 8 x block_size`` tokens for a sparse model (at most twice the
+   budget and ``max_position_embeddings``; 4608 at the released geometry, a few minutes on CPU for a
+   135M model; 256 for dense ones), so its last positions attend sparsely; ``--long`` checks two rows of
+   twice the budget (half of the tokens sparse). The report gives the sparse share (``sparse``).
 3. Decode: the KV-cache path (one token at a time) vs the full forward on the last tokens.
+Each forward prints a progress line with the elapsed time and an ETA (stderr).
 The export's modeling code runs only when it is byte-identical to the code this project ships
 (or with ``--trust-remote-code``); ``--ckpt`` is verified against its manifest first.
 Exit status 1 when a check fails, 2 on bad input.
@@ -141,8 +143,34 @@ def make_tokens(args, vocab: int) -> torch.Tensor:
         n = min(len(r) for r in rows)
         return torch.stack([r[:n] for r in rows])
     gen = torch.Generator().manual_seed(args.seed)
-    seq_len = args.seq_len or default_seq_len(*geometry_of(Path(args.hf)))
-    return torch.randint(0, vocab, (args.random, seq_len), generator=gen)
+    model, attn = geometry_of(Path(args.hf))
+    seq_len = args.seq_len or default_seq_len(model, attn, long=args.long)
+    rows = args.random or (2 if args.long else 1)
+    return torch.randint(0, vocab, (rows, seq_len), generator=gen)
+
+
+class Progress:
+    """A stderr line after each unit of work (a forward of one row), with the elapsed time and an ETA from
+    the units done so far (every unit is taken to cost the same)."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        import time
+
+        self.total, self.done, self.clock = total, 0, time.perf_counter
+        self.start, self.stream = self.clock(), stream or sys.stderr
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        spent = self.clock() - self.start
+        left = spent / self.done * (self.total - self.done)
+        eta = f"; ETA {_duration(left)}" if self.done < self.total else ""
+        print(f"verify: [{self.done}/{self.total}] {what} ({_duration(spent)} so far{eta})", file=self.stream,
+              flush=True)
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def geometry_of(hf_dir: Path):
@@ -152,12 +180,15 @@ def geometry_of(hf_dir: Path):
     return configs_from_hf(read_json(Path(hf_dir) / "config.json"), longrope_choice="switch")
 
 
-def default_seq_len(model, attn) -> int:
-    """Twice the selection budget (``topk x block_size`` tokens) of a sparse model, capped at its
-    ``max_position_embeddings``; 256 for a dense model."""
+def default_seq_len(model, attn, long: bool = False) -> int:
+    """A sparse model: ``topk x block_size`` plus 8 blocks (at most twice that), so its last positions attend
+    sparsely; ``long``: twice the budget (half of the positions sparse). At most ``max_position_embeddings``;
+    256 for a dense model."""
     if all(v == "dense" for v in attn.layer_variants(model.num_layers)):
         return 256
-    return min(2 * attn.nosa.dense_len, model.max_position_embeddings)
+    budget = attn.nosa.dense_len
+    n = 2 * budget if long else min(2 * budget, budget + 8 * attn.nosa.block_size)
+    return min(n, model.max_position_embeddings)
 
 
 def sparse_share(model, attn, seq_len: int) -> dict:
@@ -187,31 +218,44 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> dict:
             "top1": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
 
 
-def decode_check(model, tokens: torch.Tensor, steps: int) -> dict:
-    """Teacher-forced decode of the last ``steps`` tokens with the KV cache vs the full forward."""
+def decode_check(model, tokens: torch.Tensor, steps: int, full: Optional[torch.Tensor] = None,
+                 on_row=None) -> dict:
+    """Teacher-forced decode of the last ``steps`` tokens with the KV cache vs the full forward (``full``:
+    its logits when already computed), one row at a time; ``on_row()`` after each row."""
+    p = tokens.shape[1] - steps
+    incs, refs = [], []
     with torch.no_grad():
-        full = model(tokens).logits
-        p = tokens.shape[1] - steps
-        out = model(tokens[:, :p], use_cache=True)
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        logits = [out.logits[:, -1:]]
-        for t in range(p, tokens.shape[1] - 1):
-            kw = {"cache": cache} if hasattr(out, "cache") else {"past_key_values": cache}
-            out = model(tokens[:, t:t + 1], use_cache=True, **kw)
-            logits.append(out.logits)
-        inc = torch.cat(logits, dim=1)
-    return compare_logits(inc, full[:, p - 1:-1])
+        for i, row in enumerate(tokens):
+            row = row[None]
+            ref = full[i:i + 1] if full is not None else model(row).logits
+            out = model(row[:, :p], use_cache=True)
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            logits = [out.logits[:, -1:]]
+            for t in range(p, tokens.shape[1] - 1):
+                kw = {"cache": cache} if hasattr(out, "cache") else {"past_key_values": cache}
+                out = model(row[:, t:t + 1], use_cache=True, **kw)
+                logits.append(out.logits)
+            incs.append(torch.cat(logits, dim=1))
+            refs.append(ref[:, p - 1:-1])
+            if on_row is not None:
+                on_row()
+    return compare_logits(torch.cat(incs), torch.cat(refs).to(incs[0].dtype))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkpoints_convert.verify", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--ckpt", default=None, help="megatron checkpoint / run dir the export came from")
+    ap.add_argument("--hf", "--export", dest="hf", required=True, help="the export to check (--export: the same)")
+    ap.add_argument("--ckpt", default=None, help="the model it came from: a run dir, checkpoints/ dir or iter_* dir")
     ap.add_argument("--prompts", default=None, help="text file, one prompt per line")
     ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--random", type=int, default=2, help="random rows when no prompts are given")
+    ap.add_argument("--random", type=int, default=None,
+                    help="random rows when no prompts are given (default 1; 2 with --long)")
     ap.add_argument("--seq-len", type=int, default=None,
-                    help="random row length (default: 2 x topk x block_size for a sparse model, 256 for a dense one)")
+                    help="random row length (default: topk x block_size + 8 blocks for a sparse model, so its last "
+                         "positions attend sparsely; 256 for a dense one)")
+    ap.add_argument("--long", action="store_true",
+                    help="the long check: rows of 2 x topk x block_size tokens (half of them sparse; 8192 at the "
+                         "released geometry, tens of minutes and ~10 GB on CPU for a 135M model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tol", type=float, default=1e-4, help="max relative L2 error of the logits")
     ap.add_argument("--decode-steps", type=int, default=8)
@@ -266,17 +310,30 @@ def run_checks(args) -> dict:
     report["tokens"] = list(tokens.shape)
     report["sparse"] = sparse_share(*geometry_of(hf_dir), int(tokens.shape[1]))
     print(sparse_line(report["sparse"], tokens), file=sys.stderr)
+    rows = int(tokens.shape[0])
+    decode = args.decode_steps > 0 and tokens.shape[1] > args.decode_steps + 1
+    progress = Progress(rows * ((ckpt is not None) * 2 + decode))
+    got = None
     if ckpt is not None:
         from checkpoints_convert.megatron_io import megatron_logits
 
         m_model, m_attn, _ = read_model_config(ckpt)
-        ref = megatron_logits(ckpt, m_model, m_attn, tokens)
+        count = iter(range(1, rows + 1))
+        ref = megatron_logits(ckpt, m_model, m_attn, tokens,
+                              on_row=lambda: progress.step(f"Megatron forward, row {next(count)} of {rows}"))
+        outs = []
         with torch.no_grad():
-            got = model(tokens).logits.float()
+            for i, row in enumerate(tokens):
+                outs.append(model(row[None]).logits.float())
+                progress.step(f"Hugging Face forward, row {i + 1} of {rows}")
+        got = torch.cat(outs)
         report["logits_vs_megatron"] = compare_logits(got, ref)
         ok &= report["logits_vs_megatron"]["rel"] <= args.tol
-    if args.decode_steps > 0 and tokens.shape[1] > args.decode_steps + 1:
-        report["decode_vs_forward"] = decode_check(model, tokens, args.decode_steps)
+    if decode:
+        count = iter(range(1, rows + 1))
+        report["decode_vs_forward"] = decode_check(
+            model, tokens, args.decode_steps, full=got,
+            on_row=lambda: progress.step(f"KV-cache decode, row {next(count)} of {rows}"))
         ok &= report["decode_vs_forward"]["rel"] <= args.tol
     report["ok"] = bool(ok)
     return report

@@ -12,3 +12,7 @@ Commands (each ``--help``s itself; see eval/README.md)::
 
 Layering: docs/ARCHITECTURE.md (``train`` runs as a subprocess, never imported).
 """
+
+# the help of every eval command's --ckpt (the model it reads)
+CKPT_HELP = ("the model: a run dir, its checkpoints/ dir, one iter_* dir, or a Hugging Face model dir (an export, "
+             "a stock Llama, a released NOSA checkpoint)")

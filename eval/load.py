@@ -9,9 +9,10 @@ the PyTorch reference on CPU. A Hugging Face directory is first imported into a 
 checkpoint by ``checkpoints_convert.from_hf`` (the same tensors, bitwise); a reference-format one
 runs LongRoPE as the reference code does (``short_factor`` at every length).
 
-The tokenizer is ``--tokenizer``, else the directory's own files, else the ``data.tokenizer`` (or
-``sft.tokenizer``) of the run's ``config.yaml``, else that of the Hugging Face dir a ``from_hf``
-import came from; only its tokenizer files are read (never the
+The tokenizer is ``--tokenizer``, else the directory's own files, else the one the checkpoint records
+(carried from stage to stage), else the ``data.tokenizer`` (or ``sft.tokenizer``) of the run's
+``config.yaml``, else that of the Hugging Face dir a ``from_hf`` import came from
+(``runtime.checkpoint_files.checkpoint_tokenizer``); only its tokenizer files are read (never the
 model's config or code). lm-evaluation-harness needs a Hugging Face directory that runs with this
 project's modeling code: :func:`lm_eval_dir` gives one for every form.
 """
@@ -29,7 +30,6 @@ from torch import Tensor
 
 from eval.errors import EvalError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -75,7 +75,9 @@ def resolve_source(ckpt: str, tokenizer: Optional[str] = None) -> ModelSource:
 
     path = resolve_checkpoint(p)  # ConversionError (a one-line ValueError) when there is none
     model, attn, extra = read_model_config(path)
-    tok = Path(tokenizer) if tokenizer else (_run_tokenizer(path) or _import_tokenizer(extra))
+    from runtime.checkpoint_files import checkpoint_tokenizer
+
+    tok = Path(tokenizer) if tokenizer else checkpoint_tokenizer(path, extra)[0]
     return ModelSource("megatron", path, model, attn, tok, extra.get("step"))
 
 
@@ -95,29 +97,6 @@ def _hf_source(p: Path, tokenizer: Optional[str]) -> ModelSource:
     tok = Path(tokenizer) if tokenizer else (p if (p / "tokenizer.json").is_file() else None)
     step = (cfg.get("nosa_export") or {}).get("step")
     return ModelSource("hf", p, model, attn, tok, step, fmt, longrope)
-
-
-def _run_tokenizer(ckpt: Path) -> Optional[Path]:
-    """The tokenizer named in the ``config.yaml`` of the run that wrote ``ckpt`` (None if absent)."""
-    for run_dir in (ckpt.parent.parent, ckpt.parent, ckpt):
-        cfg = run_dir / "config.yaml"
-        if not cfg.is_file():
-            continue
-        import yaml
-
-        raw = yaml.safe_load(cfg.read_text()) or {}
-        for section in ("data", "sft"):
-            name = (raw.get(section) or {}).get("tokenizer")
-            for cand in (Path(name), REPO_ROOT / name) if name else ():
-                if (cand / "tokenizer.json").is_file():
-                    return cand
-    return None
-
-
-def _import_tokenizer(extra: dict) -> Optional[Path]:
-    """The tokenizer of the Hugging Face dir a ``from_hf`` import came from (None if it has none)."""
-    source = extra.get("source")
-    return Path(source) if source and (Path(source) / "tokenizer.json").is_file() else None
 
 
 def load_tokenizer(src: ModelSource):

@@ -12,6 +12,8 @@ rate of the "previous selection stays resident" cache (``nosa_layers.measure_loc
 the offloading-decoder simulation of ``eval.offload_sim`` (cache of C blocks per head, eviction
 by the model's own query-agnostic score and by LRU): hit rate, host->device bytes per token and
 the decode throughput a PCIe bandwidth allows, against a dense model of the same shape.
+A length within the selection budget (nothing sparse) or whose blocks all fit the simulated cache
+(nothing evicted) is named as a warning in the summary, with the length that would measure it.
 
 Writes ``locality.json``, ``locality.md``, ``gamma_over_position.png`` and ``per_layer.png``.
 """
@@ -157,6 +159,7 @@ def analyze(model, docs: list, cfg: LocalityConfig, log=print) -> dict:
                        "gamma_curve": _bucket_curve(curve, bs)})
     summary = _summary(acc, headline, offload[headline]) if sparse else {
         "note": "dense: no selection", "policy": headline, **offload[headline]}
+    summary["warnings"] = measured_nothing(nosa, T, capacity, bool(sparse))
     return {
         "model": {"path": str(src.path), "kind": src.kind, "label": src.label, "step": src.step,
                   "layer_variants": variants, "num_layers": src.model.num_layers, "num_kv_heads": heads,
@@ -164,6 +167,20 @@ def analyze(model, docs: list, cfg: LocalityConfig, log=print) -> dict:
         "config": {**asdict(cfg), "from_step": from_step, "capacity": capacity, "docs": len(docs)},
         "dense": not sparse, "summary": summary, "offload": offload, "layers": layers,
     }
+
+
+def measured_nothing(nosa, length: int, capacity: int, sparse: bool) -> list[str]:
+    """Why a result measures nothing sparse or nothing evicted (each with the length that would), or []."""
+    budget, blocks = nosa.dense_len, nosa.num_blocks(length)
+    if sparse and length <= budget:
+        return [f"nothing sparse: {length} tokens are within the selection budget (topk {nosa.topk} x block_size "
+                f"{nosa.block_size} = {budget} tokens), so every step attends densely and gamma is 1 by construction; "
+                f"sparse from --length {budget + 1} (e.g. --length {2 * budget})"]
+    if blocks <= capacity:
+        return [f"nothing evicted: the whole document ({blocks} blocks) fits the simulated cache ({capacity} blocks "
+                f"per layer and KV head), so no block is fetched after the prefill; evictions from --length "
+                f"{capacity * nosa.block_size + 1} (or --capacity below {blocks})"]
+    return []
 
 
 def _bucket_curve(curve: np.ndarray, width: int) -> dict:
@@ -196,11 +213,12 @@ def summary_line(r: dict) -> str:
     cost = (f"{s['bytes_per_token'] / 1e6:.3f} MB/token host->device vs dense {s['dense_bytes_per_token'] / 1e6:.3f} "
             f"-> {'not bus-bound' if tput is None else f'{tput:,.0f} tok/s'} at {s['bandwidth_gb_s']:g} GB/s"
             f"{'' if ratio is None else f' ({ratio:.2f}x dense)'}")
+    warn = "".join(f"; warning: {w}" for w in s.get("warnings", []))
     if r["dense"]:
-        return f"dense: no selection; {cost}"
+        return f"dense: no selection; {cost}{warn}"
     return (f"{r['model']['label']}: gamma mean {s['gamma_mean']:.3f} p5 {s['gamma_p5']:.3f} min {s['gamma_min']:.3f}, "
             f"{s['fetched_per_step']:.2f} blocks fetched/step/head, sim hit rate {s['sim_hit_rate']:.3f} "
-            f"({s['policy']}); {cost}")
+            f"({s['policy']}); {cost}{warn}")
 
 
 def markdown(r: dict) -> str:
@@ -292,11 +310,12 @@ def run(ckpt: str, data: str, out: str, length: int, docs: int = 4, split: Optio
 
 
 def main(argv=None) -> int:
+    from eval import CKPT_HELP
     from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.locality", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", required=True, help="run dir, checkpoints/ dir, iter_* dir or Hugging Face model dir")
+    ap.add_argument("--ckpt", required=True, help=CKPT_HELP)
     ap.add_argument("--data", required=True, help="indexed dataset prefix or JSONL (text field)")
     ap.add_argument("--length", type=int, required=True, help="tokens per document")
     ap.add_argument("--docs", type=int, default=4)

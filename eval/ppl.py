@@ -76,10 +76,11 @@ def run(ckpt: str, data: str, out: str, length: int, docs: int = 8, split: Optio
 
 
 def main(argv=None) -> int:
+    from eval import CKPT_HELP
     from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.ppl", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", required=True, help=CKPT_HELP)
     ap.add_argument("--data", required=True, help="indexed dataset prefix or JSONL (text field)")
     ap.add_argument("--length", type=int, required=True)
     ap.add_argument("--docs", type=int, default=8)

@@ -243,10 +243,11 @@ def write_outputs(items: list[ItemResult], out: Path, src, harness: str, extra: 
 
 
 def main(argv=None) -> int:
+    from eval import CKPT_HELP
     from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.ruler", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", required=True, help=CKPT_HELP)
     ap.add_argument("--tasks", required=True, help="task set dir (python -m eval.tasks)")
     ap.add_argument("--lengths", default=None, help="comma-separated subset of the set's lengths")
     ap.add_argument("--harness", default="direct", choices=HARNESSES)

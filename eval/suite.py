@@ -76,10 +76,11 @@ def evaluate(ckpt: str, tasks_dir: str, data: str, out: str, cfg: SuiteConfig, t
 
 
 def main(argv=None) -> int:
+    from eval import CKPT_HELP
     from runtime.cli import run_cli
 
     ap = argparse.ArgumentParser(prog="python -m eval.suite", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", required=True, help=CKPT_HELP)
     ap.add_argument("--tasks", required=True, help="task set dir (python -m eval.tasks)")
     ap.add_argument("--data", required=True, help="held-out documents: indexed prefix or JSONL")
     ap.add_argument("--length", type=int, required=True)

@@ -26,6 +26,7 @@ from runtime.dataclass_io import from_dict
 from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
 LATEST = "latest"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_CONFIG = "nosa_config.json"
 
 
@@ -172,3 +173,69 @@ def read_configs(ckpt: str | os.PathLike) -> tuple[ModelConfig, AttentionConfig,
     model, attn = configs_from_dict(raw)
     return model, attn, {k: v for k, v in raw.items() if k not in ("model", "attention")}
 
+
+
+def _tokenizer_dir(path, base: Path | None = None) -> Path | None:
+    """``path`` (absolute, or relative to the working dir or ``base``) when it holds a ``tokenizer.json``."""
+    if not path:
+        return None
+    for cand in (Path(path), *((base / path,) if base is not None else ())):
+        if (cand / "tokenizer.json").is_file():
+            return cand.resolve()
+    return None
+
+
+def run_tokenizer(ckpt: str | os.PathLike) -> Path | None:
+    """The ``data.tokenizer`` (or ``sft.tokenizer``) named in the ``config.yaml`` of the run that wrote ``ckpt``."""
+    import yaml
+
+    ckpt = Path(ckpt)
+    for run_dir in (ckpt.parent.parent, ckpt.parent, ckpt):
+        cfg = run_dir / "config.yaml"
+        if not cfg.is_file():
+            continue
+        try:
+            raw = yaml.safe_load(cfg.read_text()) or {}
+        except (yaml.YAMLError, OSError):
+            return None
+        for section in ("sft", "data") if (raw.get("stage") or {}).get("kind") == "sft" else ("data", "sft"):
+            found = _tokenizer_dir((raw.get(section) or {}).get("tokenizer"), REPO_ROOT)
+            if found:
+                return found
+    return None
+
+
+def checkpoint_tokenizer(ckpt: str | os.PathLike, extra: dict) -> tuple[Path | None, str]:
+    """``(tokenizer dir, where it came from)`` of a checkpoint: the one it records (``tokenizer``, carried from
+    stage to stage), else its run's ``config.yaml``, else the Hugging Face dir a ``from_hf`` import came from;
+    ``(None, "")`` when there is none."""
+    found = _tokenizer_dir(extra.get("tokenizer"))
+    if found:
+        return found, "recorded with the checkpoint"
+    found = run_tokenizer(ckpt)
+    if found:
+        return found, "the run's config.yaml"
+    found = _tokenizer_dir(extra.get("source"))
+    return (found, "the Hugging Face dir it was imported from") if found else (None, "")
+
+
+def carried_record(tokenizer: str, init_from: str | None) -> dict:
+    """What a new checkpoint records for the stages after it: its tokenizer dir (``tokenizer``, absolute: this
+    run's, else the one ``init_from``'s checkpoint names) and the token ids of the Hugging Face model it
+    descends from (``token_ids``, carried from a ``from_hf`` import through every stage)."""
+    prev: dict = {}
+    if init_from:
+        try:
+            ckpt = find_checkpoint(init_from)
+            got = read_configs(ckpt) if ckpt is not None else None
+        except (ValueError, OSError):
+            got = None
+        if got is not None:
+            prev = {**got[2], "tokenizer": str(checkpoint_tokenizer(ckpt, got[2])[0] or "") or None}
+    out = {}
+    tok = _tokenizer_dir(tokenizer) or _tokenizer_dir(prev.get("tokenizer"))
+    if tok:
+        out["tokenizer"] = str(tok)
+    if prev.get("token_ids"):
+        out["token_ids"] = dict(prev["token_ids"])
+    return out

@@ -4,7 +4,9 @@ Importing megatron-core without its optional accelerators prints a warning per m
 Engine and Apex are not installed. Falling back to ...", "Apex is not installed. Falling back to
 Torch Norm"), and megatron-core, torch and torch.distributed.checkpoint add deprecation notices about
 their own internals (``GPTModel IS DEPRECATED``, "MCore's async save is deprecated", "full scope is
-deprecated", ShardedTensor, ``dcp.load``'s argument order, single-process loading). None of them
+deprecated", ShardedTensor, ``dcp.load``'s argument order, single-process loading, the collectives
+megatron-core calls by their old names, its experimental MIMO config, and torch's note on a non-leaf ``.grad``
+read by megatron-core's gradient buffers on CPU). None of them
 asks the user to do anything. :func:`quiet_third_party` drops them and prints, once and on rank 0
 only, one line naming the optional packages that are missing (on stdout with the program's other
 progress lines, so stderr keeps only errors)::
@@ -31,12 +33,18 @@ DEPRECATIONS = re.compile("|".join([
     r"Please use DTensor instead and we are deprecating ShardedTensor",
     r"The argument order of load has been changed",
     r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
+    # a CPU training run: megatron-core's own calls and modules, not the user's code
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    r"MimoModelConfig is experimental",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
 ]))
 # logging records (logger name -> message) of the same kind
 LOGGED = {
     "megatron.core.models.gpt.gpt_model": re.compile(r"GPTModel IS DEPRECATED"),
     "megatron.core.dist_checkpointing.strategies.torch": re.compile(r"MCore's async save is deprecated"),
     "torch.utils.cpp_extension": re.compile(r"No CUDA runtime is found"),
+    # the trainer builds DDP without megatron's precomputed layout: DDP computes the same layout itself
+    "megatron.core.distributed.distributed_data_parallel": re.compile(r"full_param_layout not provided"),
 }
 OPTIONAL = {"transformer_engine": "Transformer Engine", "apex": "Apex"}
 

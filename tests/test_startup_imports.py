@@ -177,3 +177,30 @@ def test_local_results_queue_refuses_a_put_from_another_process():
     q._pid = os.getpid() + 1  # as a forked writer process would see it
     with pytest.raises(RuntimeError, match="asynchronous dist-checkpoint saves"):
         q.put(2)
+
+
+HELP = """
+import runpy, sys
+heavy = ("torch", "transformers", "megatron")
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass
+    print("IMPORTED", module, *sorted(m for m in heavy if m in sys.modules))
+"""
+FAST_HELP = ("checkpoints_convert.from_hf", "checkpoints_convert.to_hf", "eval.ablate", "bench.inference", "eval.ppl",
+             "eval.ruler", "eval.suite", "eval.locality")
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """``--help`` of the converters, the evals and the inference benchmark answers before torch, transformers or
+    megatron-core is imported (they took 8-13 s to print it); the model argument is --ckpt everywhere."""
+    out = subprocess.run([sys.executable, "-c", HELP, *FAST_HELP], cwd=REPO, env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [ln for ln in out.stdout.splitlines() if ln.startswith("IMPORTED")] == [f"IMPORTED {m}" for m in FAST_HELP]
+    text = " ".join(out.stdout.split())
+    assert text.count("--ckpt CKPT") >= 5 and text.count("a run dir, its checkpoints/ dir, one iter_* dir") == 4
+    assert "--ckpt HF, --hf HF" in text and "--ckpt MODEL, --model MODEL" in text

@@ -4,7 +4,9 @@ Accepted, as in any Hydra app: ``key=value`` overrides (``recipe=<name>`` needs 
 ``--help`` / ``-h``, ``--cfg job`` (print the resolved config and exit; ``-c job``), ``--resolve``
 (accepted: the printed config is always resolved), and ``--multirun`` / ``-m`` (a sweep such as
 ``attention=nosa,infllm_v2,dense``: one run per combination, one after the other, each in its own
-run dir, see :func:`job_run_dir`). Hydra's runtime (output dirs, logging setup, cwd change) is not
+run dir, see :func:`job_run_dir`), and ``--config-dir DIR`` / ``-cd DIR`` (recipes outside the checkout:
+``DIR`` holds group folders as ``recipes/`` does, e.g. ``DIR/recipe/my_run.yaml``, searched besides
+``recipes/``; Hydra's ``hydra.searchpath``). Hydra's runtime (output dirs, logging setup, cwd change) is not
 used, so every torchrun rank parses the same command line into the same jobs.
 """
 
@@ -13,8 +15,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-USAGE = "usage: [torchrun ...] train/main.py [--help] [--cfg job] [-m] recipe=<name> [key=value ...]"
-FLAGS = "--help, --cfg job, --resolve, -m/--multirun"
+USAGE = ("usage: [torchrun ...] train/main.py [--help] [--cfg job] [-m] [--config-dir DIR] recipe=<name> "
+         "[key=value ...]")
+FLAGS = "--help, --cfg job, --resolve, -m/--multirun, --config-dir DIR"
 
 
 class CliError(ValueError):
@@ -27,6 +30,14 @@ class Cli:
     help: bool = False
     cfg: str | None = None  # "job": print the config and exit
     multirun: bool = False
+    config_dirs: list[str] = field(default_factory=list)  # --config-dir: more recipe folders (absolute)
+
+    @property
+    def compose_overrides(self) -> list[str]:
+        """The overrides with the recipe folders of ``--config-dir`` on Hydra's search path."""
+        if not self.config_dirs:
+            return list(self.overrides)
+        return [*self.overrides, f"hydra.searchpath=[{','.join('file://' + d for d in self.config_dirs)}]"]
 
 
 def parse_cli(argv: list[str]) -> Cli:
@@ -40,6 +51,12 @@ def parse_cli(argv: list[str]) -> Cli:
             out.multirun = True
         elif a == "--resolve":
             pass
+        elif a in ("-cd", "--config-dir") or a.startswith("--config-dir="):
+            d = a.split("=", 1)[1] if "=" in a else next(it, None)
+            if not d or not os.path.isdir(d):
+                raise CliError(f"--config-dir {d or ''}: not a directory; give a folder of recipe groups laid out "
+                               f"as recipes/ (e.g. DIR/recipe/<name>.yaml)".replace("--config-dir :", "--config-dir:"))
+            out.config_dirs.append(os.path.abspath(d))
         elif a in ("-c", "--cfg") or a.startswith("--cfg="):
             what = a.split("=", 1)[1] if "=" in a else next(it, None)
             if what != "job":
@@ -65,6 +82,8 @@ def help_text(groups: dict[str, list[str]]) -> str:
              "  --resolve         accepted; the printed config is always resolved",
              "  -m, --multirun    sweep: key=a,b[,...] (also range(), choice(), glob() over a group) runs every",
              "                    combination in turn, each in <run.dir or runs/<recipe>>/<swept key=value,...>",
+             "  --config-dir DIR  recipes outside the checkout: DIR holds group folders as recipes/ does",
+             "                    (DIR/recipe/<name>.yaml, DIR/model/<name>.yaml, ...), searched besides recipes/",
              "", "Config groups (select with <group>=<option>):"]
     for g, opts in groups.items():
         lines.append(f"  {g}: {', '.join(opts)}")

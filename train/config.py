@@ -198,6 +198,9 @@ class RunConfig:
     profile: ProfileSection = field(default_factory=ProfileSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     init_from: Optional[str] = None  # weights-only start (previous stage); dense -> NOSA allowed
+    # model.* / attention.* fields this stage changes on purpose from what init_from's checkpoint records
+    # (e.g. [model.rope_theta]); any other difference is refused
+    init_changes: list[str] = field(default_factory=list)
     print_config: bool = False
     dry_run: bool = False
 
@@ -231,14 +234,109 @@ def _architecture_diff(cfg: RunConfig, saved) -> list[str]:
             for f in ARCHITECTURE_FIELDS if getattr(saved, f) != getattr(cfg.model, f)]
 
 
-def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
-    """``init_from`` must hold the same architecture (shapes, tying, muP) as the model being built."""
-    from runtime.checkpoint_files import read_configs
+# Fields of the checkpoint's model config that init_from does not compare: a label, and the initialisation
+# of parameters the checkpoint does not hold (new eviction heads)
+INIT_UNCOMPARED = ("model.size", "model.init_std")
 
-    got = read_configs(ckpt)
-    diff = _architecture_diff(cfg, got[0]) if got else []
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def init_differences(cfg: RunConfig, saved, saved_attn) -> list[tuple[str, str]]:
+    """``(field, "checkpoint X, recipe Y")`` for every field init_from's checkpoint records that the recipe
+    changes, besides the shapes (:data:`ARCHITECTURE_FIELDS`). A dense checkpoint may become sparse (the
+    next stage's purpose); between sparse models the layer variants and the NOSA geometry are compared."""
+    out = []
+
+    def compare(name: str, a, b) -> None:
+        if a != b and name not in INIT_UNCOMPARED:
+            out.append((name, f"checkpoint {_short(a)}, recipe {_short(b)}"))
+
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(cfg.model)
+    for f in old:
+        if f not in ARCHITECTURE_FIELDS:
+            compare(f"model.{f}", old[f], new.get(f))
+    layers = cfg.model.num_layers
+    if saved_attn.has_sparse_layers(saved.num_layers):
+        compare("attention.layer_pattern" if cfg.attention.layer_pattern or saved_attn.layer_pattern
+                else "attention.variant", saved_attn.layer_variants(saved.num_layers),
+                cfg.attention.layer_variants(layers))
+        if cfg.attention.has_sparse_layers(layers):
+            old_n, new_n = dataclasses.asdict(saved_attn.nosa), dataclasses.asdict(cfg.attention.nosa)
+            for f in old_n:
+                compare(f"attention.nosa.{f}", old_n[f], new_n.get(f))
+            compare("attention.eviction_bias", saved_attn.eviction_bias, cfg.attention.eviction_bias)
+    return out
+
+
+def _declared(name: str, changes: list[str]) -> bool:
+    return any(name == c or name.startswith(c + ".") for c in changes)
+
+
+def _field_exists(path: str) -> bool:
+    """``model.x`` / ``attention.nosa.y``: a field of the model or attention config."""
+    node, parts = RunConfig(), path.split(".")
+    if parts[0] not in ("model", "attention"):
+        return False
+    for part in parts:
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def init_from_checkpoint(cfg: RunConfig):
+    """The checkpoint ``init_from`` names (None if there is none or it records no model config) and its
+    ``(model, attention, extra)`` configs."""
+    from runtime.checkpoint_files import find_checkpoint, read_configs
+
+    src = find_checkpoint(cfg.init_from)
+    return src, (read_configs(src) if src is not None else None)
+
+
+def _check_init_from(cfg: RunConfig) -> None:
+    """``init_from`` must hold the same architecture (shapes, tying, muP) as the model being built, and every
+    other field its checkpoint records must equal the recipe's unless ``init_changes`` names it."""
+    bad = [c for c in cfg.init_changes if not _field_exists(c)]
+    _need(not bad, f"init_changes has {bad}: name fields of the model or attention config, e.g. "
+                   f"[model.rope_theta, attention.nosa.topk]")
+    ckpt, got = init_from_checkpoint(cfg)
+    _need(ckpt is not None, f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "
+                            f"checkpoints/ dir, or an iter_* dir)")
+    if got is None:
+        return  # another tool's checkpoint (checkpoint.allow_unverified): nothing recorded to compare
+    diff = _architecture_diff(cfg, got[0])
     _need(not diff, f"init_from={str(ckpt)!r} has another architecture ({'; '.join(diff)}); "
                     f"use the same model.* settings as the stage that wrote it")
+    changed = [(n, d) for n, d in init_differences(cfg, got[0], got[1]) if not _declared(n, cfg.init_changes)]
+    names = [n for n, _ in changed]
+    _need(not changed, f"init_from={str(ckpt)!r}: the recipe changes what the checkpoint records: "
+                       f"{'; '.join(f'{n} ({d})' for n, d in changed)}; set them to the checkpoint's values, or "
+                       f"train with the change on purpose: init_changes=[{','.join(names)}]")
+
+
+def init_changes_line(cfg: RunConfig) -> Optional[str]:
+    """The one line naming what this stage changes from ``init_from``'s checkpoint (``init_changes``), or None."""
+    if not cfg.init_from:
+        return None
+    try:
+        ckpt, got = init_from_checkpoint(cfg)
+    except (ValueError, OSError):
+        return None
+    if got is None:
+        return None
+    changed = [f"{n} ({d})" for n, d in init_differences(cfg, got[0], got[1]) if _declared(n, cfg.init_changes)]
+    if not changed:
+        return None
+    lr = cfg.model.longrope if cfg.model.rope_type == "longrope" else None
+    short = lr is not None and got[0].rope_type != "longrope" and (
+        any(f != 1.0 for f in lr.short_factor) or lr.resolved_attention_factor(cfg.model.max_position_embeddings) != 1)
+    note = (f"; the LongRoPE short_factor / attention_factor change the model below "
+            f"{lr.original_max_position_embeddings} tokens too (python -m train.longrope_init --short original keeps "
+            f"it there)") if short else ""
+    return f"init_from {ckpt}: changed on purpose (init_changes): {'; '.join(changed)}{note}"
 
 
 # Settings a resumed run may change (said in one line); any other change alters the training
@@ -246,8 +344,9 @@ def _check_same_architecture(cfg: RunConfig, ckpt) -> None:
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.step_reads", "train.eval_iters", "train.nan_policy", "train.nan_skip_limit",
                "train.locality_interval", "train.gc_interval", "train.fusions", "optim.fused", "checkpoint.",
-               "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "print_config",
-               "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir", "recipe")
+               "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "init_changes",
+               "print_config", "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir",
+               "recipe")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -335,8 +434,11 @@ def _validate_cluster(cfg: RunConfig, world_size: int) -> None:
           f"(torchrun --nnodes * --nproc_per_node) or drop parallel.world_size")
 
 
-def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> RunConfig:
-    """Every cross-field rule of a run, for ``world_size`` processes. Returns ``cfg``."""
+def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True,
+             check_init: Optional[bool] = None) -> RunConfig:
+    """Every cross-field rule of a run, for ``world_size`` processes. Returns ``cfg``. ``check_files``: read
+    the data, the run dir and ``init_from``; ``check_init`` (default: ``check_files``): compare ``init_from``'s
+    checkpoint with the recipe (the dry run does, without the other files)."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     _choice(cfg.run.device, DEVICES, "run.device")
     _choice(cfg.stage.kind, STAGES, "stage.kind")
@@ -395,13 +497,8 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True) -> R
           "run.device=cuda but CUDA is not available here; use run.device=cpu or auto")
     if check_files and cfg.checkpoint.resume == "auto":
         _check_resume(cfg)
-    if cfg.init_from and check_files:
-        from runtime.checkpoint_files import find_checkpoint
-
-        src = find_checkpoint(cfg.init_from)
-        _need(src is not None, f"init_from={cfg.init_from!r} holds no complete checkpoint (give a run dir, its "
-                               f"checkpoints/ dir, or an iter_* dir)")
-        _check_same_architecture(cfg, src)
+    if cfg.init_from and (check_files if check_init is None else check_init):
+        _check_init_from(cfg)
     validate_model(cfg.model, cfg.attention, p.model_parallel(), seq_length=t.seq_length)
     data = cfg.sft if cfg.stage.kind == "sft" else cfg.data
     _need(data.seq_length == t.seq_length,

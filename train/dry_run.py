@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from train.config import RunConfig, validate
+from train.config import RunConfig, init_changes_line, validate
 from train.memory_model import (GIB, bytes_per_parameter, estimate_memory, layer_bytes, parameter_counts,
                                 variant_counts)
 
@@ -75,6 +75,17 @@ def refusal(cfg: RunConfig, world_size: int) -> str | None:
             f"spread over all of them; no GPU holds {LARGEST_GPU_GIB} GiB); use more GPUs or a smaller model")
 
 
+def dense_length_note(cfg: RunConfig) -> str | None:
+    """The line saying that NOSA trains densely at ``train.seq_length`` (every causal block fits the selection
+    budget ``topk x block_size``), or None when the model has no sparse layer or the length is past the budget."""
+    n = cfg.attention.nosa
+    if not cfg.attention.has_sparse_layers(cfg.model.num_layers) or cfg.train.seq_length > n.dense_len:
+        return None
+    return (f"note: train.seq_length={cfg.train.seq_length} is within the selection budget (attention.nosa.topk "
+            f"{n.topk} x block_size {n.block_size} = {n.dense_len} tokens): every query attends to all its keys, so "
+            f"the sparse layers train densely here (sparse from train.seq_length > {n.dense_len})")
+
+
 def dry_run(cfg: RunConfig) -> int:
     """Print the layout, parameter counts, per-GPU memory and the verdict; 0 if it fits, 1 if not."""
     world_size = _world_size(cfg)
@@ -83,7 +94,7 @@ def dry_run(cfg: RunConfig) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(refused)
         return 1
-    validate(cfg, world_size=world_size, check_files=False)
+    validate(cfg, world_size=world_size, check_files=False, check_init=True)  # init_from: as the run checks it
     counts = parameter_counts(cfg)
     stages = estimate_memory(cfg, counts, world_size)
     worst = max(stages, key=lambda s: s.total)
@@ -101,6 +112,9 @@ def dry_run(cfg: RunConfig) -> int:
     kept = ", ".join(f"{v} {sum(layer_bytes(cfg, v).values()) / 1024:,.1f} KiB"
                      for v in variant_counts(cfg, 0, cfg.model.num_layers))
     print(f"  kept for the backward per layer and token: {kept}")
+    for line in (init_changes_line(cfg), dense_length_note(cfg)):
+        if line:
+            print(f"  {line}")
     for s in stages:
         parts = " + ".join(f"{k} {_gib(v)}" for k, v in s.parts.items() if v)
         print(f"  per GPU, {s.name} stage: {parts} = ~{_gib(s.total)} GiB")

@@ -107,7 +107,7 @@ def run_multirun(cli, jobs: list, rank0: bool) -> int:
                       f"job(s) after it were not run", file=sys.stderr, flush=True)
             break
     if rank0:
-        swept = expand_sweep(cli.overrides)[1]
+        swept = expand_sweep(cli.compose_overrides)[1]
         print(summary([(override_dirname(job, swept), cfg.run_dir, st) for (job, cfg), st in zip(jobs, status)]),
               flush=True)
     return rc
@@ -120,8 +120,8 @@ def plan_jobs(cli) -> list[tuple[list[str], object]]:
     from train.compose import expand_sweep, load_config
 
     if not cli.multirun:
-        return [(cli.overrides, load_config(cli.overrides))]
-    combos, swept = expand_sweep(cli.overrides)
+        return [(cli.overrides, load_config(cli.compose_overrides))]
+    combos, swept = expand_sweep(cli.compose_overrides)
     jobs = []
     for job in combos:
         cfg = load_config(job)

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint_files import configs_to_dict
+from runtime.checkpoint_files import carried_record, configs_to_dict
 from train import checkpointing as ckpt
-from train.config import RunConfig
+from train.config import RunConfig, init_changes_line
 from train.build import build_loaders, build_model
 from train.context_parallel import locality_positions
+from train.dry_run import dense_length_note
 from train.device_step import queue_step, read_queued, supports_device_step
 from train.distributed import DistEnv
 from train.finite import grads_nonfinite_flag, weights_nonfinite
@@ -57,6 +58,9 @@ class Trainer:
         self.nonfinite_streak = 0  # consecutive steps whose update was not applied (non-finite)
         self.precision = mixed_precision(cfg, env.device)
         self.micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.dp_size)
+        # the tokenizer and token ids every checkpoint records for the stages (and exports) after it
+        self.carried = carried_record(cfg.sft.tokenizer if cfg.stage.kind == "sft" else cfg.data.tokenizer,
+                                      cfg.init_from)
 
     # ------------------------------------------------------------------ build
     def build(self) -> "Trainer":
@@ -102,6 +106,9 @@ class Trainer:
             if self.precision in ("bf16", "fp16"):
                 self.optimizer.reload_model_params()
             log0(env, f"initialised weights from {src}")
+            changed = init_changes_line(cfg)
+            if changed:
+                log0(env, changed)
         self.restored = True
         if adam_is_fused(self.optimizer):  # read back after any load: what the steps will run
             log0(env, "optimizer: torch's fused AdamW kernel")
@@ -339,7 +346,8 @@ class Trainer:
             str(self.run_dir), self.step, self.model, self.optimizer, self.scheduler, self.train_batches.state_dict(),
             {"recipe": self.cfg.recipe, "nonfinite_streak": self.nonfinite_streak},
             keep_last=self.cfg.checkpoint.keep_last, log=partial(log0, self.env),
-            model_config={**configs_to_dict(self.cfg.model, self.cfg.attention), "recipe": self.cfg.recipe},
+            model_config={**configs_to_dict(self.cfg.model, self.cfg.attention), "recipe": self.cfg.recipe,
+                          **self.carried},
             newest_verified=self.verified)
 
     # ------------------------------------------------------------------ loop
@@ -378,6 +386,9 @@ class Trainer:
                       f"(raise train.max_steps to continue)")
         log0(env, f"training {cfg.recipe}: steps {self.step} -> {t.max_steps}, {self.micro_batches} "
                   f"micro-batches/step, {tokens_per_step} tokens/step, run dir {self.run_dir}")
+        dense = dense_length_note(cfg)
+        if dense:
+            log0(env, dense)
         profiler = StepProfiler(cfg.profile.start_step, cfg.profile.num_steps, str(self.run_dir), env.owns_loss,
                                 with_stack=cfg.profile.with_stack)
         collector = GarbageCollection(t.gc_interval)

@@ -144,7 +144,7 @@ def validate(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Paral
     if model.rope_type == "longrope":
         _need(model.longrope is not None, "model.rope_type='longrope' needs model.longrope "
               "(short_factor, long_factor, original_max_position_embeddings)")
-        model.longrope.validate(model.kv_channels, model.max_position_embeddings)
+        model.longrope.validate(model.kv_channels, model.max_position_embeddings, model.rope_theta)
     if model.use_mup:
         _need(model.dim_model_base is not None and model.dim_model_base > 0,
               "model.use_mup=True needs model.dim_model_base (MiniCPM4: 256)")

@@ -32,17 +32,21 @@ class LongRoPEConfig:
     attention_factor: float | None = None  # None: derived from the max/original ratio (HF default)
     factor: float | None = None  # None: max_position_embeddings / original_max_position_embeddings
 
-    def validate(self, rotary_dim: int, max_position_embeddings: int) -> "LongRoPEConfig":
+    def validate(self, rotary_dim: int, max_position_embeddings: int, theta: float | None = None) -> "LongRoPEConfig":
         """Raise ``ValueError`` (one line, naming the fix) on inconsistent fields."""
         half = rotary_dim // 2
+        orig = self.original_max_position_embeddings
+        make = (f"python -m train.longrope_init --head-dim {rotary_dim} --theta {'<model.rope_theta>' if theta is None
+                else f'{theta:g}'} --orig {orig if orig > 0 else '<pretraining length>'} --target "
+                f"{max_position_embeddings} writes the block")
         for name in ("short_factor", "long_factor"):
             n = len(getattr(self, name))
             if n != half:
-                raise ValueError(f"LongRoPEConfig.{name} has {n} entries; it needs head_dim/2 = {half} "
-                                 f"(one per rotary frequency), copy it from the checkpoint's rope_scaling")
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError("LongRoPEConfig.original_max_position_embeddings must be positive; "
-                             "copy it from the checkpoint's rope_scaling")
+                raise ValueError(f"model.longrope.{name} has {n} entries; it needs head_dim/2 = {half} "
+                                 f"(one per rotary frequency): {make}")
+        if orig <= 0:
+            raise ValueError(f"model.longrope.original_max_position_embeddings must be positive (the pretraining "
+                             f"length): {make}")
         if max_position_embeddings <= 0:
             raise ValueError("max_position_embeddings must be positive")
         return self

@@ -118,7 +118,7 @@ def test_bad_gguf_inputs_are_one_line(tmp_path):
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
     for args, want in ((["--gguf", str(not_gguf)], "not a GGUF file"),
                        (["--gguf", str(tmp_path / "missing.gguf")], "no such file"),
-                       ([], "give the source as --hf <dir> or --gguf <file>")):
+                       ([], "give the source as --ckpt <HF dir> or --gguf <file>")):
         r = subprocess.run([sys.executable, "-m", "checkpoints_convert.from_hf", *args, "--out", str(tmp_path / "o")],
                            capture_output=True, text=True)
         assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, r.stderr

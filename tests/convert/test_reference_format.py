@@ -310,3 +310,24 @@ def test_reference_geometry_is_the_framework_default():
     """The geometry the shipped config file gives reference checkpoints is NOSAConfig's released default."""
     assert NOSAConfig(**REFERENCE_GEOMETRY, eviction_head="ed_dma") == NOSAConfig()
     assert Path(__file__).with_name("_reference_ckpt.py").is_file()
+
+
+def test_verify_default_length_and_progress(capsys):
+    """verify's default is one row of the budget + 8 blocks (4608 tokens at the released geometry, so its last
+    512 positions attend sparsely), ``--long`` twice the budget; each forward prints a line with an ETA."""
+    from checkpoints_convert.verify import Progress, default_seq_len
+    from nosa_layers.megatron.config import AttentionConfig, ModelConfig
+
+    model, nosa = ModelConfig(max_position_embeddings=32768), AttentionConfig(variant="nosa")
+    assert default_seq_len(model, nosa) == 4608 and default_seq_len(model, nosa, long=True) == 8192
+    assert default_seq_len(ModelConfig(max_position_embeddings=4200), nosa) == 4200
+    assert default_seq_len(model, AttentionConfig(variant="nosa", nosa=NOSAConfig(**TINY))) == 192  # 2 x budget
+    assert default_seq_len(model, AttentionConfig()) == 256  # dense
+    progress = Progress(3)
+    progress.clock = iter([10.0, 40.0, 70.0, 130.0]).__next__
+    progress.start = progress.clock()
+    for what in ("a", "b", "c"):
+        progress.step(what)
+    assert capsys.readouterr().err.splitlines() == [
+        "verify: [1/3] a (30s so far; ETA 1m00s)", "verify: [2/3] b (1m00s so far; ETA 30s)",
+        "verify: [3/3] c (2m00s so far)"]

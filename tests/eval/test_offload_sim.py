@@ -109,3 +109,23 @@ def test_previous_policy_equals_measure_locality():
     # a cache as large as the budget + window never does worse than keeping only the last selection
     lru = sim.simulate_cache(sel, cfg.block_size, cfg.topk + cfg.local_blocks, "lru")
     assert lru.fetched.sum() <= tr.fetched.sum()
+
+
+def test_locality_says_when_it_measured_nothing():
+    """At the released geometry (budget 64 x 64 tokens, cache 64 + 16 blocks) 1024 tokens select nothing and
+    5120 tokens evict nothing: the result and its line say so with the length that would; 8192 measures both."""
+    from eval.locality import measured_nothing, summary_line
+    from nosa_layers.config import NOSAConfig
+
+    n = NOSAConfig()
+    (short,) = measured_nothing(n, 1024, 80, sparse=True)
+    assert short.startswith("nothing sparse: 1024 tokens") and "--length 4097" in short
+    (fits,) = measured_nothing(n, 5120, 80, sparse=True)
+    assert fits.startswith("nothing evicted: the whole document (80 blocks)") and "--length 5121" in fits
+    assert measured_nothing(n, 5121, 80, sparse=True) == []  # 81 blocks: one eviction per step
+    assert measured_nothing(n, 8192, 80, sparse=True) == []
+    assert measured_nothing(n, 1024, 80, sparse=False)[0].startswith("nothing evicted")  # a dense model
+    offload = {"bytes_per_token": 0.0, "dense_bytes_per_token": 0.0, "decode_tokens_per_s": None,
+               "throughput_ratio_vs_dense": 1.0, "bandwidth_gb_s": 55.0}
+    r = {"dense": True, "summary": {**offload, "warnings": [fits]}}
+    assert summary_line(r).endswith(f"(1.00x dense); warning: {fits}")

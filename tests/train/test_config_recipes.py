@@ -121,3 +121,78 @@ def test_dry_run_8b_counts_parameters_on_the_meta_device():
     assert "layout valid for 8 GPUs (TP=4 PP=2 CP=1 DP=1)" in p.stdout and "fits in 80 GiB" in p.stdout
     gib = float(re.search(r"= ~([0-9.]+) GiB", p.stdout).group(1))
     assert 10 < gib < 80  # fits an 80 GB GPU at TP=4 x PP=2 with selective recompute
+
+
+def test_init_from_compares_every_field_the_checkpoint_records(tmp_path):
+    """A recipe that differs from init_from's checkpoint in any recorded field (not only the shapes) is one
+    line naming the field and the override that accepts it; the CPT stage declares its own changes; the dry
+    run checks the same."""
+    import json
+
+    from runtime.checkpoint_files import configs_to_dict
+    from tests.train.conftest import train_here
+    from train.config import init_changes_line
+    from train.dry_run import dense_length_note
+
+    pre = load_config(["recipe=tiny_pretrain"])
+    ckpt = tmp_path / "iter_0000001"
+    ckpt.mkdir()
+    (ckpt / "nosa_config.json").write_text(json.dumps(configs_to_dict(pre.model, pre.attention)))
+
+    def check(*overrides):
+        cfg = load_config([*overrides, f"init_from={ckpt}"])
+        return validate(cfg, world_size=1, check_files=False, check_init=True)
+
+    with pytest.raises(ValueError) as e:
+        check("recipe=tiny_pretrain", "model.rope_theta=500000", "model.norm_eps=1e-6")
+    msg = str(e.value)
+    assert "\n" not in msg and "model.rope_theta (checkpoint 10000.0, recipe 500000.0)" in msg
+    assert "model.norm_eps (checkpoint 1e-05, recipe 1e-06)" in msg
+    assert msg.endswith("init_changes=[model.rope_theta,model.norm_eps]")
+    cfg = check("recipe=tiny_pretrain", "model.rope_theta=500000", "init_changes=[model.rope_theta]")
+    assert "model.rope_theta (checkpoint 10000.0, recipe 500000.0)" in init_changes_line(cfg)
+    cfg = check("recipe=tiny_cpt")  # dense -> NOSA with LongRoPE: the stage's own, declared changes
+    line = init_changes_line(cfg)
+    assert "model.rope_type (checkpoint 'default', recipe 'longrope')" in line and "attention." not in line
+    assert line.endswith("change the model below 256 tokens too (python -m train.longrope_init --short original "
+                         "keeps it there)")
+    with pytest.raises(ValueError, match=r"model\.max_position_embeddings .*init_changes=\[model.max_position"):
+        check("recipe=tiny_cpt", "init_changes=[]")
+    with pytest.raises(ValueError, match=r"init_changes has \['model.rope_thta'\]"):
+        check("recipe=tiny_pretrain", "init_changes=[model.rope_thta]")
+    p = train_here(["recipe=tiny_pretrain", "dry_run=true", f"init_from={ckpt}", "model.rope_theta=500000"],
+                   check=False)
+    assert p.returncode == 2 and "model.rope_theta" in p.stderr and "fits" not in p.stdout
+    # within the selection budget (tiny geometry: 6 blocks of 16 tokens) NOSA trains densely, and says so
+    assert "train densely" in dense_length_note(load_config(["recipe=tiny_cpt", "train.seq_length=96"]))
+    assert dense_length_note(load_config(["recipe=tiny_cpt"])) is None
+
+
+def test_longrope_init_writes_the_whole_block_and_says_what_changes_at_short_context(capsys):
+    """train.longrope_init: max_position_embeddings in the block, a note that the factors change the model at
+    short context (or, with --short original, the source model's RoPE up to --orig); a wrong factor count
+    names the tool."""
+    import torch
+    import yaml
+
+    from nosa_layers.rope.longrope import LongRoPEConfig, longrope_cos_sin
+    from train.longrope_init import main
+
+    main(["--head-dim", "16", "--theta", "10000", "--orig", "256", "--target", "512"])
+    text = capsys.readouterr().out
+    assert text.startswith("# these factors change the model at short context too: 7 of 8")
+    model = yaml.safe_load(text)["model"]
+    tiny = load_config(["recipe=tiny_cpt"]).model  # its block is this command's output
+    assert model["max_position_embeddings"] == tiny.max_position_embeddings == 512
+    assert LongRoPEConfig(**model["longrope"]) == tiny.longrope
+    main(["--head-dim", "16", "--theta", "10000", "--orig", "256", "--target", "512", "--short", "original"])
+    lr = LongRoPEConfig(**yaml.safe_load(capsys.readouterr().out)["model"]["longrope"])
+    pos = torch.arange(256)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    cos, _ = longrope_cos_sin(lr, pos, 16, 10000.0, 512)
+    assert torch.allclose(cos, torch.cat([pos[:, None] * inv] * 2, -1).cos())  # the source model's RoPE
+    bad = load_config(["recipe=tiny_cpt", "model.longrope.short_factor=[1.0,2.0]"])
+    with pytest.raises(ValueError, match=r"model\.longrope\.short_factor has 2 entries; it needs head_dim/2 = 8 .*"
+                                         r"python -m train\.longrope_init --head-dim 16 --theta 10000 --orig 256 "
+                                         r"--target 512"):
+        validate(bad, world_size=1, check_files=False)

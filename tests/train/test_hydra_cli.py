@@ -163,3 +163,21 @@ def test_multirun_dry_run_says_which_job_each_block_is(tmp_path):
     for head, value in zip(heads, ("nosa_tiny", "dense")):
         assert f"attention={value} " in lines[head] and lines[head].endswith(f"run.dir={tmp_path}/attention={value}")
     assert not list(tmp_path.iterdir())
+
+
+def test_recipes_outside_the_checkout_with_config_dir(tmp_path):
+    """--config-dir DIR: recipe groups laid out as recipes/ are found besides recipes/ (one run and a sweep)."""
+    from train.cli import CliError, parse_cli
+    from train.compose import expand_sweep, load_config
+
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "my_run.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny\n  - override /attention: nosa_tiny\n"
+        "train:\n  max_steps: 3\n")
+    cli = parse_cli(["--config-dir", str(tmp_path), "recipe=my_run", "train.log_interval=2"])
+    cfg = load_config(cli.compose_overrides)
+    assert (cfg.recipe, cfg.train.max_steps, cfg.train.log_interval, cfg.attention.variant) == ("my_run", 3, 2, "nosa")
+    jobs, swept = expand_sweep(parse_cli(["-cd", str(tmp_path), "recipe=my_run,tiny_pretrain"]).compose_overrides)
+    assert swept == ["recipe"] and [load_config(j).train.max_steps for j in jobs][0] == 3
+    with pytest.raises(CliError, match="--config-dir .*missing: not a directory"):
+        parse_cli(["--config-dir", str(tmp_path / "missing"), "recipe=my_run"])

@@ -228,3 +228,35 @@ def test_fused_adam_resumes_bit_for_bit_and_takes_over_a_multi_tensor_checkpoint
     assert "resumed from" in p.stdout and "at step 2" in p.stdout
     assert "optimizer: torch's fused AdamW kernel" in p.stdout  # the groups after loading the unfused ones
     assert _close(losses(mixed), losses(full_dir), rel=1e-4), (losses(mixed), losses(full_dir))
+
+
+def test_checkpoints_carry_the_tokenizer_and_token_ids_into_the_export(stopped_and_resumed, tmp_path):
+    """A run's checkpoint records its tokenizer, and a stage started from it carries that and the token ids
+    of the Hugging Face model it descends from; to_hf exports both without --tokenizer."""
+    from transformers import AutoTokenizer
+
+    from checkpoints_convert.to_hf import export
+    from data.tokenizer import Tokenizer
+    from runtime.checkpoint_files import carried_record
+
+    run = stopped_and_resumed[0]
+    record = json.loads((run / "checkpoints" / "iter_0000004" / "nosa_config.json").read_text())
+    tok = Tokenizer(record["tokenizer"])  # absolute: the run's data.tokenizer
+    # a from_hf import records its source's token ids; the next stage (no tokenizer of its own) carries them on
+    imported = tmp_path / "import" / "iter_0000000"
+    imported.mkdir(parents=True)
+    ids = {"bos_token_id": 7, "eos_token_id": 8, "pad_token_id": 9}
+    (imported / "nosa_config.json").write_text(json.dumps({**record, "tokenizer": None, "source": record["tokenizer"],
+                                                           "token_ids": ids}))
+    assert carried_record("", str(imported)) == {"tokenizer": record["tokenizer"], "token_ids": ids}
+    assert carried_record("", str(run)) == {"tokenizer": record["tokenizer"]}
+
+    lines = []
+    out = export(str(run), str(tmp_path / "hf"), log=lines.append)
+    assert lines[0] == f"tokenizer: {record['tokenizer']} (recorded with the checkpoint)"
+    assert (out / "tokenizer.json").is_file()
+    cfg, gen = (json.loads((out / f).read_text()) for f in ("config.json", "generation_config.json"))
+    eos = [tok.hf.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")]  # <|im_end|> joins eos (chat)
+    assert cfg["eos_token_id"] == gen["eos_token_id"] == eos and cfg["pad_token_id"] == tok.hf.pad_token_id
+    loaded = AutoTokenizer.from_pretrained(str(out))  # a dense export: stock Llama, nothing to ask
+    assert loaded.encode("def add(a, b):") == tok.hf.encode("def add(a, b):")
