@@ -310,7 +310,7 @@ class Ablation:
     # ------------------------------------------------------------------ variants
     def run_variant(self, job: Job, device: Optional[str], data: DataPaths) -> None:
         v, stage = job.variant, self.preset.cpt
-        cpt_dir, eval_dir = self.out / "cpt" / v, self.out / "eval" / v
+        cpt_dir = self.out / "cpt" / v
         job.device, job.started, job.status = device, time.time(), "training"
         job.log = str(self.out / "cpt" / f"{v}.log")
         args = self.train_args(stage, cpt_dir, data.cpt_paths, data, self.preset.curve_points_cpt) + [

@@ -80,7 +80,8 @@ def import_targets(table: dict) -> list[str]:
     label = _length_label(longest)
     if longest in per.get("dense", {}):
         x = per["dense"][longest]
-        out.append(f"dense RULER {label}: {x:.1f} (target at least 60): {'met' if x >= 60 else f'MISSED by {60 - x:.1f}'}")
+        verdict = "met" if x >= 60 else f"MISSED by {60 - x:.1f}"
+        out.append(f"dense RULER {label}: {x:.1f} (target at least 60): {verdict}")
     if per.get("ed_dma") and per.get("dense"):
         common = sorted(set(per["ed_dma"]) & set(per["dense"]))
         d = sum(per["ed_dma"][n] - per["dense"][n] for n in common) / len(common)
