@@ -25,24 +25,11 @@ every length, so a model for that layout needs ``--short ramp``.
 from __future__ import annotations
 
 import argparse
-import math
 
+from nosa_layers.rope.longrope import extension_attention_factor as attention_factor
+from nosa_layers.rope.longrope import yarn_ramp_factors
 
-def yarn_ramp_factors(head_dim: int, theta: float, orig_len: int, target_len: int,
-                      alpha: float = 1.0, beta: float = 32.0) -> list[float]:
-    """``head_dim // 2`` factors (one per rotary frequency, dividing ``inv_freq``)."""
-    s = target_len / orig_len
-    out = []
-    for i in range(head_dim // 2):
-        wavelength = 2 * math.pi * theta ** (2 * i / head_dim)
-        gamma = min(1.0, max(0.0, (orig_len / wavelength - alpha) / (beta - alpha)))
-        out.append(1.0 / ((1.0 - gamma) / s + gamma))
-    return out
-
-
-def attention_factor(orig_len: int, target_len: int) -> float:
-    s = target_len / orig_len
-    return 1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(orig_len))
+__all__ = ["attention_factor", "yarn_ramp_factors", "block", "main"]  # the ramp itself: nosa_layers.rope.longrope
 
 
 def block(head_dim: int, theta: float, orig: int, target: int, short: str = "ramp") -> str:
