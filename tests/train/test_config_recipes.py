@@ -16,9 +16,23 @@ from tests.train.conftest import ROOT
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "recipe").glob("*.yaml"))
 
 
+def _imported_model_group(root) -> list[str]:
+    """The overrides that give a recipe of an imported model (``import_*``) its model: the group file that
+    ``from_hf --target-length 16384`` writes, here for a small GQA 9 / 3 Llama with an 8K context."""
+    from checkpoints_convert.model_group import extend_context, write_model_group
+    from nosa_layers.megatron.config import ModelConfig
+
+    src = ModelConfig(size="imported_llama", num_layers=2, hidden_size=576, num_attention_heads=9, num_kv_heads=3,
+                      head_dim=64, ffn_hidden_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_embeddings=True)
+    path = write_model_group(root, extend_context(src, 16384), "a test")
+    return [f"hydra.searchpath=[file://{root}]", f"model={path.stem}"]
+
+
 @pytest.mark.parametrize("name", RECIPES)
-def test_every_recipe_composes_and_validates(name):
-    cfg = load_config([f"recipe={name}"])
+def test_every_recipe_composes_and_validates(name, tmp_path):
+    model = _imported_model_group(tmp_path) if name.startswith("import_") else []
+    cfg = load_config([f"recipe={name}", *model])
     assert isinstance(cfg, RunConfig) and cfg.recipe == name
     validate(cfg, world_size=cfg.parallel.model_parallel_size, check_files=False)
     stage = re.search(r"_(pretrain|cpt|sft)", name).group(1)
