@@ -32,6 +32,10 @@ __all__ = [
 def __getattr__(name: str):
     module = _MODULE_OF.get(name)
     if module is None:
+        import importlib.util
+
+        if importlib.util.find_spec(f"nosa_layers.{name}") is not None:  # a submodule (``nosa_layers.ops``), as
+            return import_module(f"nosa_layers.{name}")  # ``from nosa_layers import ops`` gives it
         raise AttributeError(f"module 'nosa_layers' has no attribute {name!r}")
     value = getattr(import_module(f"nosa_layers.{module}"), name)
     globals()[name] = value
