@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gguf", default=None, help="a Llama GGUF file instead of --ckpt (needs the gguf package)")
     ap.add_argument("--target-length", type=int, default=None, metavar="TOKENS",
                     help="write the model group with LongRoPE factors extending the source's context to TOKENS")
+    ap.add_argument("--attention", default=None, choices=["nosa", "infllm_v2"],
+                    help="a dense source imported as this sparse model at 0 steps (new eviction heads at A = 0: "
+                         "the same function below the selection budget; --geometry sets the geometry)")
     ap.add_argument("--out", required=True, help="output checkpoint dir (gets iter_0000000/ and latest)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--mup", default="keep", choices=["keep", "unfold"])
@@ -326,12 +329,15 @@ def _read_source(hf: str | None, gguf: str | None, out: str, log):
 def import_hf(hf: str | None, out: str, dtype: str = "fp32", mup: str = "keep", make_vocab_size_divisible_by=None,
               family=None, log=print, geometry_override: str | None = None, longrope: str | None = None,
               mup_constants: str | None = None, allow_non_finite: bool = False, gguf: str | None = None,
-              target_length: int | None = None) -> Path:
+              target_length: int | None = None, attention: str | None = None) -> Path:
     t0 = time.time()
     src, cfg, gguf_sd, write_tokenizer, name = _read_source(hf, gguf, out, log)
     fmt = checkpoint_format(cfg, safetensors_names(src) if gguf is None else [])
-    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family, parse_geometry(geometry_override),
+    model, attn = configs_from_hf(cfg, mup, make_vocab_size_divisible_by, family,
+                                  None if attention else parse_geometry(geometry_override),
                                   longrope, parse_mup_constants(mup_constants))
+    if attention is not None:
+        attn = sparse_attention_config(attn, attention, parse_geometry(geometry_override), model)
     if model.size == "hf":  # a source that is not our export: the group takes the source's name
         model.size = group_name(name)
     train_model = model
@@ -352,6 +358,8 @@ def import_hf(hf: str | None, out: str, dtype: str = "fp32", mup: str = "keep", 
     if warning:
         log(f"warning: {warning}")
     hf_sd = load_safetensors_dir(src) if gguf_sd is None else gguf_sd
+    if attention is not None:
+        hf_sd = {**hf_sd, **new_eviction_heads(model, attn)}
     bad = [k for k, v in hf_sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad and not allow_non_finite:
         raise ConversionError(f"--hf {hf}: {len(bad)} tensor(s) hold NaN/inf (e.g. {bad[0]}); import a finite "
@@ -385,6 +393,43 @@ def import_hf(hf: str | None, out: str, dtype: str = "fp32", mup: str = "keep", 
     return final
 
 
+def sparse_attention_config(attn, variant: str, geometry_fields: dict, model):
+    """``--attention``: the sparse config a dense source becomes (the released geometry, ``--geometry`` fields
+    over it); a source that is already sparse is refused in one line."""
+    from dataclasses import replace
+
+    from nosa_layers.config import NOSAConfig
+    from nosa_layers.megatron.config import AttentionConfig, validate
+
+    if attn.variant != "dense" or attn.layer_pattern is not None:
+        raise ConversionError(f"--attention {variant}: the source is already sparse ({attn.variant}); import it "
+                              f"without --attention")
+    try:
+        nosa = replace(NOSAConfig(), **geometry_fields).validate()
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"--geometry: {e}") from None
+    out = AttentionConfig(variant=variant, nosa=nosa)
+    validate(model, out)
+    return out
+
+
+def new_eviction_heads(model, attn) -> dict:
+    """The eviction-head parameters of every layer for a dense source imported as NOSA (HF names): the head's
+    own initialisation (seeded), ``A = 0``, so every score and bias is 0 and the selection alone makes the
+    model sparse (none for InfLLM-V2)."""
+    if attn.variant != "nosa":
+        return {}
+    from nosa_layers.eviction import build_eviction_head
+
+    torch.manual_seed(0)
+    out = {}
+    for i in range(model.num_layers):
+        head = build_eviction_head(attn.nosa.eviction_head, num_q_heads=model.num_attention_heads,
+                                   num_kv_heads=model.num_kv_heads, head_dim=model.kv_channels)
+        out.update({f"model.layers.{i}.self_attn.{n}": p.detach().float() for n, p in head.named_parameters()})
+    return out
+
+
 def _group_note(model, train_model) -> str:
     """What the model group changes against the imported model (the LongRoPE extension), or ''."""
     if train_model is model:
@@ -400,7 +445,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     return run_cli("from_hf", import_hf, args.hf, args.out, args.dtype, args.mup, args.make_vocab_size_divisible_by,
                    args.family, print, args.geometry, args.longrope, args.mup_constants, args.allow_non_finite,
-                   args.gguf, args.target_length)
+                   args.gguf, args.target_length, args.attention)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,4 @@ def test_bad_gguf_inputs_are_one_line(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
