@@ -122,3 +122,25 @@ def pytest_configure(config):
     if tuple(int(x) for x in xdist.__version__.split(".")[:2]) <= (3, 8):
         raise pytest.UsageError(f"--dist loadgroup does not group tests with pytest {pytest.__version__} and "
                                 f"pytest-xdist {xdist.__version__}: install pytest<9 (pyproject.toml's dev extra)")
+
+
+_PROCESS_GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_environment_left():
+    """A test that starts a process group in this process (a trainer or a tool run in-process) must leave the
+    environment as it found it: RANK / WORLD_SIZE / MASTER_* left behind change what the worker's later tests
+    and their subprocesses do (a dry run then checks the layout against WORLD_SIZE=1). Restored, and the
+    test that left them fails, naming them."""
+    before = {k: os.environ.get(k) for k in _PROCESS_GROUP_ENV}
+    yield
+    left = {k: os.environ.get(k) for k in _PROCESS_GROUP_ENV if os.environ.get(k) != before[k]}
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if left:
+        pytest.fail(f"the test left process-group variables in os.environ: {left} (run train/main.py in-process "
+                    f"through tests.train.conftest.train_here, which restores them)", pytrace=False)

@@ -5,8 +5,6 @@ token ids; the model group it writes carries the LongRoPE factors of ``--target-
 line."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -113,14 +111,15 @@ def test_gguf_import_matches_transformers_and_writes_its_model_group(tmp_path):
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
 
 
-def test_bad_gguf_inputs_are_one_line(tmp_path):
+def test_bad_gguf_inputs_are_one_line(tmp_path, capsys):
+    from checkpoints_convert.from_hf import main
+
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
     for args, want in ((["--gguf", str(not_gguf)], "not a GGUF file"),
                        (["--gguf", str(tmp_path / "missing.gguf")], "no such file"),
                        ([], "give the source as --ckpt <HF dir> or --gguf <file>")):
-        r = subprocess.run([sys.executable, "-m", "checkpoints_convert.from_hf", *args, "--out", str(tmp_path / "o")],
-                           capture_output=True, text=True)
-        assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-
+        assert main([*args, "--out", str(tmp_path / "o")]) != 0
+        err = capsys.readouterr().err.strip()
+        assert want in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()

@@ -36,9 +36,21 @@ def _flip(path, offset=None, n=4096):
 
 
 def _main(args, capsys):
+    """train/main.py's ``main`` in this process and its stderr; the environment (a start that got as far as the
+    process group sets RANK, WORLD_SIZE, MASTER_*) and the CPU shim are restored afterwards, as ``train_here``
+    does, so the worker's later tests (and their subprocesses) start clean."""
+    import os
+
+    from runtime.megatron_cpu import remove_cpu_shim
     from train.main import main
 
-    rc = main(args)
+    saved = dict(os.environ)
+    try:
+        rc = main(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        remove_cpu_shim()
     err = capsys.readouterr().err.strip()
     return rc, err
 
