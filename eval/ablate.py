@@ -327,9 +327,7 @@ class Ablation:
                  max_length: Optional[int] = None) -> Optional[str]:
         """``eval.suite`` of ``ckpt`` -> ``<out>/eval/<name>`` (locality and perplexity documents of at most
         ``max_length`` tokens); returns its log (``None``: on the console)."""
-        cfg, eval_dir = self.suite_config(), self.out / "eval" / name
-        if max_length is not None and cfg.length > max_length:
-            cfg.length = max_length
+        cfg, eval_dir = self.suite_config(max_length), self.out / "eval" / name
         if device is None:  # CPU: in this process (one megatron import for every variant), output on the console
             from eval.suite import evaluate
 
@@ -351,8 +349,11 @@ class Ablation:
         if (self.out / "eval" / BASE / RESULT).is_file():
             self.say(f"{BASE}: already evaluated")
             return
+        from runtime.checkpoint_files import find_checkpoint
+
         src = self.pretrained()
-        context = json.loads(next(src.glob("iter_*/nosa_config.json")).read_text())["model"]["max_position_embeddings"]
+        recorded = json.loads((find_checkpoint(src) / "nosa_config.json").read_text())
+        context = recorded["model"]["max_position_embeddings"]
         self.say(f"{BASE}: evaluating the imported model {self.init} (its context: {context} tokens; tasks up to it)")
         t0 = time.time()
         try:
@@ -361,9 +362,10 @@ class Ablation:
         except (RuntimeError, EvalError) as e:
             self.say(f"{BASE}: FAILED: {e}")
 
-    def suite_config(self) -> SuiteConfig:
+    def suite_config(self, max_length: Optional[int] = None) -> SuiteConfig:
         p = self.preset
-        return SuiteConfig(length=p.eval_length, docs=p.locality_docs, ppl_docs=p.ppl_docs, split=p.split)
+        return SuiteConfig(length=min(p.eval_length, max_length or p.eval_length), docs=p.locality_docs,
+                           ppl_docs=p.ppl_docs, split=p.split)
 
     def run_variants(self, data: DataPaths) -> None:
         todo: "queue.Queue[Job]" = queue.Queue()

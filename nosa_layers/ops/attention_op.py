@@ -21,9 +21,14 @@ def hopper_kernel(q: Tensor, idx: SparseIndex, hp: int, cfg: dict, kind: str = "
         raise ValueError(f"nosa_layers.ops: impl must be 'triton' or 'gluon', got {cfg['impl']!r}")
     if cfg["impl"] != "gluon" or not hopper_device(q.device) or idx.subset:  # query chunks: the Triton kernels
         return False
-    if kind == "dkdv":
-        return sm90_kernels().supported_dkdv(q, idx.block, padded_heads(hp) * idx.qt, idx.kb)
-    return sm90_kernels().supported(q, idx.block, padded_heads(hp) * idx.qt)
+    return _hopper_covers(q, idx.block, padded_heads(hp) * idx.qt, idx.kb, kind)
+
+
+def _hopper_covers(q: Tensor, block: int, rows: int, kb: int, kind: str) -> bool:
+    """Whether the Hopper kernel of ``kind`` ("query": forward and dQ, "dkdv") is written for tiles of ``rows``
+    rows (padded heads x tokens) over ``block``-key blocks (``kb`` per dK/dV group) and ``q``'s dtype / D."""
+    sm90 = sm90_kernels()
+    return sm90.supported_dkdv(q, block, rows, kb) if kind == "dkdv" else sm90.supported(q, block, rows)
 
 
 def _launch_for(q: Tensor, idx: SparseIndex) -> dict:
@@ -76,10 +81,7 @@ def attention_plan(G: int, head_dim: int, block: int, dtype: torch.dtype, device
         if cfg[name]["impl"] != "gluon":
             continue
         rows = padded_heads(heads_per_program(G, qt, launch[name]["rows"])) * qt
-        sm90 = sm90_kernels()
-        ok = (sm90.supported_dkdv(q, block, rows, launch[name]["blocks"]) if name == "dkdv"
-              else sm90.supported(q, block, rows))
-        if not ok:
+        if not _hopper_covers(q, block, rows, launch[name].get("blocks", 1), "dkdv" if name == "dkdv" else "query"):
             missed.append(name)
     if missed:
         notes.append(f"NOSA kernels: the Triton {', '.join(missed)} kernels serve instead of the Hopper ones, which "

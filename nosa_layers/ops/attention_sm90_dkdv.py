@@ -16,6 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ._common import UNSPECIALIZED
 from .attention_kernels import _dkdv_piece  # the dK/dV work item, shared with the Triton kernel
+from .attention_sm90_fwd_dq import _row_valid
 
 
 @gluon.jit
@@ -101,7 +102,7 @@ def _dkdv_consumer(a, C: gl.constexpr, G: gl.constexpr, HP: gl.constexpr, HPP: g
             qs = gl.load(QStart + e)
             word = gl.load(Word + e * KB + C)
             tok = qs + r
-            rvalid = (tok < de) & (hh < HP)  # query tiles never cross their document: rows past its end are padding
+            rvalid = _row_valid(tok, de, hh, HP, HPP)  # query tiles never cross their document: rows past its end pad
             lse = gl.load(lbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=float("inf"))
             delta = gl.load(dbase + pk * HP * s_lh + qs + loff, mask=rvalid, other=0.0)
             q_cur = q_smem.index(cur).reshape([M, D])

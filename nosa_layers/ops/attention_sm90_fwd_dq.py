@@ -132,6 +132,16 @@ def _kv_ring(k_desc, v_desc, KStart, base, n, row0, col, STAGES: gl.constexpr, B
 
 
 @gluon.jit
+def _row_valid(tok, de, hh, HP: gl.constexpr, HPP: gl.constexpr):
+    """Rows that hold a query: inside the document, and of a real head of the pack (``hh < HP``; a compile-time
+    no-op where the pack is a power of two, ``HPP == HP``)."""
+    if HPP == HP:
+        return tok < de
+    else:
+        return (tok < de) & (hh < HP)
+
+
+@gluon.jit
 def _tile_operand(X, b, s_xb, s_xt, s_xh, qs, de, h, pack, k_desc, G: gl.constexpr, HP: gl.constexpr,
                   HPP: gl.constexpr, M: gl.constexpr, D: gl.constexpr, op_layout: gl.constexpr,
                   IN_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -145,7 +155,7 @@ def _tile_operand(X, b, s_xb, s_xt, s_xh, qs, de, h, pack, k_desc, G: gl.constex
     hh = offs_m % HPP
     head = h * G + pack * HP + hh
     x = gl.load(X + b * s_xb + gl.expand_dims(tok.to(gl.int64) * s_xt + head * s_xh, 1) + gl.expand_dims(offs_d, 0),
-                mask=gl.expand_dims((tok < de) & (hh < HP), 1), other=0.0)
+                mask=gl.expand_dims(_row_valid(tok, de, hh, HP, HPP), 1), other=0.0)
     if IN_REGS:
         return gl.convert_layout(x, op_layout)
     else:
@@ -166,7 +176,7 @@ def _store_tile(X, x, b, s_xb, s_xt, s_xh, qs, de, h, pack, G: gl.constexpr, HP:
     hh = offs_m % HPP
     head = h * G + pack * HP + hh
     gl.store(X + b * s_xb + gl.expand_dims(tok.to(gl.int64) * s_xt + head * s_xh, 1) + gl.expand_dims(offs_d, 0),
-             x.to(X.dtype.element_ty), mask=gl.expand_dims((tok < de) & (hh < HP), 1))
+             x.to(X.dtype.element_ty), mask=gl.expand_dims(_row_valid(tok, de, hh, HP, HPP), 1))
 
 
 @gluon.jit
@@ -180,7 +190,7 @@ def _store_forward(O, LSE, o, m_i, l_i, b, s_ob, s_ot, s_oh, s_lb, s_lh, qs, de,
     hh = offs_m % HPP
     head = h * G + pack * HP + hh
     lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(l_safe))
-    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=(tok < de) & (hh < HP))
+    gl.store(LSE + b * s_lb + head * s_lh + tok, lse, mask=_row_valid(tok, de, hh, HP, HPP))
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED["_fwd_kernel"])
@@ -293,7 +303,7 @@ def _bwd_dq_kernel_sm90(Q, DO, k_desc, v_desc, Bias, LSE, Delta, DQ, Blocks, Cou
     tok = qs + r
     hh = offs_m % HPP
     head = h * G + pack * HP + hh
-    rvalid = (tok < de) & (hh < HP)  # padding heads: LSE +inf, so their P and dS are 0
+    rvalid = _row_valid(tok, de, hh, HP, HPP)  # padding heads: LSE +inf, so their P and dS are 0
     lse = gl.load(LSE + b * s_lb + head * s_lh + tok, mask=rvalid, other=float("inf"))
     delta = gl.load(Delta + b * s_lb + head * s_lh + tok, mask=rvalid, other=0.0)
     offs_n = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
