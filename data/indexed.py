@@ -31,12 +31,17 @@ class IndexedWriter:
         self._builder = IndexedDatasetBuilder(prefix + ".bin", dtype=self.dtype)
         self.documents = 0
         self.tokens = 0
+        self.id_range: tuple[int, int] | None = None  # (smallest, largest) token id written
 
     def add(self, ids) -> None:
         arr = np.asarray(ids, dtype=self.dtype)
         self._builder.add_document(arr, [arr.size])
         self.documents += 1
         self.tokens += int(arr.size)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            self.id_range = (lo, hi) if self.id_range is None else (min(lo, self.id_range[0]),
+                                                                      max(hi, self.id_range[1]))
 
     def close(self) -> None:
         self._builder.finalize(self.prefix + ".idx")
@@ -101,8 +106,40 @@ def read_indexed(prefix: str):
     return IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
+def id_range_record(bin_path: str, id_range: tuple[int, int] | None) -> dict:
+    """What a writer records in ``<prefix>.summary.json`` so that :func:`token_id_range` need not read the
+    tokens again: the range, and the size and modification time of the ``.bin`` it describes."""
+    st = os.stat(bin_path)
+    return {"token_id_range": None if id_range is None else list(id_range), "bin_bytes": st.st_size,
+            "bin_mtime_ns": st.st_mtime_ns}
+
+
+def _recorded_id_range(prefix: str):
+    """The range ``<prefix>.summary.json`` records for the ``.bin`` as it is now (same size and mtime), or
+    ``False`` when there is no such record."""
+    import json
+
+    try:
+        with open(prefix + ".summary.json") as f:
+            rec = json.load(f)
+        st = os.stat(prefix + ".bin")
+    except (OSError, ValueError):
+        return False
+    if not isinstance(rec, dict) or "token_id_range" not in rec or \
+            (rec.get("bin_bytes"), rec.get("bin_mtime_ns")) != (st.st_size, st.st_mtime_ns):
+        return False
+    got = rec["token_id_range"]
+    return None if got is None else (int(got[0]), int(got[1]))
+
+
 def token_id_range(prefix: str, chunk: int = 1 << 26) -> tuple[int, int] | None:
-    """``(smallest, largest)`` token id of ``<prefix>.bin`` (None when it holds none), read in chunks."""
+    """``(smallest, largest)`` token id of ``<prefix>.bin`` (None when it holds none): the record of the writer
+    (``data.preprocess``) when it describes the file as it is, else read in chunks (once per start; a dataset
+    written by another tool, or changed since)."""
+    recorded = _recorded_id_range(prefix)
+    if recorded is not False:
+        read_index(prefix)  # the files are still whole
+        return recorded
     lengths, dtype = read_index(prefix)
     total = int(lengths.sum(dtype=np.int64))
     if total == 0:

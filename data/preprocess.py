@@ -48,7 +48,7 @@ def preprocess(
     bounds memory. Units: ``tokens`` counts stored tokens including one EOD per document;
     ``tokens_per_s`` is wall-clock over read + tokenize + write.
     """
-    from data.indexed import IndexedWriter
+    from data.indexed import IndexedWriter, id_range_record
 
     tok = Tokenizer(tokenizer_dir)
     tok.check_model_vocab(model_vocab_size)
@@ -102,7 +102,7 @@ def preprocess(
             "input": input_path, "tokenizer": tok.path, "out": out_prefix, "vocab_size": tok.vocab_size,
             "dtype": writer.dtype.__name__, "documents": writer.documents, "tokens": writer.tokens, "chars": chars,
             "seconds": round(elapsed, 3), "tokens_per_s": round(writer.tokens / max(elapsed, 1e-9), 1),
-            "read": stats.as_dict(),
+            "read": stats.as_dict(), **id_range_record(tmp_prefix + ".bin", writer.id_range),
         }
         with open(tmp_prefix + ".summary.json", "w") as f:
             json.dump(summary, f, indent=2)

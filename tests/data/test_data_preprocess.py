@@ -217,3 +217,32 @@ def test_invalid_utf8_rows_are_counted_not_repaired(tmp_path, tok):
     assert s["read"]["first_at"]["invalid UTF-8"].endswith("latin1.jsonl:2")
     with pytest.raises(BadInputError, match="latin1.jsonl:2: invalid UTF-8"):
         preprocess(str(src), tok.path, str(tmp_path / "o2"), strict=True, progress=False)
+
+
+def test_the_token_id_range_is_recorded_once_and_read_again_only_when_the_data_changed(tmp_path, tok, monkeypatch):
+    """A run checks every token id against the model's vocabulary at its start: for a dataset this tool wrote,
+    from the range recorded in ``<prefix>.summary.json`` (no pass over the tokens, which on a cluster's corpus
+    is minutes per start); a ``.bin`` changed since is read again, and its new ids are seen."""
+    import os
+
+    from data import indexed
+
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": t} for t in DOCS])
+    preprocess(str(src), tok.path, str(tmp_path / "out"), progress=False)
+    prefix = str(tmp_path / "out")
+    ds = read_indexed(prefix)
+    ids = np.concatenate([ds[i] for i in range(len(ds))])
+    del ds
+    want = (int(ids.min()), int(ids.max()))
+    assert json.loads((tmp_path / "out.summary.json").read_text())["token_id_range"] == list(want)
+    monkeypatch.setattr(np, "memmap", None)  # the recorded range is used: the tokens are not mapped
+    assert indexed.token_id_range(prefix) == want
+    monkeypatch.undo()
+    raw = bytearray((tmp_path / "out.bin").read_bytes())
+    raw[0:2] = (60000).to_bytes(2, "little")  # a damaged first token, same size
+    (tmp_path / "out.bin").write_bytes(bytes(raw))
+    os.utime(tmp_path / "out.bin", ns=(0, 1))  # a new modification time even on a coarse clock
+    assert indexed.token_id_range(prefix)[1] == 60000  # read again: the record describes another file
+    with pytest.raises(ValueError, match="token id 60000"):
+        indexed.check_token_ids(prefix, tok.vocab_size, "data.paths entry")
