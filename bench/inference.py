@@ -53,6 +53,16 @@ import traceback
 from pathlib import Path
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (defined before the heavy imports: ``--help`` answers without torch)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -65,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per decode row")
     p.add_argument("--offload-steps", type=int, default=12, help="decode steps at the largest batches")
     p.add_argument("--only", default="prefill,decode,offload", help="comma list of prefill, decode, offload")
+    p.add_argument("--contexts", type=_int_list, default=None,
+                   help="comma list of the prefill / decode contexts in tokens (default 4096,16384; --quick 256,512)")
     p.add_argument("--long-context", type=int, default=None,
                    help="context of the offload rows (default: 16384; 512 with --quick)")
     p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
@@ -136,7 +148,7 @@ class Bench(BatchSearch, DecodeChecks):
         self.shape = exports.export_shape(self.models[0]) if self.models else model_shape(args)
         self.geo = tiny_geometry() if args.quick else NOSAConfig()
         self.text = None  # held-out tokens of --data (trained models), else random prompts
-        self.ctx = [256, 512] if args.quick else [4096, 16384]
+        self.ctx = args.contexts or ([256, 512] if args.quick else [4096, 16384])
         self.long = args.long_context or self.ctx[-1]
         self.rows: list = []
         self.tmp = Path(tempfile.mkdtemp(prefix="nosa_bench_"))

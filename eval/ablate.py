@@ -93,9 +93,10 @@ class Ablation:
     variants: list[str]
     devices: list[Optional[str]]  # GPU ids, or [None] for the CPU
     progress_s: float = 30.0
-    stage: str = "all"  # all | pretrain (data, pretraining, curve, --export; no variant)
+    stage: str = "all"  # all | pretrain (data, pretraining, curve, --export) | cpt (data, CPT) | decode
     init: Optional[Path] = None  # an --export of pretrained weights to start CPT from (no pretraining)
     export: Optional[Path] = None
+    base: bool = True  # presets with ``model_from_init``: score the import as the table's ``base`` row
     jobs: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)
     log_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -309,6 +310,17 @@ class Ablation:
 
     # ------------------------------------------------------------------ variants
     def run_variant(self, job: Job, device: Optional[str], data: DataPaths) -> None:
+        if self.stage == "cpt":
+            self.train_variant(job, device, data)
+            job.status = "done"
+            return
+        self.train_variant(job, device, data)
+        job.status = "evaluating"
+        job.log = self.evaluate(job.variant, self.out / "cpt" / job.variant, device, data)
+        job.status = "done"
+
+    def train_variant(self, job: Job, device: Optional[str], data: DataPaths) -> None:
+        """The variant's CPT (skipped when trained) and its learning curve."""
         v, stage = job.variant, self.preset.cpt
         cpt_dir = self.out / "cpt" / v
         job.device, job.started, job.status = device, time.time(), "training"
@@ -319,9 +331,6 @@ class Ablation:
         if self.preset.curve_points_cpt:
             job.status = "curve"
             self.curve(v, cpt_dir, data, self.preset.curve_length_cpt, device)
-        job.status = "evaluating"
-        job.log = self.evaluate(v, cpt_dir, device, data)
-        job.status = "done"
 
     def evaluate(self, name: str, ckpt: Path, device: Optional[str], data: DataPaths,
                  max_length: Optional[int] = None) -> Optional[str]:
@@ -371,7 +380,10 @@ class Ablation:
         todo: "queue.Queue[Job]" = queue.Queue()
         for v in self.variants:
             job = self.jobs[v] = Job(v)
-            if (self.out / "eval" / v / RESULT).is_file():
+            if self.stage == "cpt" and self.trained_steps(self.out / "cpt" / v) >= self.preset.cpt.steps:
+                job.status = "done"
+                self.say(f"{v}: already trained ({self.out / 'cpt' / v})")
+            elif self.stage != "cpt" and (self.out / "eval" / v / RESULT).is_file():
                 job.status = "done"
                 self.say(f"{v}: already evaluated ({self.out / 'eval' / v})")
             else:
@@ -422,6 +434,66 @@ class Ablation:
         while not stop.wait(self.progress_s):
             self.say(f"{name}: {self._train_progress(run_dir, steps)} ({time.time() - t0:.0f} s)")
 
+    # ------------------------------------------------------------------ 5. decode on the trained weights
+    def export_variant(self, v: str, data: DataPaths) -> Path:
+        """``<out>/export/<v>``: the variant's trained weights as a bf16 Hugging Face export (skipped when there)."""
+        from checkpoints_convert.to_hf import export
+
+        dst = self.out / "export" / v
+        if (dst / "config.json").is_file():
+            self.say(f"{v}: export exists ({dst})")
+            return dst
+        if self.trained_steps(self.out / "cpt" / v) < self.preset.cpt.steps:
+            raise EvalError(f"--stage decode: variant {v} is not trained under {self.out / 'cpt' / v}; run "
+                            f"--stage cpt (or all) for it first")
+        t0 = time.time()
+        export(str(self.out / "cpt" / v), str(dst), dtype="bf16", tokenizer=data.tokenizer, log=self.say)
+        self.say(f"{v}: exported -> {dst} ({time.time() - t0:.0f} s)")
+        return dst
+
+    def decode(self, data: DataPaths, cpu: bool = False) -> int:
+        """Decode measurements of the trained variants (``eval.ablate_decode``): the benchmark over their
+        exports, ``eval.locality`` of the sparse ones on the benchmark's document, and the comparison.
+        The benchmark's long context ends ``LOCALITY_STEPS`` before the CPT length (its decode stays within
+        the trained context), and ``eval.locality`` measures those last steps of the document."""
+        from eval import ablate_decode as ad
+
+        out, device, length = self.out / "decode", self.devices[0], self.preset.cpt_length
+        long = length - ad.LOCALITY_STEPS
+        contexts = [long] if cpu else sorted({min(4096, long), long})
+        steps = 2 if cpu else None
+        sparse = [v for v in self.variants if v != "dense"]
+        exports = [self.export_variant(v, data) for v in sparse + [v for v in self.variants if v == "dense"]]
+        bench = out / "bench"
+        if not (bench / "inference.json").is_file() or not (bench / "done").is_file():
+            t0 = time.time()
+            cmd = ad.bench_command(sys.executable, exports, data, self.preset.split, long, bench,
+                                   self.preset.decode_budget_batch, self.preset.decode_mem_limit_gib, contexts, steps)
+            self.say(f"decode: bench.inference over {', '.join(e.name for e in exports)} (log {out / 'bench.log'})")
+            rc = self.run_logged("decode-bench", cmd, out / "bench.log", device)
+            if rc != 0:
+                self.say(f"decode: bench.inference exited with {rc}; see {out / 'bench.log'}")
+                return 1
+            write_atomic(bench / "done", f"{time.time() - t0:.0f} s\n")
+            self.say(f"decode: benchmark done ({time.time() - t0:.0f} s)")
+        localities = {}
+        for v in sparse:
+            loc = out / "locality" / v
+            if not (loc / "locality.json").is_file():
+                cmd = ad.locality_command(sys.executable, self.out / "export" / v, data, self.preset.split, length, loc)
+                rc = self.run_logged(f"{v}-locality", cmd, out / f"locality_{v}.log", device)
+                if rc != 0:
+                    self.say(f"decode: eval.locality of {v} exited with {rc}; see {out / f'locality_{v}.log'}")
+                    return 1
+            localities[v] = ad.read_json(loc / "locality.json")
+        check = ad.locality_check(ad.read_json(bench / "inference.json"), localities)
+        write_json(out / "locality_check.json", check)
+        md = ad.check_markdown(check)
+        write_atomic(out / "locality_check.md", md)
+        print("\n" + (bench / "inference.md").read_text() + "\n" + md, flush=True)
+        self.say(f"decode: wrote {bench / 'inference.md'} and {out / 'locality_check.md'}")
+        return 0
+
     # ------------------------------------------------------------------ 4. table
     def listed(self) -> list[str]:
         """The table's variants: those asked for, and any other already evaluated under ``--out``."""
@@ -466,6 +538,9 @@ class Ablation:
         t0 = time.time()
         self.out.mkdir(parents=True, exist_ok=True)
         table = None
+        if self.stage == "decode":
+            cpu = self.devices[0] is None  # the CPU: one context and a few steps show the path
+            return self.decode(self.prepare_data(("cpt",) if self.init else ("pretrain", "cpt")), cpu)
         try:
             stages = ("pretrain",) if self.stage == "pretrain" else (("cpt",) if self.init else ("pretrain", "cpt"))
             data = self.prepare_data(stages)
@@ -473,9 +548,9 @@ class Ablation:
                 self.pretrain(data)
             if self.export is not None:
                 self.export_pretrained(data)
-            if self.stage == "all":
+            if self.stage in ("all", "cpt"):
                 self.run_variants(data)
-            if self.stage == "all" and self.preset.model_from_init:  # after the variants: they come first
+            if self.stage == "all" and self.preset.model_from_init and self.base:  # after the variants: they come first
                 self.evaluate_base(data)
         except KeyboardInterrupt:
             self.stop_all()
@@ -549,13 +624,17 @@ def main(argv=None) -> int:
                          "pretrain_doc_lengths=256,512)")
     ap.add_argument("--train-override", action="append", default=[], metavar="STAGE:KEY=VALUE",
                     help="add a train/main.py override to a stage (pretrain:train.global_batch_size=8)")
-    ap.add_argument("--stage", default="all", choices=["all", "pretrain"],
-                    help="pretrain: stop after the pretraining (and --export)")
+    ap.add_argument("--stage", default="all", choices=["all", "pretrain", "cpt", "decode"],
+                    help="pretrain: stop after the pretraining (and --export); cpt: train the variants, no "
+                         "evaluation; decode: decode measurements of the trained variants (exports, "
+                         "bench.inference, decode-time locality against eval.locality)")
     ap.add_argument("--export", default=None, help="write the pretrained weights here (bf16, files <= 16 MiB)")
     ap.add_argument("--init", default=None,
                     help="start CPT from an --export of another run, a Hugging Face model directory or a GGUF file "
                          "(no pretraining)")
     ap.add_argument("--progress", type=float, default=None, help="seconds between progress lines")
+    ap.add_argument("--no-base", action="store_true",
+                    help="do not score the imported model as the table's base row (presets that start from --init)")
     a = ap.parse_args(argv)
     try:
         preset = get_preset(a.preset).with_settings(a.set, a.train_override).scaled(a.scale)
@@ -581,7 +660,8 @@ def main(argv=None) -> int:
     progress = a.progress if a.progress is not None else (10.0 if devices == [None] else 30.0)
     try:
         return Ablation(preset, Path(a.out), variants, devices, progress, a.stage,
-                        Path(a.init) if a.init else None, Path(a.export) if a.export else None).run()
+                        Path(a.init) if a.init else None, Path(a.export) if a.export else None,
+                        base=not a.no_base).run()
     except EvalError as e:
         print(f"eval.ablate: error: {e}", file=sys.stderr)
         return 2

@@ -69,6 +69,8 @@ class AblationPreset:
     curve_length_pretrain: int = 4096
     curve_length_cpt: int = 16384
     eval_length: int = 16384  # tokens of the locality and perplexity documents
+    decode_budget_batch: int = 16  # --stage decode: the device budget = the dense export's cache of this many
+    decode_mem_limit_gib: float = 12.0  # --stage decode without a dense variant: the device budget
     locality_docs: int = 4
     ppl_docs: int = 8
 
@@ -176,7 +178,8 @@ PRESETS: Dict[str, AblationPreset] = {
                                         "optim.warmup_steps=1", *_TINY_GEOMETRY]),
         variants=["ed_dma", "dense"], model_from_init=True, cpt_length=1024, demo="small", split="90,10,0",
         task_lengths=[512], task_samples=2, retrieval_share=0.5, cpt_doc_lengths=[512], cpt_retrieval_tokens=20_000,
-        eval_length=512, locality_docs=2, ppl_docs=2),
+        eval_length=512, locality_docs=2, ppl_docs=2, decode_budget_batch=2,
+        decode_mem_limit_gib=0.001),
     # A real pretrained model made sparse: SmolLM2-135M-Instruct (30 x 576, GQA 9 / 3 heads of 64, 8K context,
     # rope theta 1e5; scripts/fetch_smollm2.sh), imported with its tokenizer (--init FILE.gguf), 16K CPT per
     # variant from the same import on the same data order; each variant's CPT is a few minutes on one H100.

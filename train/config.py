@@ -124,6 +124,9 @@ class OptimSection:
     warmup_steps: int = 0
     wsd_decay_fraction: float = 0.1  # WSD: share of max_steps spent in the final decay
     wsd_decay_style: str = "linear"
+    # the eviction heads' learning rate (peak and floor) as a multiple of lr / min_lr: their gate ``A``
+    # starts at 0 and moves by about lr per step, so a short CPT barely trains it at the model's lr
+    eviction_lr_mult: float = 1.0
     # torch's fused AdamW kernel (megatron-core uses torch's AdamW without Transformer Engine or Apex):
     # one kernel per parameter group instead of the multi-tensor passes, same update up to rounding
     # (about 50 ms less per 16K step of the 1B-shaped model on an H200); a resumed run may switch it
@@ -488,6 +491,7 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True,
     _need(0 <= o.warmup_steps < t.max_steps,
           f"optim.warmup_steps={o.warmup_steps} must be < train.max_steps={t.max_steps}")
     _need(0 < o.wsd_decay_fraction <= 1, f"optim.wsd_decay_fraction={o.wsd_decay_fraction} must be in (0, 1]")
+    _need(o.eviction_lr_mult > 0, f"optim.eviction_lr_mult={o.eviction_lr_mult} must be > 0")
     _need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 0,
           "checkpoint.interval and checkpoint.keep_last must be >= 0")
     _need(p.sequence_parallel is False or p.tensor_model_parallel_size > 1,

@@ -35,7 +35,25 @@ def build_optimizer(cfg: RunConfig, model_chunks: list, precision: str):
         # does, NaN gradients are caught before the step by train.finite.grads_nonfinite_flag
         grad_norm_skip_threshold=float(torch.finfo(torch.float32).max),
     )
-    return get_megatron_optimizer(ocfg, model_chunks)
+    return get_megatron_optimizer(ocfg, model_chunks, config_overrides=lr_overrides(cfg, ocfg))
+
+
+EVICTION_PARAMS = "*.eviction_head.*"  # megatron parameter names of the NOSA layers' eviction heads
+
+
+def lr_overrides(cfg: RunConfig, ocfg) -> dict | None:
+    """megatron-core's parameter-group overrides: its standard ones (no weight decay on biases and norms)
+    plus the eviction heads' peak / floor lr times ``optim.eviction_lr_mult`` (None when it is 1:
+    megatron-core applies its standard ones itself)."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    o = cfg.optim
+    if o.eviction_lr_mult == 1.0:
+        return None
+    return {**get_standard_config_overrides(ocfg),
+            ParamKey(name=EVICTION_PARAMS): {"max_lr": o.lr * o.eviction_lr_mult,
+                                             "min_lr": o.min_lr * o.eviction_lr_mult}}
 
 
 def torch_adams(optimizer) -> list:

@@ -49,3 +49,21 @@ def test_ablation_of_an_imported_gguf_model(tmp_path):
     assert list(base["ruler"]["by_length"]) == ["512"] and base["ppl"]["buckets"]
     assert 0 < ed["locality"]["gamma_mean"] <= 1
     assert "No pretraining: the imported model" in (out / "ablation.md").read_text()
+    # the decode stage on the trained weights: exports, the benchmark's rows, decode-time locality vs eval.locality
+    r = subprocess.run([sys.executable, "-m", "eval.ablate", "--preset", "tiny_import", "--init", str(src), "--out",
+                        str(out), "--devices", "cpu", "--variants", "ed_dma,dense", "--stage", "decode"],
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 2 and "variant dense is not trained" in r.stderr, (r.stdout + r.stderr)[-3000:]
+    r = subprocess.run([sys.executable, "-m", "eval.ablate", "--preset", "tiny_import", "--init", str(src), "--out",
+                        str(out), "--devices", "cpu", "--variants", "ed_dma", "--stage", "decode"],
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert (out / "export" / "ed_dma" / "tokenizer.json").is_file()
+    bench = json.loads((out / "decode" / "bench" / "inference.json").read_text())
+    names = [row["row"] for row in bench["rows"] if "error" not in row]
+    assert "decode nosa:ed_dma ctx960 b4" in names, names
+    assert any(n.startswith("decode nosa:ed_dma offload ctx960") for n in names), names
+    check = json.loads((out / "decode" / "locality_check.json").read_text())["variants"]["ed_dma"]
+    assert check["error"] is None and check["locality_steps"] == 64
+    assert 0 < check["decoder_hit_rate"] <= 1 and 0 < check["locality_hit_rate"] <= 1
+    assert check["within_tolerance"] == (max(check["rel_diff_hit_rate"], check["rel_diff_fetched"]) <= 0.15)

@@ -61,3 +61,31 @@ def test_a_fresh_optimizer_creates_its_counters_for_the_chosen_path():
     p.grad = torch.ones(3)
     opt.step()
     assert opt.param_groups[0]["fused"] and float(opt.state[p]["step"]) == 1.0
+
+
+def test_eviction_lr_mult_scales_only_the_eviction_heads_update(tmp_path, data_args):
+    """``optim.eviction_lr_mult``: megatron-core's parameter-group override gives the eviction heads
+    ``lr * mult``. After one step from the same weights (``A = 0`` at init, so the forward and every
+    gradient are the same) every other tensor is bitwise equal and the heads' gate ``A`` moved ``mult``
+    times as far (AdamW's first step moves a parameter by about lr)."""
+    from checkpoints_convert.common import load_megatron_tensors
+    from tests.train.conftest import train_here
+
+    args = ["recipe=tiny_pretrain", "attention=nosa", "train.seq_length=128", "train.global_batch_size=2",
+            "train.micro_batch_size=1", "train.max_steps=1", "train.eval_interval=0", "train.eval_iters=0",
+            "optim.warmup_steps=0", "checkpoint.interval=0", *data_args]
+    runs = {}
+    for mult in (1, 8):
+        run = tmp_path / f"mult{mult}"
+        train_here([*args, f"run.dir={run}", f"optim.eviction_lr_mult={mult}"])
+        runs[mult] = load_megatron_tensors(run / "checkpoints" / "iter_0000001")
+    a, b = runs[1], runs[8]
+    heads = sorted(k for k in a if ".eviction_head." in k)
+    gates = [k for k in heads if k.endswith(".A")]
+    assert gates and a.keys() == b.keys(), (heads, list(a)[:5])
+    other = [k for k in a if k not in heads and not torch.equal(a[k], b[k])]
+    assert not other, f"non-eviction tensors differ: {other[:3]}"
+    for k in gates:
+        moved1, moved8 = a[k].double().abs(), b[k].double().abs()
+        assert float(moved1.min()) > 0, k
+        assert torch.allclose(moved8 / moved1, torch.full_like(moved1, 8.0), rtol=1e-3), (k, moved8 / moved1)
