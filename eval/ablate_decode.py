@@ -6,8 +6,8 @@ with the run's tokenizer), then, each as its own process,
 * ``bench.inference`` over all exports, the prompts held-out text of the ablation's corpus: decode at batch
   1 / 4 (4K and the CPT length less ``LOCALITY_STEPS``), the dense exports also with transformers' static
   cache + ``torch.compile``, and at that length the largest batch under one device budget (the dense
-  export's GPU-resident cache holding ``budget_batch`` sequences) with the GPU-resident and the offloaded cache: tokens/s, host -> device
-  bytes per token, cache hit rate (``<out>/decode/bench/inference.{json,md}``);
+  export's GPU-resident cache holding ``budget_batch`` sequences) with the GPU-resident and the offloaded
+  cache: tokens/s, host -> device bytes per token, cache hit rate (``<out>/decode/bench/inference.{json,md}``);
 * ``eval.locality`` of each sparse export on the same held-out document, measured over its last ``LOCALITY_STEPS``
   steps up to the CPT length (``<out>/decode/locality/<variant>/``),
 
