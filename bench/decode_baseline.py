@@ -3,7 +3,9 @@
 ``static_decode(model, prompt, steps, compiled)`` prefills ``prompt`` ``[B, n]`` eagerly into a
 ``StaticCache`` of ``n + steps + 8`` positions, then times ``steps`` greedy decode steps of
 ``model.forward`` compiled with ``mode="reduce-overhead"`` (CUDA graphs; ``compiled=False``: the same
-static cache, eager). The first steps after compiling are warm-up (compilation, graph capture) and
+static cache, eager); a model whose forward has a data-dependent branch (transformers' LongRoPE compares
+the length with the original context every call) compiles with graph breaks (``fullgraph: false`` in the
+row). The first steps after compiling are warm-up (compilation, graph capture) and
 not timed. Returns tokens/s and ms per step like ``bench.inference``'s decode rows.
 """
 
@@ -44,13 +46,23 @@ def static_decode(model, prompt: torch.Tensor, steps: int, compiled: bool = True
     out = model(prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=device),
                 logits_to_keep=1)
     tok = out.logits[:, -1:].argmax(-1)
+    fullgraph = compiled
+    if compiled:  # a fresh compile per row: rows of other shapes must not exhaust the recompile limit (eager then)
+        torch._dynamo.reset()
     step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     pos = torch.tensor([n], device=device)
     times = []
     for i in range(WARM_STEPS + steps):
         _sync(device)
         t0 = time.perf_counter()
-        out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos)
+        try:
+            out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos)
+        except torch._dynamo.exc.Unsupported:  # e.g. LongRoPE's length check: compile around it (graph break)
+            if not fullgraph or i:
+                raise
+            fullgraph = False
+            step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+            out = step(tok, past_key_values=cache, use_cache=True, cache_position=pos)
         tok = out.logits[:, -1:].argmax(-1).clone()  # the graph's output buffer is reused by the next replay
         pos = pos + 1
         _sync(device)
@@ -58,4 +70,4 @@ def static_decode(model, prompt: torch.Tensor, steps: int, compiled: bool = True
             times.append(time.perf_counter() - t0)
     total = sum(times)
     return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
-            "tok_per_s": round(B * steps / total, 1), "cache": "static", "compiled": compiled}
+            "tok_per_s": round(B * steps / total, 1), "cache": "static", "compiled": compiled, "fullgraph": fullgraph}
