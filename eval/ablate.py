@@ -396,7 +396,7 @@ class Ablation:
                 except queue.Empty:
                     return
                 where = "cpu" if device is None else f"gpu {device}"
-                self.say(f"{job.variant}: CPT + evaluation on {where}")
+                self.say(f"{job.variant}: {'CPT' if self.stage == 'cpt' else 'CPT + evaluation'} on {where}")
                 try:
                     self.run_variant(job, device, data)
                     self.say(f"{job.variant}: done ({time.time() - job.started:.0f} s)")
