@@ -203,7 +203,7 @@ class ChunkedLMLossProcessor:
     The output layer's settings are megatron's: its TP group and weight (the embedding's when tied),
     sequence parallelism (the hidden states are gathered over the TP group, their gradient reduce-scattered)
     or a TP copy (gradient all-reduced), muP's logit multiplier and ``gradient_accumulation_fusion``.
-    ``fused``: megatron-core's compiled cross-entropy helpers per chunk where the weight is bf16 on a GPU."""
+    ``fused``: megatron-core's compiled cross-entropy helpers per chunk where the weight is bf16."""
 
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, fused: bool = False) -> None:
         if chunk_tokens < 1:
@@ -230,7 +230,7 @@ class ChunkedLMLossProcessor:
         tokens = labels.transpose(0, 1).reshape(-1)
         mask = None if loss_mask is None else loss_mask.transpose(0, 1).reshape(-1)
         scale = config.mup_output_mult if config.use_mup else 1.0
-        fused = self.fused and weight.dtype == torch.bfloat16 and weight.is_cuda
+        fused = self.fused and weight.dtype == torch.bfloat16
         return chunked_lm_loss(hidden_states.reshape(-1, h), weight, tokens, mask, chunk_tokens=self.chunk_tokens,
                                logit_scale=scale, group=group, fused=fused,
                                accumulate_main_grad=bool(output_layer.gradient_accumulation_fusion))
