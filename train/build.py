@@ -19,9 +19,29 @@ from train.distributed import DistEnv
 SPEC_NAMES = {"local": "local (megatron-core local layers)", "te": "te (Transformer Engine)"}
 
 
-def build_model(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str], None]) -> list:
+def loss_plan(cfg: RunConfig, device_type: str, precision: str) -> tuple[str, dict, object]:
+    """What ``train.loss_impl`` runs here: ``(description, TransformerConfig overrides, output processor or
+    None)``. ``fused`` (megatron-core's fused cross entropy writes bf16 logit gradients) takes effect on bf16 GPU
+    runs, elsewhere megatron-core's unfused cross entropy runs; ``chunked`` uses megatron-core's fused helpers
+    per chunk on bf16 GPU runs with ``train.fusions``."""
+    t = cfg.train
+    bf16_gpu = device_type == "cuda" and precision == "bf16"
+    if t.loss_impl == "fused" and bf16_gpu:
+        return "fused", dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native"), None
+    overrides = dict(cross_entropy_loss_fusion=False)
+    if t.loss_impl != "chunked":
+        return ("standard" if t.loss_impl == "standard" else "standard (fused needs a bf16 GPU run)"), overrides, None
+    from nosa_layers.megatron.lm_loss import ChunkedLMLossProcessor
+
+    fused = bf16_gpu and t.fusions
+    return (f"chunked ({t.loss_chunk_tokens} tokens{', fused cross entropy' if fused else ''})", overrides,
+            ChunkedLMLossProcessor(t.loss_chunk_tokens, fused=fused))
+
+
+def build_model(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str], None]) -> tuple[list, object]:
     """The model chunks of this rank, each a megatron-core ``DistributedDataParallel`` with its parameters
-    broadcast over the data-parallel group; logs one line on what was built."""
+    broadcast over the data-parallel group, and the output processor of the loss (:func:`loss_plan`; None:
+    the model returns per-token losses); logs one line on what was built."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -31,7 +51,8 @@ def build_model(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str
 
     model_cfg = dataclasses.replace(cfg.model, params_dtype={"bf16": "bfloat16", "fp16": "float16"}
                                     .get(precision, "float32"))
-    overrides = dict(calculate_per_token_loss=True)
+    loss, loss_overrides, processor = loss_plan(cfg, env.device.type, precision)
+    overrides = dict(calculate_per_token_loss=True, **loss_overrides)
     if cfg.run.cpu_init or env.device.type == "cpu":  # initial weights independent of the layout
         overrides.update(use_cpu_initialization=True, init_seed=cfg.run.seed)
     if cfg.train.recompute == "selective":
@@ -71,9 +92,9 @@ def build_model(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str
         f"PP={ps.get_pipeline_model_parallel_world_size()} CP={env.cp[0]} DP={env.dp_size}), "
         f"precision={precision}, "
         f"device={env.device.type}, layer spec={SPEC_NAMES[cfg.train.transformer_impl]}, fusions="
-        f"{'on' if fusions else 'off'}, initial weights {init}")
+        f"{'on' if fusions else 'off'}, loss={loss}, initial weights {init}")
     _log_kernel_plan(cfg, env, precision, log)
-    return model
+    return model, processor
 
 
 def _log_kernel_plan(cfg: RunConfig, env: DistEnv, precision: str, log: Callable[[str], None]) -> None:

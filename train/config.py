@@ -21,6 +21,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 STEP_READS = ("each_step", "at_log")
 RECOMPUTE = ("none", "selective", "full")
 TRANSFORMER_IMPLS = ("local", "te")
+LOSS_IMPLS = ("chunked", "fused", "standard")
 SCHEDULES = ("wsd", "cosine", "constant")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 NAN_POLICIES = ("stop", "skip")
@@ -94,6 +95,14 @@ class TrainSection:
     # into the fp32 main grads; runtime.megatron_compat gives it a torch GEMM where Apex is missing);
     # CPU runs always take the unfused reference path
     fusions: bool = True
+    # The language-model loss (the output layer and the cross entropy): chunked (the logits of loss_chunk_tokens
+    # tokens at a time, each chunk's gradients computed while its logits exist: no [tokens, vocab] tensor and
+    # no logit computed twice; megatron-core's fused cross entropy per chunk on bf16 GPU runs with
+    # train.fusions), fused (megatron-core's output layer and its compiled fused cross entropy over the whole
+    # logits; bf16 GPU runs, elsewhere the standard one) or standard (megatron-core's output layer and its
+    # vocab-parallel cross entropy over the whole logits). The same loss and gradients up to rounding.
+    loss_impl: str = "chunked"
+    loss_chunk_tokens: int = 4096  # tokens per chunk of loss_impl=chunked (peak ~ 10 B x chunk x vocab / TP in bf16)
     # When the host reads a step's loss, gradient norm and finite-gradient verdict: each_step (before the
     # update: every step waits for the GPU twice), or at_log (the update is clipped and, for a non-finite step,
     # skipped on the GPU; the values are read at the next log, evaluation, checkpoint or stop point and the
@@ -346,7 +355,8 @@ def init_changes_line(cfg: RunConfig) -> Optional[str]:
 # trajectory and needs checkpoint.allow_config_change=true.
 RESUME_FREE = ("train.max_steps", "train.exit_after_steps", "train.log_interval", "train.eval_interval",
                "train.step_reads", "train.eval_iters", "train.nan_policy", "train.nan_skip_limit",
-               "train.locality_interval", "train.gc_interval", "train.fusions", "optim.fused", "checkpoint.",
+               "train.locality_interval", "train.gc_interval", "train.fusions", "train.loss_impl",
+               "train.loss_chunk_tokens", "optim.fused", "checkpoint.",
                "logging.", "profile.", "parallel.", "cluster.", "run.device", "init_from", "init_changes",
                "print_config", "dry_run", "data.num_builder_threads", "data.cache_dir", "sft.cache_dir", "run.dir",
                "recipe")
@@ -454,6 +464,11 @@ def validate(cfg: RunConfig, world_size: int = 1, check_files: bool = True,
         _need(have_te(), "train.transformer_impl=te but Transformer Engine is not importable; install it "
                          "(pip install -e .[te]) or use train.transformer_impl=local")
     _choice(t.nan_policy, NAN_POLICIES, "train.nan_policy")
+    _choice(t.loss_impl, LOSS_IMPLS, "train.loss_impl")
+    _need(t.loss_chunk_tokens >= 1, f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 1")
+    _need(t.loss_impl != "chunked" or t.precision != "fp16",
+          "train.loss_impl=chunked computes the logit gradients in the forward, before fp16's loss scale applies "
+          "(they would underflow in fp16); use train.loss_impl=fused or standard with train.precision=fp16, or bf16")
     _choice(o.schedule, SCHEDULES, "optim.schedule")
     _choice(o.wsd_decay_style, WSD_DECAY_STYLES, "optim.wsd_decay_style")
     _choice(cfg.logging.wandb, WANDB_MODES, "logging.wandb")

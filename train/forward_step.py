@@ -4,7 +4,10 @@ inputs (``to_microbatch``), and the forward step and loss function the schedules
 Packed batches become one THD row with flat ``cu_seqlens`` (positions and ``max_seqlen`` travel with it in
 megatron-core's ``PackedSeqParams``); with context parallelism each rank keeps its chunks of the row
 (``train.context_parallel``). The loss is a per-token sum and count, so megatron-core's
-``calculate_per_token_loss`` divides by the tokens of the whole global batch.
+``calculate_per_token_loss`` divides by the tokens of the whole global batch. With an ``output_processor``
+(``train.loss_impl=chunked``: ``nosa_layers.megatron.lm_loss.ChunkedLMLossProcessor``) the model returns that
+masked sum itself, computed without the whole logits; otherwise it returns per-token losses and the loss
+function applies the mask.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ def _hand_over_cu_seqlens(device_cu: torch.Tensor, values: list) -> None:
     remember_host_values(device_cu, values)
 
 
-def forward_step(data_iterator, model):
-    """megatron-core forward step: returns the per-token losses and the loss function."""
+def forward_step(data_iterator, model, output_processor=None):
+    """megatron-core forward step: returns the model's loss output and the loss function. ``output_processor``
+    (bind it with ``functools.partial``): megatron-core ``GPTModel``'s hook after the decoder, given the loss
+    mask; the model then returns the masked loss sum (an fp32 scalar) instead of per-token losses."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     mb = next(data_iterator)
@@ -59,13 +64,21 @@ def forward_step(data_iterator, model):
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                               max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
     with torch.profiler.record_function("train.forward_first" if mb.get("first") else "train.forward"):
-        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp)
+        if output_processor is None:
+            output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp)
+        else:
+            output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], packed_seq_params=psp,
+                           loss_mask=mb["loss_mask"], output_processor=output_processor)
     return output, partial(_loss_func, mb["loss_mask"])
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    losses = output_tensor.float().reshape(-1)
+    """``(loss sum, tokens, logged [sum, tokens])`` of a micro-batch from the model's output: per-token losses
+    ``[b, s]`` (masked and summed here) or the masked sum itself (a scalar, from an output processor)."""
     mask = loss_mask.reshape(-1).float()
-    loss_sum = (losses * mask).sum()
+    if output_tensor.dim() == 0:
+        loss_sum = output_tensor.float()
+    else:
+        loss_sum = (output_tensor.float().reshape(-1) * mask).sum()
     num_tokens = mask.sum().to(torch.int)
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}

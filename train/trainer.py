@@ -67,7 +67,7 @@ class Trainer:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         cfg, env = self.cfg, self.env
-        self.model = build_model(cfg, env, self.precision, log=partial(log0, env))
+        self.model, self.output_processor = build_model(cfg, env, self.precision, log=partial(log0, env))
         self.model_config = mc = self.model[0].config
         self.optimizer = build_optimizer(cfg, self.model, self.precision)
         use_fused_adam(self.optimizer, cfg.optim.fused)  # torch has the kernel for CPUs too
@@ -126,7 +126,8 @@ class Trainer:
         mbsz = mbs[0]["tokens"].shape[0]
         iters = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
         out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iters, model=self.model,
+            forward_step_func=partial(forward_step, output_processor=self.output_processor), data_iterator=iters,
+            model=self.model,
             num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbsz, forward_only=forward_only)
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return None

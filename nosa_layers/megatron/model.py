@@ -30,12 +30,9 @@ from nosa_layers.rope.longrope import LongRoPEConfig
 
 def fused_config(model: ModelConfig) -> dict:
     """megatron-core fusions that ``build_model(fusions=True)`` turns on: its SwiGLU (keeps only the
-    input for the backward) and, for bf16 models (its logit gradient is bf16), its cross entropy
-    (fewer fp32 passes over the ``[tokens, vocab]`` logits)."""
-    out = dict(bias_activation_fusion=True)
-    if model.params_dtype == "bfloat16":
-        out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
-    return out
+    input for the backward). The loss is chosen on its own (``cross_entropy_loss_fusion``, or the chunked
+    loss of ``nosa_layers.megatron.lm_loss``)."""
+    return dict(bias_activation_fusion=True)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,8 +148,8 @@ def build_model(model: ModelConfig, attn: AttentionConfig, parallel: Optional[Pa
     its checkpoints name the fused norms differently). ``init_seed`` (needs
     ``use_cpu_initialization``) makes the initial weights independent of the parallel layout
     (:class:`NOSAGPTModel`). ``fusions`` (GPU training): the fused Triton RMSNorm of the local spec,
-    the fused Triton RoPE and megatron-core's fused SwiGLU and cross entropy (``torch.compile``; the
-    same formulas, fewer passes over memory). Extra keywords override ``TransformerConfig`` fields (e.g.
+    the fused Triton RoPE and megatron-core's fused SwiGLU (``torch.compile``; the same formulas, fewer
+    passes over memory). Extra keywords override ``TransformerConfig`` fields (e.g.
     ``recompute_granularity``, ``bias_activation_fusion``).
     """
     parallel = parallel or ParallelConfig()

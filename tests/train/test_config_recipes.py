@@ -94,6 +94,9 @@ def test_strict_conversion_names_the_bad_key():
     ("train.seq_length=500", "multiple of the NOSA block_size"),
     ("stage.kind=rl", "stage.kind"),
     ("parallel.context_parallel_size=3", "divisible by 2\\*context_parallel=6"),
+    ("train.loss_impl=whole", "train.loss_impl='whole' is not one of"),
+    ("train.loss_chunk_tokens=0", "train.loss_chunk_tokens=0 must be >= 1"),
+    ("train.precision=fp16", "train.loss_impl=chunked computes the logit gradients in the forward"),
 ])
 def test_validation_errors_are_one_line(override, msg):
     cfg = load_config(["recipe=tiny_cpt", override])

@@ -74,7 +74,8 @@ def test_resume_falls_back_from_a_damaged_checkpoint_rotation_keeps_verified_one
             ) in p.stdout
     assert f"resumed from {ckpts / 'iter_0000002'} at step 2" in p.stdout
     assert "rotation: deleted iter_0000002 (checkpoint.keep_last=2; the kept iter_0000004 verified by hash" in p.stdout
-    assert "layer spec=local (megatron-core local layers), fusions=off, initial weights from (seed, layer)" in p.stdout
+    assert ("layer spec=local (megatron-core local layers), fusions=off, loss=chunked (4096 tokens), initial weights "
+            "from (seed, layer)") in p.stdout
     changed = next(ln for ln in p.stdout.splitlines() if ln.startswith("resuming with changed settings: "))
     assert "checkpoint.keep_last 0 -> 2; run.dir " in changed and changed.endswith("; train.max_steps 4 -> 8")
     # the disk fills up during the step-8 save: one line, the partial save removed, steps 4 and 6 kept
