@@ -7,8 +7,16 @@ score equal). Rows:
 
 * prefill: one prompt of 4K / 16K tokens, ``use_cache=True``, last-token logits (median of 3);
   NOSA through the Triton kernels when ``nosa_layers`` is importable on a GPU, else the reference;
-* decode: batch 1 / 4 at 4K / 16K context (one prompt prefilled, its cache repeated to the batch),
-  tokens/s over ``--steps`` greedy steps after 2 warm-up steps;
+* decode: batch 1 / 4 at 4K / 16K context and batch 8 at 32K (``DECODE_CELLS``; one prompt prefilled, its
+  cache repeated to the batch), tokens/s over ``--steps`` greedy steps after 2 warm-up steps (``warm_s``:
+  their time, the CUDA-graph capture and ``torch.compile`` included). NOSA on CUDA: the CUDA-graphed step
+  compiled by Inductor (the default, ``compiled`` True) and the plain graphed step (``nosa_plain``); the NOSA
+  caches of one batch size share one capacity (the largest context of that batch), so the step compiles once
+  per batch size. The stock Llama: its eager ``DynamicCache`` decode and (``--baseline static``) the static
+  cache + ``torch.compile`` decode that transformers documents (``bench.decode_baseline``);
+* ``--profile`` with decode rows: one decode step of the NOSA model layer by layer (``bench.decode_profile``:
+  per layer kernels, launches, device time, the selection's share; host synchronisations; the kernels of
+  the compiled step) at 4K batch 1 and 16K batch 4;
 * offload (16K context, ``--long-context N`` for another): the largest batch whose peak device
   memory stays under ``--mem-limit-gib`` with the whole KV cache on the device vs with the
   offloaded cache (blocks in pinned host memory, the selection's blocks in ``topk`` device slots,
@@ -86,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offloaded NOSA decode: the batch in this many parts on their own CUDA streams "
                         "(fetch / compute overlap; default: the cache's, 4; GPU-resident rows keep one stream)")
     p.add_argument("--profile", action="store_true",
-                   help="offload rows: also the device time per decode step by kernel (top 20)")
+                   help="decode rows: a per-layer profile of one NOSA step at 4K b1 and 16K b4; offload rows: "
+                        "the device time per decode step by kernel (top 20)")
     p.add_argument("--part-fetch-grid", type=int, default=None,
                    help="with --decode-streams: programs per SM of a part's host fetch (cache default 2)")
     p.add_argument("--memory-profile", action="store_true",
@@ -115,6 +124,7 @@ from bench.batch_search import BatchSearch
 from bench.decode_checks import DecodeChecks
 from bench.inference_util import GIB, cache_kw, log, out_cache
 from bench.decode_baseline import static_decode
+from bench.decode_profile import step_profile
 from checkpoints_convert.random_export import (
     load_random_model,
     stock_llama,
@@ -125,6 +135,11 @@ from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 from runtime.outputs import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
+# (context, batch) of the decode rows; the profile rows' cells
+DECODE_CELLS = ((4096, 1), (4096, 4), (16384, 1), (16384, 4), (32768, 8))
+QUICK_DECODE_CELLS = ((256, 1), (256, 4), (512, 1), (512, 4), (768, 2))
+PROFILE_CELLS = ((4096, 1), (16384, 4))
+QUICK_PROFILE_CELLS = ((256, 1), (512, 4))
 
 def model_shape(args) -> ModelConfig:
     if args.quick:
@@ -149,6 +164,10 @@ class Bench(BatchSearch, DecodeChecks):
         self.geo = tiny_geometry() if args.quick else NOSAConfig()
         self.text = None  # held-out tokens of --data (trained models), else random prompts
         self.ctx = args.contexts or ([256, 512] if args.quick else [4096, 16384])
+        self.decode_cells = QUICK_DECODE_CELLS if args.quick else DECODE_CELLS
+        if args.contexts:  # batch 1 and 4 at each given context
+            self.decode_cells = tuple((n, b) for n in args.contexts for b in (1, 4))
+        self.profile_cells = QUICK_PROFILE_CELLS if args.quick else PROFILE_CELLS
         self.long = args.long_context or self.ctx[-1]
         self.rows: list = []
         self.tmp = Path(tempfile.mkdtemp(prefix="nosa_bench_"))
@@ -215,9 +234,16 @@ class Bench(BatchSearch, DecodeChecks):
                 times.append(time.perf_counter() - t0)
         return {"prefill_s": round(statistics.median(times), 4), "tokens": n}
 
+    def decode_reserve(self, n: int, batch: int) -> int:
+        """Tokens per sequence of a decode row's NOSA cache: the largest context of the rows of this batch
+        size (one capacity per batch size: the compiled step traces once per batch size), plus the steps."""
+        ctx = max([c for c, b in self.decode_cells if b == batch] + [n])
+        return ctx + self.args.steps + 8
+
     @torch.no_grad()
-    def prefilled_cache(self, model, n: int, batch: int, **cache_opts):
-        """Cache of one prompt of ``n`` tokens repeated to ``batch`` sequences, and the next tokens."""
+    def prefilled_cache(self, model, n: int, batch: int, reserve: int | None = None, **cache_opts):
+        """Cache of one prompt of ``n`` tokens repeated to ``batch`` sequences (``reserve`` tokens per
+        sequence allocated, default ``n`` + the steps), and the next tokens."""
         kw = {}
         if cache_opts.get("offload") and self.args.gpu_blocks:
             cache_opts = {**cache_opts, "gpu_blocks": self.args.gpu_blocks}
@@ -225,7 +251,8 @@ class Bench(BatchSearch, DecodeChecks):
             # parts on streams overlap host fetches with compute: offloaded caches only (the GPU-resident
             # rows, the baseline of the offload ratios, stay at their faster single stream)
             streams = self.args.decode_streams if cache_opts.get("offload") else 1
-            kw[cache_kw(model)] = model.new_cache(reserve=n + self.args.steps + 8, attention=self.args.attention,
+            kw[cache_kw(model)] = model.new_cache(reserve=reserve or n + self.args.steps + 8,
+                                                  attention=self.args.attention,
                                                   decode_streams=streams, **cache_opts)
             if self.args.part_fetch_grid:
                 kw[cache_kw(model)].part_fetch_programs_per_sm = self.args.part_fetch_grid
@@ -239,7 +266,7 @@ class Bench(BatchSearch, DecodeChecks):
     @torch.no_grad()
     def decode_rate(self, model, cache, tok, steps: int, warm: int = 2) -> dict:
         name = cache_kw(model)
-        per_step = []
+        per_step, warm_s = [], 0.0
         for i in range(warm + steps):
             self.sync()
             t0 = time.perf_counter()
@@ -249,11 +276,18 @@ class Bench(BatchSearch, DecodeChecks):
             self.sync()
             if i >= warm:
                 per_step.append(time.perf_counter() - t0)
+            else:
+                warm_s += time.perf_counter() - t0
         B = tok.shape[0]
         total = sum(per_step)
         self.last_steps = per_step
-        return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
-                "tok_per_s": round(B * steps / total, 1)}
+        out = {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
+               "tok_per_s": round(B * steps / total, 1), "warm_s": round(warm_s, 2)}
+        graph = getattr(cache, "graph", None)
+        if hasattr(cache, "offload") and self.dev.type == "cuda":  # NOSA: how the steps ran
+            out["cuda_graph"] = graph is not None and graph.graph is not None
+            out["compiled"] = out["cuda_graph"] and graph.compiled
+        return out
 
     # ------------------------------------------------------------------ rows
     def run(self) -> None:
@@ -305,13 +339,12 @@ class Bench(BatchSearch, DecodeChecks):
                 "peak_gib": round(p["peak_bytes"] / GIB, 3), "note": "the device budget of every model below"}
 
     def baseline_rows(self, kind: str, model) -> None:
-        """Static KV cache + torch.compile (transformers' documented fast decode) at batch 1 / 4."""
+        """Static KV cache + torch.compile (transformers' documented fast decode) at the decode cells."""
         compiled = self.args.baseline == "static" and self.dev.type == "cuda"
-        for n in self.ctx:
-            for B in (1, 4):
-                self.row(f"decode {kind} static{'+compile' if compiled else ''} ctx{n} b{B}",
-                         lambda n=n, B=B: {"model": kind, "context": n,
-                                           **static_decode(model, self.prompt(n, B), self.args.steps, compiled)})
+        for n, B in self.decode_cells:
+            self.row(f"decode {kind} static{'+compile' if compiled else ''} ctx{n} b{B}",
+                     lambda n=n, B=B: {"model": kind, "context": n,
+                                       **static_decode(model, self.prompt(n, B), self.args.steps, compiled)})
 
     def model_rows(self, kind: str, model, only: set) -> None:
         backend = self.attention_backend(model)
@@ -320,16 +353,31 @@ class Bench(BatchSearch, DecodeChecks):
                 self.row(f"prefill {kind} {n}",
                          lambda n=n: {"model": kind, "attention": backend, **self.prefill_time(model, n)})
         if "decode" in only:
-            for n in self.ctx:
-                for B in (1, 4):
-                    def dec(n=n, B=B):
-                        cache, tok = self.prefilled_cache(model, n, B)
+            nosa = hasattr(model, "new_cache")
+            variants = [(kind, None)]
+            if nosa and self.dev.type == "cuda":  # the compiled graphed step (default) and the plain one
+                variants.append((f"{kind}_plain", False))
+            for name, compile_opt in variants:
+                if compile_opt is not None:
+                    model.set_cache_options(compile=compile_opt)
+                for n, B in self.decode_cells:
+                    def dec(n=n, B=B, name=name):
+                        cache, tok = self.prefilled_cache(model, n, B,
+                                                          reserve=self.decode_reserve(n, B) if nosa else None)
                         path = {"attention": cache.attention} if hasattr(cache, "attention") else {}
-                        return {"model": kind, "context": n, **path,
+                        return {"model": name, "context": n, **path,
                                 **self.decode_rate(model, cache, tok, self.args.steps)}
-                    self.row(f"decode {kind} ctx{n} b{B}", dec)
-            if not hasattr(model, "new_cache") and self.args.baseline != "none":
+                    self.row(f"decode {name} ctx{n} b{B}", dec)
+                if compile_opt is not None:
+                    model.set_cache_options()
+            if not nosa and self.args.baseline != "none":
                 self.baseline_rows(kind, model)
+            if nosa and self.args.profile:
+                for n, B in self.profile_cells:
+                    self.row(f"profile {kind} ctx{n} b{B}", lambda n=n, B=B: {
+                        "model": kind, "context": n,
+                        **step_profile(model, *self.prefilled_cache(model, n, B, reserve=self.decode_reserve(n, B)),
+                                       self.dev)})
             if kind == "nosa" and self.dev.type == "cuda":
                 self.row("check nosa decode: graph / offload vs eager", lambda: self.graph_check(model))
                 model.set_cache_options(cuda_graphs=False)
@@ -423,7 +471,8 @@ class Bench(BatchSearch, DecodeChecks):
             log(f"wrote {out / 'inference.json'} and {out / 'inference.md'}")
 
 
-COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "first_step_ms", "fetch", "batch", "peak_gib", "host_gib",
+COLUMNS = ("row", "prefill_s", "tok_per_s", "step_ms", "warm_s", "cuda_graph", "compiled", "first_step_ms",
+           "fetch", "batch", "peak_gib", "host_gib",
            "per_seq_device_mib", "per_seq_cache_mib", "first_step_h2d_mib", "h2d_bytes_per_token",
            "d2h_bytes_per_token", "fetched_blocks_per_step_per_head", "hit_rate",
            "attention", "max_abs_logit_diff", "offload_max_abs_logit_diff", "error")
@@ -442,6 +491,18 @@ def markdown(rows: list, meta: dict) -> str:
             base = pre.get(r["row"].replace("nosa", "llama_sdpa"))
             if base:
                 ratios.append(f"{r['row']}: {r['prefill_s'] / base:.2f}x stock Llama SDPA")
+    # decode: NOSA tokens/s over the best dense decode of the same cell (static + compile when measured)
+    dense = {}
+    for r in rows:
+        if r["row"].startswith("decode llama_sdpa") and r.get("tok_per_s") and "context" in r:
+            key = (r["context"], r["batch"])
+            dense[key] = max(dense.get(key, (0, "")), (r["tok_per_s"], r["row"].split()[1:-2]))
+    for r in rows:
+        if r["row"].split()[:2] in (["decode", "nosa"], ["decode", "nosa_plain"]) and r.get("tok_per_s") \
+                and (r.get("context"), r.get("batch")) in dense:
+            best, what = dense[(r["context"], r["batch"])]
+            ratios.append(f"{r['row']}: {r['tok_per_s'] / best:.2f}x the best dense decode "
+                          f"({' '.join(what)}, {best} tok/s)")
     return "\n".join(lines + [""] + ratios)
 
 

@@ -26,6 +26,8 @@ from inference.streams import shared_streams
 from inference.transfers import HostTransfers
 from nosa_layers.config import NOSAConfig
 from nosa_layers.ops.decode_attention import available as attn_kernel_available
+from nosa_layers.ops.decode_attention import define_kernels as define_attention_kernels
+from nosa_layers.ops.offload_copy import define_kernels as define_offload_kernels
 from nosa_layers.selection import block_window_index
 
 # batch parts of an offloaded decode step by default: their host fetches take turns with the other
@@ -175,7 +177,7 @@ class NOSABlockCache(Cache):
         (writes land here) and has its own positions, per-step values and transfer counters; its
         ``part_range`` is its sequences' range. Hand the views back to :meth:`gather_parts`."""
         B, n = self.batch, min(self.decode_streams, self.batch)
-        if n < 2 or not self.decoding or (self.offload and self.fetch != "uva"):
+        if not self.decoding or not self.splits_decode():
             return []
         # a part's fetch takes a few programs per SM (``part_fetch_programs_per_sm``) and leaves the SMs'
         # other slots to the other parts' compute (CPU, interpreter: 3 programs, which exercises their
@@ -185,6 +187,10 @@ class NOSABlockCache(Cache):
                 if dev.type == "cuda" else 3)
         chain = [None]  # the parts' host fetches run one after another, in issue order (HostTransfers.copy_rows)
         return [self._view(i * B // n, (i + 1) * B // n, grid, chain) for i in range(n)]
+
+    def splits_decode(self) -> bool:
+        """Whether a decode step runs in batch parts (:meth:`decode_parts`)."""
+        return min(self.decode_streams, self.batch) >= 2 and not (self.offload and self.fetch != "uva")
 
     def gather_parts(self, parts: list["NOSABlockCache"]) -> None:
         """Add the parts' transfer counters to this cache's."""
@@ -261,6 +267,9 @@ class NOSABlockCache(Cache):
                 self._grow(self.seen + 1)
             self.set_pos(self.lens.clone())
             self.transfers.step_h2d = 0
+            for st in self.states:  # made here, not inside a (compiled, captured) step: constant per capacity
+                if st.spec.cfg is not None:
+                    self.window_index(st.spec.cfg, st.num_blocks, st.kc.shape[2] - 1, self.device)
             return
         lens = self.lens.tolist()
         self.rows = [self.valid_new[b].nonzero().squeeze(-1) for b in range(B)]
@@ -269,6 +278,14 @@ class NOSABlockCache(Cache):
         need = max(a + c for a, c in zip(lens, counts))
         if need > self.capacity:
             self._grow(need)
+
+    def prepare_compiled_decode(self) -> None:
+        """Before a ``torch.compile``-d decode step: the Triton kernels it calls defined (their definition
+        cannot be traced)."""
+        if self.attention == "triton":
+            define_attention_kernels()
+        if self.offload and self.fetch == "uva":
+            define_offload_kernels()
 
     def set_pos(self, pos: Tensor) -> None:
         """Positions of this step's new tokens; forgets what was derived from the previous ones."""

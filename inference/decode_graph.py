@@ -27,6 +27,7 @@ class DecodeGraph:
         self.warm = False
         self.static: dict = {}
         self.out: Tensor | None = None
+        self.compiled = False  # the captured body is torch.compile-d (set by the model)
 
     def step(self, cache, body, emb: Tensor, cos: Tensor, sin: Tensor, valid_new: Tensor) -> Tensor:
         cur = torch.cuda.current_stream()

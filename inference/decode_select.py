@@ -21,7 +21,8 @@ POS_INF = float("inf")
 
 def decode_masks(pos: Tensor, cfg: NOSAConfig, NB: int, NW: int) -> dict:
     """What the batched selection derives from the positions alone (shared by all layers of a step):
-    ``hidden [B, 1, NW]`` (windows not complete yet), ``forced`` / ``future [B, 1, NB]``, ``qb [B, 1]``."""
+    ``hidden [B, 1, NW]`` (windows not complete yet), ``forced`` / ``future [B, 1, NB]``, ``qb [B, 1]``;
+    ``pinned [B, 1, NB]`` (forced or future) and ``pin_value`` (``-inf`` future, ``+inf`` forced)."""
     dev = pos.device
     n = pos + 1
     nw = torch.where(n >= cfg.kernel_size,
@@ -30,7 +31,12 @@ def decode_masks(pos: Tensor, cfg: NOSAConfig, NB: int, NW: int) -> dict:
     blk = torch.arange(NB, device=dev)[None, :]
     qb = torch.div(pos, cfg.block_size, rounding_mode="floor")[:, None]
     forced = ((blk < cfg.init_blocks) | ((blk >= qb - cfg.local_blocks) & (blk <= qb)))[:, None]
-    return {"hidden": hidden, "forced": forced, "future": (blk > qb)[:, None], "qb": qb}
+    future = (blk > qb)[:, None]
+    # folded for select_decode_fast: the blocks whose score is pinned, and the value they get
+    # (future -inf wins over forced +inf, as in the reference's two masked_fills)
+    pinned = forced | future
+    pin_value = torch.where(future, NEG_INF, POS_INF)
+    return {"hidden": hidden, "forced": forced, "future": future, "qb": qb, "pinned": pinned, "pin_value": pin_value}
 
 
 @torch.no_grad()
@@ -55,6 +61,35 @@ def select_decode_batched(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor
     b_qa = pool_to_blocks(s_qa, index).masked_fill(forced, POS_INF)  # [B, Hkv, NB]
     b_qg = None if wsc is None else pool_to_blocks(wsc.masked_fill(hidden, NEG_INF), index)
     blocks = two_stage_blocks(b_qa, b_qg, forced, future, cfg)
+    return blocks, blocks <= qb[:, :, None]
+
+
+@torch.no_grad()
+def select_decode_fast(q: Tensor, kc: Tensor, wsc: Tensor | None, cfg: NOSAConfig, index: Tensor,
+                       softmax_scale: float, masks: dict) -> tuple[Tensor, Tensor]:
+    """:func:`select_decode_batched` with fewer operations per layer (same selection; tested against it).
+
+    ``kc [B, Hkv, NW + 1, D]`` and ``wsc [B, Hkv, NW + 1]`` carry one column past the ``NW`` windows (the
+    cache's sink column, any finite values) and ``masks = decode_masks(pos, cfg, NB, NW + 1)``: that column
+    is always hidden, so it is the ``-inf`` padding that ``index`` points at (no padded copies), and the
+    softmax of a row with no complete window (all ``NaN``) is overwritten by the hidden mask (no
+    ``nan_to_num``); forced and future blocks are pinned by one ``where`` (``masks["pinned"]``); the
+    query-agnostic stage pins the query-aware blocks and the forced / future ones in two. Returns
+    ``(blocks [B, Hkv, K] long, ok [B, Hkv, K] bool)``."""
+    hidden, qb = masks["hidden"], masks["qb"]
+    pinned, pin_value = masks["pinned"], masks["pin_value"]
+    NB = index.shape[0]
+    dt = torch.promote_types(kc.dtype, torch.float32)
+    logits = torch.matmul(q.to(dt), kc.to(dt).transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW + 1]
+    probs = torch.softmax(logits.masked_fill(hidden[:, :, None], NEG_INF), dim=-1)
+    s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)
+    ranked = torch.where(pinned, pin_value, s_qa[..., index].amax(dim=-1))  # [B, Hkv, NB]
+    if wsc is not None:
+        b_qg = wsc.masked_fill(hidden, NEG_INF)[..., index].amax(dim=-1)
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(cfg.query_aware_blocks, NB)]
+        query_aware = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, order, True)
+        ranked = torch.where(pinned, pin_value, b_qg.masked_fill(query_aware, POS_INF))
+    blocks = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(cfg.topk, NB)]
     return blocks, blocks <= qb[:, :, None]
 
 

@@ -4,7 +4,8 @@ A fixed number of batched tensor operations per layer, independent of the contex
 synchronisation in the GPU-resident mode: the new key / value / score are written at each sequence's own
 length, a window that the token completes is added to the compressed keys and window score means, the
 reference selection of that row (``nosa_layers.selection.select_rows``) is recomputed from them for all
-sequences (``inference.decode_select``), and the token attends to the selected blocks: read in place by the
+sequences (``inference.decode_select.select_decode_fast``, tested against the plain batched reference
+``select_decode_batched``), and the token attends to the selected blocks: read in place by the
 Triton kernel (``nosa_layers.ops.decode_attention``) or gathered and ``attend``-ed. An offloaded layer first
 brings the selected blocks into its GPU slots (``inference.transfers``).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inference.decode_select import attend, decode_masks, select_decode_batched
+from inference.decode_select import attend, decode_masks, select_decode_fast
 from inference.storage import LayerState
 from nosa_layers.config import NOSAConfig
 from nosa_layers.ops.decode_attention import decode_attention
@@ -95,11 +96,10 @@ def decode_layer(cache, st: LayerState, q: Tensor, k: Tensor, v: Tensor, score: 
             if st.bias_mode == "own":
                 st.bias[bi, hi, pos[:, None]] = b1
     _update_windows(st, grid, cfg, k1, s1, cache.state_dtype)
-    NW = st.kc.shape[2] - 1
+    NW = st.kc.shape[2] - 1  # windows; column NW is the sink of windows not complete yet
     index = cache.window_index(cfg, st.num_blocks, NW, q.device)
-    masks = grid.masks(cfg, index.shape[0], NW)
-    sel, sel_ok = select_decode_batched(qg, st.kc[:, :, :NW], None if st.score is None else st.wsc[:, :, :NW],
-                                        pos, cfg, index, scale, masks)
+    masks = grid.masks(cfg, index.shape[0], NW + 1)
+    sel, sel_ok = select_decode_fast(qg, st.kc, None if st.score is None else st.wsc, cfg, index, scale, masks)
     tok = (k1, v1, s1, b1)
     if _kernel_applies(cache, st, qg, sel):
         out = _attend_in_place(cache, st, qg, sel, sel_ok, tok, scale)

@@ -102,6 +102,7 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.cache_options: dict = {}  # keyword arguments of new_cache() for caches made by forward()
+        self._compiled: dict = {}  # torch.compile backend -> the compiled _decode_body
         self.post_init()
 
     def get_input_embeddings(self):
@@ -112,6 +113,35 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
                 and (not cache.offload or cache.fetch == "uva")
                 and x.is_cuda and self.cache_options.get("cuda_graphs", True) and not torch.is_grad_enabled()
                 and not any(layer.self_attn.record_selection for layer in self.layers))
+
+    def _decode_fn(self, cache: NOSABlockCache, graphed: bool):
+        """The decode body of this step: ``_decode_body`` compiled by ``torch.compile`` or plain.
+
+        Cache option ``compile``: ``"auto"`` (default) = Inductor for a CUDA-graphed step of a GPU-resident
+        cache decoded in one part (the graph is our own capture around the compiled code: no Inductor
+        CUDA graphs); ``True`` = Inductor for every batched decode step (CPU included); ``False`` = plain;
+        another string = that ``torch.compile`` backend (e.g. ``"aot_eager"``). Compiled once per model and
+        backend with static shapes (a new batch size or cache capacity compiles again; positions are tensors)."""
+        mode = self.cache_options.get("compile", "auto")
+        if mode == "auto":
+            if not graphed or cache.offload or cache.splits_decode():
+                return self._decode_body
+            mode = True
+        if not mode or any(layer.self_attn.record_selection for layer in self.layers):
+            return self._decode_body
+        backend = "inductor" if mode is True else str(mode)
+        if backend not in self._compiled:
+            self._compiled[backend] = torch.compile(self._decode_body, backend=backend, dynamic=False)
+        cache.prepare_compiled_decode()
+        return self._compiled[backend]
+
+    def _compile_failed(self, e: Exception, what: str) -> None:
+        """Warn once and decode uncompiled from now on."""
+        import warnings
+
+        warnings.warn(f"NOSA decode: torch.compile of the decode step failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:300] if str(e) else ''}); {what}", stacklevel=3)
+        self.cache_options = {**self.cache_options, "compile": False}
 
     def _decode_body(self, h: Tensor, position_embeddings, cache: NOSABlockCache) -> Tensor:
         """Every layer's decode step; with ``decode_streams`` > 1 the batch runs in parts, layer by
@@ -161,8 +191,17 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         cos, sin = self.rotary_emb(x, position_ids)
         if cache.graph is None or cache.graph.version != cache.version or cache.graph.batch != cache.batch:
             cache.graph = DecodeGraph(cache)
+        body = self._decode_fn(cache, graphed=True)
         try:
-            h = cache.graph.step(cache, lambda e, pe: self._decode_body(e, pe, cache), x, cos, sin, valid_new)
+            try:
+                h = cache.graph.step(cache, lambda e, pe: body(e, pe, cache), x, cos, sin, valid_new)
+                cache.graph.compiled = body is not self._decode_body
+            except Exception as e:  # noqa: BLE001 (compiled: retry with the plain body, then eager)
+                if body is self._decode_body:
+                    raise
+                self._compile_failed(e, "capturing the uncompiled step")
+                cache.graph = DecodeGraph(cache)
+                h = cache.graph.step(cache, lambda e, pe: self._decode_body(e, pe, cache), x, cos, sin, valid_new)
         except Exception as e:  # noqa: BLE001 (fall back to the eager step, which computes the same)
             import warnings
 
@@ -215,7 +254,8 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", False)
         if use_cache and cache is None:
-            cache = self.new_cache(**{k: v for k, v in self.cache_options.items() if k != "cuda_graphs"})
+            step_only = ("cuda_graphs", "compile")  # options of the decode step, not of the cache
+            cache = self.new_cache(**{k: v for k, v in self.cache_options.items() if k not in step_only})
         B, T = inputs_embeds.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
         if self._graph_decode_applies(cache, T, inputs_embeds):
@@ -240,7 +280,14 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
         if block_cache:
             cache.begin(valid, T, h.device, h.dtype)
         if block_cache and cache.decoding:
-            h = self._decode_body(h, position_embeddings, cache)
+            body = self._decode_fn(cache, graphed=False)
+            try:
+                h = body(h, position_embeddings, cache)
+            except Exception as e:  # noqa: BLE001 (the plain body computes the same)
+                if body is self._decode_body:
+                    raise
+                self._compile_failed(e, "decoding uncompiled from now on")
+                h = self._decode_body(h, position_embeddings, cache)
         else:
             for layer in self.layers:
                 h = layer(h, valid, position_embeddings, cache)
@@ -304,12 +351,17 @@ class NOSALlamaForCausalLM(NOSALlamaPreTrainedModel, GenerationMixin):
 
     def set_cache_options(self, offload: bool = False, gpu_blocks: int | None = None, dynamic: bool = False,
                           cuda_graphs: bool = True, fetch: str = "auto", attention: str = "auto",
-                          decode_streams: int | None = None) -> None:
+                          decode_streams: int | None = None, compile: bool | str = "auto") -> None:
         """Options of the caches that ``forward`` / ``generate`` make when given none (e.g. under lm-eval);
-        ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout)."""
+        ``cuda_graphs=False`` keeps GPU decode steps eager (default: captured once per cache layout);
+        ``compile``: the decode step through ``torch.compile`` (``auto``: Inductor inside the CUDA graph of a
+        GPU-resident cache; ``True``: every batched step; ``False``; or a backend name; see
+        ``NOSALlamaModel._decode_fn``)."""
+        if not isinstance(compile, bool) and not (isinstance(compile, str) and compile):
+            raise ValueError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
         self.model.cache_options = {"offload": offload, "gpu_blocks": gpu_blocks, "dynamic": dynamic,
                                     "cuda_graphs": cuda_graphs, "fetch": fetch, "attention": attention,
-                                    "decode_streams": decode_streams}
+                                    "decode_streams": decode_streams, "compile": compile}
 
     def selections(self) -> dict:
         """``{layer: [per-sequence bool [Hkv, rows, blocks]]}`` of the last forward (after ``record(True)``)."""

@@ -46,6 +46,12 @@ def supported(q: Tensor, block_size: int) -> bool:
         torch.float32, torch.bfloat16, torch.float16)
 
 
+def define_kernels() -> None:
+    """Define the Triton kernels now (no-op without Triton): a ``torch.compile``-d caller must find them
+    defined, it cannot trace their definition."""
+    _build()
+
+
 def _build() -> dict:
     if _KERNELS or triton is None:
         return _KERNELS
@@ -141,8 +147,8 @@ def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, bl
     if q.dtype != pool_k.dtype or (host_k is not None and host_k.dtype != q.dtype):
         raise ValueError(f"q ({q.dtype}) and the block pools ({pool_k.dtype}) must share one dtype")
     K, bs = rows.shape[-1], pool_k.shape[1]
-    GP = max(16, triton.next_power_of_2(G))
-    n_split = triton.cdiv(K, per_prog)
+    GP = max(16, 1 << (G - 1).bit_length())  # plain Python (traceable): next power of two
+    n_split = -(-K // per_prog)
     dev = q.device
     m = torch.empty(B * Hkv, n_split, GP, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -166,4 +172,4 @@ def decode_attention(q: Tensor, pool_k: Tensor, pool_v: Tensor, rows: Tensor, bl
     return out[:, :G].view(B, Hkv, G, D)
 
 
-__all__ = ["available", "supported", "decode_attention", "PER_PROG"]
+__all__ = ["available", "define_kernels", "supported", "decode_attention", "PER_PROG"]

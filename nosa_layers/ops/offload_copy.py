@@ -28,6 +28,12 @@ def available() -> bool:
     return triton is not None
 
 
+def define_kernels() -> None:
+    """Define the Triton kernels now (no-op without Triton): a ``torch.compile``-d caller must find them
+    defined, it cannot trace their definition."""
+    _build()
+
+
 def _build() -> dict:
     if _KERNELS or triton is None:
         return _KERNELS
@@ -105,7 +111,7 @@ def store_values(x: Tensor, host: Tensor, dst_elem: Tensor) -> None:
     n = x.numel()
     if n:
         block = 128
-        _build()["store_values"][(triton.cdiv(n, block),)](x, host, dst_elem, n, BLOCK=block, num_warps=1)
+        _build()["store_values"][(-(-n // block),)](x, host, dst_elem, n, BLOCK=block, num_warps=1)
 
 
-__all__ = ["available", "fetch_rows", "store_tokens", "store_values"]
+__all__ = ["available", "define_kernels", "fetch_rows", "store_tokens", "store_values"]

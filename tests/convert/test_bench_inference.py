@@ -89,3 +89,24 @@ def test_trained_exports_rows(tmp_path):
     assert 0 <= off["hit_rate"] <= 1 and off["h2d_bytes_per_token"] > 0
     assert inference.main(["--out", str(out), "--model", str(tmp_path / "nowhere")]) == 2
     assert inference.main(["--out", str(out), "--data", str(corpus)]) == 2
+
+
+def test_quick_decode_rows_and_step_profile(tmp_path):
+    """``--only decode --profile`` on CPU: the decode cells of NOSA and the stock Llama (eager and static
+    cache), and the per-layer profile of one NOSA step: every layer has its units, the selection is a
+    part of each NOSA layer, the compiled body was traced."""
+    import json
+
+    assert inference.main(["--out", str(tmp_path), "--quick", "--only", "decode", "--profile", "--steps", "2"]) == 0
+    rows = {r["row"]: r for r in json.loads((tmp_path / "inference.json").read_text())["rows"]}
+    for n, b in inference.QUICK_DECODE_CELLS:
+        for name in (f"decode nosa ctx{n} b{b}", f"decode llama_sdpa ctx{n} b{b}",
+                     f"decode llama_sdpa static ctx{n} b{b}"):
+            assert rows[name].get("tok_per_s", 0) > 0, rows[name]
+    for n, b in inference.QUICK_PROFILE_CELLS:
+        p = rows[f"profile nosa ctx{n} b{b}"]
+        assert "error" not in p, p
+        assert all(r["units"] > 0 and r["selection_units"] > 0 for r in p["profile_layers"]), p["profile_layers"]
+        assert p["profile_sections"]["selection"]["units"] > 0 and p["profile_layer_table"]
+        assert p["profile_compiled"]["units"] > 0
+    assert "x the best dense decode" in (tmp_path / "inference.md").read_text()

@@ -464,11 +464,11 @@ def test_decode_in_batch_parts_equals_one_part(export_dirs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["nosa", "triton"])
 def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
-    """On a GPU: the CUDA-graph decode step and the offloaded cache (host copies; kernels on pinned host
-    memory inside the graph; topk slots and fewer; the batch in two parts on two streams) give the eager
-    GPU-resident logits. ``nosa`` (head
-    dim 8) decodes with the PyTorch attention, ``triton`` (head dim 16) with the decode-attention kernel
-    (except with 4 slots and host copies: slot-less blocks then need the gathered path)."""
+    """On a GPU: the CUDA-graph decode step (``torch.compile``-d by default, and plain) and the offloaded
+    cache (host copies; kernels on pinned host memory inside the graph, compiled too; topk slots and fewer;
+    the batch in two parts on two streams) give the eager GPU-resident logits. ``nosa`` (head dim 8) decodes
+    with the PyTorch attention, ``triton`` (head dim 16) with the decode-attention kernel (except with 4 slots
+    and host copies: slot-less blocks then need the gathered path)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = _load(export_dirs[kind], torch.float32).cuda()
@@ -477,6 +477,9 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
     ids, mask, new = ids.cuda(), mask.cuda(), new.cuda()
     runs = {}
     for name, opts, cache_kw in (("eager", {"cuda_graphs": False}, {}), ("graph", {}, {}),
+                                 ("graph_plain", {"compile": False}, {}),
+                                 ("offload_uva_graph_compiled", {"compile": True}, {"offload": True, "fetch": "uva",
+                                                                                     "decode_streams": 1}),
                                  ("offload", {"cuda_graphs": False}, {"offload": True, "fetch": "copy"}),
                                  ("offload_uva_graph", {}, {"offload": True, "fetch": "uva"}),
                                  ("offload_4slots", {"cuda_graphs": False},
@@ -496,8 +499,12 @@ def test_gpu_graph_and_offload_decode_equal_eager(export_dirs, kind):
                 logits.append(out.logits[:, -1])
         if "graph" in name:  # the step was captured (a failed capture falls back to eager steps)
             assert cache.graph is not None and cache.graph.graph is not None, name
+        if name == "graph":  # compiled by default (a failed compile switches it off with a warning)
+            assert model.model.cache_options.get("compile", "auto") == "auto", model.model.cache_options
         runs[name] = torch.stack(logits, 1)
     torch.testing.assert_close(runs["graph"], runs["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs["graph_plain"], runs["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs["offload_uva_graph_compiled"], runs["eager"], rtol=1e-5, atol=1e-5)
     assert torch.equal(runs["offload"], runs["eager"])
     torch.testing.assert_close(runs["offload_uva_graph"], runs["eager"], rtol=1e-5, atol=1e-5)
     if kind == "nosa":  # fewer slots than topk: blocks read from the host, same attention path
