@@ -3,11 +3,11 @@
 ``step_profile(model, cache, tok, device)`` profiles one eager step of the plain decode body under
 ``torch.profiler`` with a range per decoder layer and per part of a layer's NOSA step (``eviction_head``:
 the new token's score; ``window_update``: the ring / compressed-key writes; ``selection``:
-``select_decode_batched``; ``attention``: the token's store and the attention over its blocks; ``other``:
-norms, projections, RoPE, MLP). The unit is a device kernel on CUDA (its device time) and a leaf ATen op on
-a CPU (its CPU time). The captured CUDA graph replays the same kernels without their launch cost. Then one
-eager step of the ``torch.compile``-d body (Inductor; ``aot_eager`` on a CPU; no graph): its kernels, to
-compare counts.
+``select_decode_fast``; ``attention``: the token's store and the attention over its blocks; ``other``:
+norms, projections, RoPE, MLP, the step's position masks). The unit is a device kernel on CUDA (its device
+time) and on a CPU an innermost ATen compute op (views and allocations left out; its CPU time). The
+captured CUDA graph replays the same kernels without their launch cost. Then one eager step of the
+``torch.compile``-d body (Inductor; ``aot_eager`` on a CPU; no graph): its kernels, to compare counts.
 
 Returns ``profile_step`` (units, time, host synchronisations), ``profile_sections`` (per part, all layers),
 ``profile_layers`` (per layer: units, time, the selection's share) and ``profile_layer_table`` (the kernels
@@ -26,6 +26,33 @@ from bench.inference_util import cache_kw, log, out_cache
 
 SECTIONS = ("eviction_head", "window_update", "selection", "attention")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+# ATen ops that launch no kernel (views, allocation, metadata): not counted as units on a CPU
+NOT_KERNELS = frozenset(f"aten::{n}" for n in (
+    "as_strided", "empty", "empty_strided", "empty_like", "view", "_reshape_alias", "_unsafe_view", "reshape",
+    "resize_", "resolve_conj", "resolve_neg", "promote_types", "to", "_to_copy", "expand", "slice", "select",
+    "t", "transpose", "unsqueeze", "squeeze", "alias", "detach", "lift_fresh", "result_type", "permute",
+    "contiguous", "unbind", "split", "chunk", "narrow", "size", "stride", "is_nonzero", "_local_scalar_dense",
+    "scalar_tensor", "numpy_T", "matrix_H", "view_as", "expand_as", "flatten", "unflatten", "movedim", "diagonal",
+    "item"))
+
+
+def _is_kernel(ev) -> bool:
+    return ev.name.startswith("aten::") and ev.name not in NOT_KERNELS
+
+
+def _innermost_kernel(ev) -> bool:
+    """A CPU op that would be a kernel: an ATen compute op with no compute op below it."""
+    if not _is_kernel(ev):
+        return False
+    todo = list(ev.cpu_children)
+    while todo:
+        c = todo.pop()
+        if _is_kernel(c):
+            return False
+        todo.extend(c.cpu_children)
+    return True
 
 
 def _ranged(name: str, fn):
@@ -50,7 +77,7 @@ class _Ranges:
             attn = layer.self_attn
             self.saved.append((attn, "_new_token_scores", attn.__dict__.get("_new_token_scores")))
             attn._new_token_scores = _ranged("eviction_head", attn._new_token_scores)
-        for fn, name in (("_update_windows", "window_update"), ("select_decode_batched", "selection"),
+        for fn, name in (("_update_windows", "window_update"), ("select_decode_fast", "selection"),
                          ("_attend_in_place", "attention"), ("_attend_gathered", "attention")):
             self.saved.append((self.step, fn, getattr(self.step, fn)))
             setattr(self.step, fn, _ranged(name, getattr(self.step, fn)))
@@ -67,15 +94,14 @@ class _Ranges:
 
 
 def _units(prof, on_cuda: bool) -> list:
-    """``(name, microseconds, enclosing range names)`` of each kernel (CUDA) or leaf ATen op (CPU)."""
+    """``(name, microseconds, enclosing range names)`` of each kernel (CUDA) or innermost ATen compute op (CPU)."""
     out = []
     for ev in prof.events():
         if on_cuda:
             items = [(k.name, k.duration) for k in getattr(ev, "kernels", [])] if ev.device_type.name == "CPU" \
                 else []
         else:
-            leaf = ev.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in ev.cpu_children)
-            items = [(ev.name, ev.self_cpu_time_total)] if leaf else []
+            items = [(ev.name, ev.cpu_time_total)] if _innermost_kernel(ev) else []
         if not items:
             continue
         ranges, p = [], ev.cpu_parent

@@ -42,6 +42,7 @@ Usage: python -m bench.inference --out DIR [--quick] [--mem-limit-gib 12] [--hos
        [--model EXPORT,... --data PREFIX [--split 95,5,0] [--budget-batch 16]] [--baseline static|none]
        [--steps 32] [--only prefill,decode,offload] [--long-context N] [--layers N] [--kv-heads N]
        [--gpu-blocks N] [--attention auto|triton|torch] [--decode-streams N] [--part-fetch-grid N]
+       [--decode-cells CTXxB,...]
        [--profile] [--memory-profile]
 ``--quick``: a tiny model and short contexts (runs on a CPU in about a minute; checks the script).
 """
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-streams", type=int, default=None,
                    help="offloaded NOSA decode: the batch in this many parts on their own CUDA streams "
                         "(fetch / compute overlap; default: the cache's, 4; GPU-resident rows keep one stream)")
+    p.add_argument("--decode-cells", default=None,
+                   help="decode rows: comma list of CONTEXTxBATCH (default 4096x1,4096x4,16384x1,16384x4,32768x8)")
     p.add_argument("--profile", action="store_true",
                    help="decode rows: a per-layer profile of one NOSA step at 4K b1 and 16K b4; offload rows: "
                         "the device time per decode step by kernel (top 20)")
@@ -141,6 +144,19 @@ QUICK_DECODE_CELLS = ((256, 1), (256, 4), (512, 1), (512, 4), (768, 2))
 PROFILE_CELLS = ((4096, 1), (16384, 4))
 QUICK_PROFILE_CELLS = ((256, 1), (512, 4))
 
+def parse_cells(text: str | None) -> tuple:
+    """``"4096x1,16384x4"`` -> ``((4096, 1), (16384, 4))`` (empty for None)."""
+    if not text:
+        return ()
+    cells = []
+    for item in text.split(","):
+        n, _, b = item.strip().lower().partition("x")
+        if not (n.isdigit() and b.isdigit() and int(n) > 0 and int(b) > 0):
+            raise ValueError(f"--decode-cells: {item!r} is not CONTEXTxBATCH")
+        cells.append((int(n), int(b)))
+    return tuple(cells)
+
+
 def model_shape(args) -> ModelConfig:
     if args.quick:
         m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -164,9 +180,10 @@ class Bench(BatchSearch, DecodeChecks):
         self.geo = tiny_geometry() if args.quick else NOSAConfig()
         self.text = None  # held-out tokens of --data (trained models), else random prompts
         self.ctx = args.contexts or ([256, 512] if args.quick else [4096, 16384])
-        self.decode_cells = QUICK_DECODE_CELLS if args.quick else DECODE_CELLS
+        default_cells = QUICK_DECODE_CELLS if args.quick else DECODE_CELLS
         if args.contexts:  # batch 1 and 4 at each given context
-            self.decode_cells = tuple((n, b) for n in args.contexts for b in (1, 4))
+            default_cells = tuple((n, b) for n in args.contexts for b in (1, 4))
+        self.decode_cells = parse_cells(args.decode_cells) or default_cells
         self.profile_cells = QUICK_PROFILE_CELLS if args.quick else PROFILE_CELLS
         self.long = args.long_context or self.ctx[-1]
         self.rows: list = []
@@ -515,6 +532,11 @@ def main(argv=None) -> int:
         return 2
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
+    try:
+        parse_cells(args.decode_cells)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.decode_streams is not None and args.decode_streams < 1:
         print(f"error: --decode-streams must be >= 1, got {args.decode_streams}", file=sys.stderr)

@@ -74,21 +74,22 @@ def select_decode_fast(q: Tensor, kc: Tensor, wsc: Tensor | None, cfg: NOSAConfi
     is always hidden, so it is the ``-inf`` padding that ``index`` points at (no padded copies), and the
     softmax of a row with no complete window (all ``NaN``) is overwritten by the hidden mask (no
     ``nan_to_num``); forced and future blocks are pinned by one ``where`` (``masks["pinned"]``); the
-    query-agnostic stage pins the query-aware blocks and the forced / future ones in two. Returns
+    query-agnostic stage pins the query-aware blocks and the forced / future ones in two; masks are applied
+    by ``where`` (out-of-place ``masked_fill`` is a copy and a fill). Returns
     ``(blocks [B, Hkv, K] long, ok [B, Hkv, K] bool)``."""
     hidden, qb = masks["hidden"], masks["qb"]
     pinned, pin_value = masks["pinned"], masks["pin_value"]
     NB = index.shape[0]
     dt = torch.promote_types(kc.dtype, torch.float32)
     logits = torch.matmul(q.to(dt), kc.to(dt).transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, NW + 1]
-    probs = torch.softmax(logits.masked_fill(hidden[:, :, None], NEG_INF), dim=-1)
-    s_qa = probs.sum(dim=2).masked_fill(hidden, NEG_INF)
+    probs = torch.softmax(torch.where(hidden[:, :, None], NEG_INF, logits), dim=-1)
+    s_qa = torch.where(hidden, NEG_INF, probs.sum(dim=2))
     ranked = torch.where(pinned, pin_value, s_qa[..., index].amax(dim=-1))  # [B, Hkv, NB]
     if wsc is not None:
-        b_qg = wsc.masked_fill(hidden, NEG_INF)[..., index].amax(dim=-1)
+        b_qg = torch.where(hidden, NEG_INF, wsc)[..., index].amax(dim=-1)
         order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(cfg.query_aware_blocks, NB)]
         query_aware = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, order, True)
-        ranked = torch.where(pinned, pin_value, b_qg.masked_fill(query_aware, POS_INF))
+        ranked = torch.where(pinned, pin_value, torch.where(query_aware, POS_INF, b_qg))
     blocks = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :min(cfg.topk, NB)]
     return blocks, blocks <= qb[:, :, None]
 

@@ -22,6 +22,8 @@ def test_quick_offload_rows(tmp_path):
     assert (tmp_path / "inference.md").read_text().startswith("device: cpu")
     assert inference.main(["--out", str(tmp_path), "--quick", "--decode-streams", "0"]) == 2
     assert inference.main(["--out", str(tmp_path), "--quick", "--part-fetch-grid", "0"]) == 2
+    assert inference.main(["--out", str(tmp_path), "--quick", "--decode-cells", "4096x"]) == 2
+    assert inference.parse_cells("4096x1, 32768X8") == ((4096, 1), (32768, 8))
     if not torch.cuda.is_available():
         assert inference.main(["--out", str(tmp_path), "--quick", "--memory-profile"]) == 2
 
