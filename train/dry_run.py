@@ -3,8 +3,8 @@
 at once), without a GPU, data or other processes.
 
 The per-GPU peak comes from ``train/memory_model.py`` (weights, gradient buffer, optimizer state, the
-activations each layer keeps under ``train.recompute``, the cross entropy's peak, workspaces; every term
-is stated there). The verdict leaves 10% of the GPU to what the estimate does not hold: the CUDA
+activations each layer keeps under ``train.recompute``, the loss's peak under ``train.loss_impl``, workspaces;
+every term is stated there). The verdict leaves 10% of the GPU to what the estimate does not hold: the CUDA
 context, NCCL buffers and the allocator's fragmentation (reserved beyond the allocated peak: 1-2% at
 16K, ~12% at 32K on an H200). A model whose weights, gradients and optimizer state alone, spread over
 all the GPUs, exceed the largest GPUs made (``LARGEST_GPU_GIB``) is refused in one line before anything

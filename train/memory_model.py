@@ -46,13 +46,18 @@ last stage the final norm's output and statistics ``a h/sp + 4/sp`` (unfused: ``
 
 The peak of a step is reached at one of two moments, whichever is larger:
 
-* the cross entropy's backward on the last stage (:func:`logits_bytes`), every layer's activations
-  still kept: ``10 t V/tp`` with ``train.fusions`` in bf16 (megatron-core's compiled fused cross
-  entropy: its fp32 softmax, the fp32 buffer its compiled backward writes the gradient into before the
-  bf16 cast, and the bf16 logit gradient), ``6`` in bf16 without the fusions and in fp16 (16-bit logits +
-  fp32 copy in the forward, fp32 softmax + 16-bit gradient in the backward), ``4`` in fp32 (the logits
-  are the softmax);
-  plus ``21`` B per token of loss bookkeeping;
+* the loss on the last stage (:func:`loss_bytes`), every layer's activations still kept. The whole-logit
+  losses (``train.loss_impl`` fused / standard) at the cross entropy's backward, per token
+  (:func:`logits_bytes`): ``10 V/tp`` for ``fused`` in bf16 (megatron-core's compiled fused cross entropy:
+  its fp32 softmax, the fp32 buffer its compiled backward writes the gradient into before the bf16 cast,
+  and the bf16 logit gradient), ``6`` for ``standard`` in bf16 and in fp16 (16-bit logits + fp32 copy in
+  the forward, fp32 softmax + 16-bit gradient in the backward), ``4`` in fp32 (the logits are the
+  softmax); plus ``21`` B per token of loss bookkeeping. The chunked loss during its forward (which also
+  computes its gradients): per token the hidden-state gradient ``a h`` (and, with sequence parallelism, the
+  gathered hidden states ``a h``) and ``16`` B of bookkeeping; the fp32 weight gradient ``4 h V/tp``; one
+  chunk's logits ``min(loss_chunk_tokens, t') x V/tp x`` (``10`` with megatron-core's fused helpers in bf16
+  under ``train.fusions``, ``6`` in bf16 without, ``4`` in fp32), ``t'`` the micro-batch's tokens on the
+  rank after the sequence-parallel gather;
 * a layer's backward (:func:`backward_working_bytes`): the MLP's gradient buffers ``a (h/sp + 3 f/tp)``
   (incoming, FC2-input and FC1-output gradients) and, with ``full`` recompute, the recomputed layer's
   ``none`` set. NOSA's dK/dV fp32 partials depend on the selections and are not counted.
@@ -76,13 +81,16 @@ GIB = 2 ** 30
 # up to 1 MiB of an unsplit large block): the measured H200 peaks run 0.04-0.35 GiB above the tensors
 # this module counts (docs/BENCHMARKS.md, "Memory planner"); 0.2 GiB sits in the middle of that range
 WORKSPACE = 0.2 * GIB
-PARTS = ("weights", "grads", "optimizer", "activations", "logits", "backward", "workspace")
+PARTS = ("weights", "grads", "optimizer", "activations", "loss", "backward", "workspace")
 SPARSE = ("nosa", "infllm_v2")
 VALUE_GATED = ("ed_dma", "dma", "s_dma")
 LOCRET_HIDDEN = 1024  # nosa_layers.eviction.LocretHead's default hidden size (the layer spec keeps it)
 QUERY_TILE_ROWS = 64  # rows of a kernel query tile on every GPU (nosa_layers.ops.attention_op.CONFIG)
 DKDV_MIN_CHUNK_UNITS = 256  # smallest dK/dV piece, in units of 64 query rows x one block (sparse_index)
 LOSS_BOOKKEEPING = 21  # per token: int64 target copies (2 x 8), fp32 predicted logit (4), bool mask (1)
+# per token of the chunked loss: its int64 labels in token order (8), the fp32 mask (4) and the gradient
+# weights mask x logit scale (4)
+CHUNK_BOOKKEEPING = 16
 
 
 @dataclass
@@ -271,12 +279,36 @@ def micro_batch_bytes(cfg: RunConfig, first: bool, last: bool) -> float:
     return out
 
 
+def logit_entry_bytes(cfg: RunConfig) -> int:
+    """Bytes per logit entry (one token, one vocabulary entry of this rank) at the loss's peak: ``10 / 6 / 4``
+    (module docstring)."""
+    t = cfg.train
+    if t.precision == "fp32":
+        return 4
+    if t.precision == "bf16" and (t.loss_impl == "fused" or (t.loss_impl == "chunked" and t.fusions)):
+        return 10
+    return 6
+
+
 def logits_bytes(cfg: RunConfig) -> float:
-    """Bytes per token at the cross entropy's backward: ``10 / 6 / 4`` per vocabulary entry on this
-    rank (module docstring) plus the loss bookkeeping."""
-    prec = cfg.train.precision
-    per_entry = 4 if prec == "fp32" else 10 if (prec == "bf16" and cfg.train.fusions) else 6
-    return per_entry * cfg.model.padded_vocab_size / cfg.parallel.tensor_model_parallel_size + LOSS_BOOKKEEPING
+    """Bytes per token at the cross entropy's backward of a whole-logit loss (``train.loss_impl`` fused /
+    standard): ``10 / 6 / 4`` per vocabulary entry on this rank (module docstring) plus the loss bookkeeping."""
+    return logit_entry_bytes(cfg) * cfg.model.padded_vocab_size / cfg.parallel.tensor_model_parallel_size + \
+        LOSS_BOOKKEEPING
+
+
+def loss_bytes(cfg: RunConfig) -> float:
+    """Bytes of one micro-batch's loss at its peak on the last stage (module docstring): the whole-logit
+    losses ``t x`` :func:`logits_bytes`; the chunked loss its kept gradients, bookkeeping and one chunk."""
+    t = _tokens(cfg)
+    if cfg.train.loss_impl != "chunked":
+        return t * logits_bytes(cfg)
+    tp, sp, _, _, _, _ = _local(cfg)
+    a, h = _act(cfg), cfg.model.hidden_size
+    vocab = cfg.model.padded_vocab_size / tp
+    per_token = a * h * (2 if sp > 1 else 1) + CHUNK_BOOKKEEPING
+    chunk = min(cfg.train.loss_chunk_tokens, t)
+    return t * per_token + 4 * h * vocab + chunk * vocab * logit_entry_bytes(cfg)
 
 
 def backward_working_bytes(cfg: RunConfig, variants) -> float:
@@ -328,9 +360,9 @@ def estimate_memory(cfg: RunConfig, counts: dict, world_size: int) -> list[Stage
         layers = sum(sum(layer_bytes(cfg, v).values()) * n for v, n in mine.items())
         parts = dict(static_bytes(cfg, params, world_size))
         parts["activations"] = in_flight * tokens * (layers + micro_batch_bytes(cfg, first, last))
-        loss = tokens * logits_bytes(cfg) if last else 0.0
+        loss = loss_bytes(cfg) if last else 0.0
         backward = tokens * backward_working_bytes(cfg, mine)
-        parts["logits" if loss >= backward else "backward"] = max(loss, backward)
+        parts["loss" if loss >= backward else "backward"] = max(loss, backward)
         parts["workspace"] = WORKSPACE
         out.append(StageMemory(name, parts))
     return out

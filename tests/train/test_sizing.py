@@ -14,7 +14,7 @@ from tests.train.conftest import ROOT
 from train.compose import load_config
 from train.dry_run import dry_run
 from train.memory_model import (GIB, context_parallel_kv_bytes, estimate_memory, layer_bytes, logits_bytes,
-                                parameter_counts, sparse_index_bytes)
+                                loss_bytes, parameter_counts, sparse_index_bytes)
 
 
 def _estimate_gib(overrides: list[str], world_size: int = 1) -> float:
@@ -24,17 +24,18 @@ def _estimate_gib(overrides: list[str], world_size: int = 1) -> float:
 
 # Peak allocated GiB (torch.cuda.max_memory_allocated) of one training run, micro-batch 1, as recorded in
 # docs/BENCHMARKS.md ("Memory planner" lists each figure's result file): the layers as trained today
-# (train.fusions, no recompute, one H200) for NOSA and for dense attention with document masking
-# (at 32K: EOD packing) ...
+# (train.fusions, no recompute, one H200) with megatron-core's fused whole-logit loss, for NOSA and for dense
+# attention with document masking (at 32K: EOD packing) ...
 AT_32K = ["model.num_layers=14", "train.seq_length=32768", "model.max_position_embeddings=32768"]
-NR = "train.recompute=none"
-FUSED = [(["recipe=nosa_1b_cpt", NR], 77.30, 78.60),
-         (["recipe=nosa_1b_cpt", NR, *AT_32K], 75.19, 75.78),
-         (["recipe=nosa_8b_cpt", NR, "model.num_layers=4", "parallel=single"], 46.8, 47.1)]
-# ... and earlier runs without the fusions, with selective recompute and at TP=2 with sequence parallelism
+NR, WHOLE_FUSED = "train.recompute=none", "train.loss_impl=fused"
+FUSED = [(["recipe=nosa_1b_cpt", NR, WHOLE_FUSED], 77.30, 78.60),
+         (["recipe=nosa_1b_cpt", NR, WHOLE_FUSED, *AT_32K], 75.19, 75.78),
+         (["recipe=nosa_8b_cpt", NR, WHOLE_FUSED, "model.num_layers=4", "parallel=single"], 46.8, 47.1)]
+# ... and earlier runs without the fusions (megatron-core's standard whole-logit loss), with selective recompute
+# and at TP=2 with sequence parallelism
 UNFUSED, SEL = "train.fusions=false", "train.recompute=selective"
-ONE_B = ["recipe=nosa_1b_cpt", UNFUSED]
-EIGHT_B = ["recipe=nosa_8b_cpt", "model.num_layers=4", "parallel=single", UNFUSED]
+ONE_B = ["recipe=nosa_1b_cpt", UNFUSED, "train.loss_impl=standard"]
+EIGHT_B = ["recipe=nosa_8b_cpt", "model.num_layers=4", "parallel=single", UNFUSED, "train.loss_impl=standard"]
 DENSE = "attention=dense"
 EARLIER = [([*ONE_B, NR], 1, 94.58), ([*ONE_B, DENSE, NR], 1, 95.65), ([*ONE_B, SEL], 1, 96.73),
            ([*ONE_B, DENSE, SEL], 1, 95.56), ([*ONE_B, NR, *AT_32K], 1, 88.03),
@@ -72,23 +73,43 @@ def test_sparse_index_grows_with_the_key_blocks_up_to_the_selection_budget():
 
 
 def test_logits_embedding_and_output_are_counted_at_pp1_and_split_at_pp2():
-    cfg = load_config(["recipe=nosa_1b_cpt", "train.global_batch_size=8"])
+    cfg = load_config(["recipe=nosa_1b_cpt", "train.global_batch_size=8", WHOLE_FUSED])
     c = parameter_counts(cfg)
     (only,) = estimate_memory(cfg, c, 1)
     assert only.parts["weights"] == pytest.approx(2 * c["total"], rel=1e-4)  # embedding + output + layers
-    assert only.parts["logits"] == 16384 * logits_bytes(cfg) == 16384 * (10 * cfg.model.padded_vocab_size + 21)
-    first, last = estimate_memory(load_config(["recipe=nosa_1b_cpt", "parallel=pp2", "train.global_batch_size=8"]),
-                                  c, 2)
-    assert "logits" not in first.parts and last.parts["logits"] == only.parts["logits"]
+    assert only.parts["loss"] == 16384 * logits_bytes(cfg) == 16384 * (10 * cfg.model.padded_vocab_size + 21)
+    first, last = estimate_memory(load_config(["recipe=nosa_1b_cpt", "parallel=pp2", "train.global_batch_size=8",
+                                               WHOLE_FUSED]), c, 2)
+    assert "loss" not in first.parts and last.parts["loss"] == only.parts["loss"]
     assert first.parts["weights"] + last.parts["weights"] == pytest.approx(only.parts["weights"], rel=1e-4)
     assert first.parts["activations"] > last.parts["activations"]  # 2 micro-batches in flight on stage 1
+
+
+def test_the_chunked_loss_keeps_its_gradients_and_one_chunk_instead_of_the_logits():
+    """The default loss at 32K (1B shape, bf16, fused helpers): the hidden-state gradient, the fp32 weight
+    gradient and one 4096-token chunk's logits instead of 10 bytes per token and vocabulary entry; sequence
+    parallelism adds the gathered hidden states and splits the vocabulary."""
+    base = ["recipe=nosa_1b_cpt", NR, *AT_32K]
+    chunked, fused = load_config(base), load_config([*base, WHOLE_FUSED])
+    assert chunked.train.loss_impl == "chunked" and chunked.train.loss_chunk_tokens == 4096
+    V, h, t = 73448, 2048, 32768
+    assert loss_bytes(chunked) == t * (2 * h + 16) + 4 * h * V + 4096 * V * 10
+    assert loss_bytes(fused) == t * (10 * V + 21)
+    assert (loss_bytes(fused) - loss_bytes(chunked)) / GIB > 18  # the whole logits: ~22.4 GiB -> ~3.5 GiB
+    c = parameter_counts(chunked)
+    (a,), (b,) = estimate_memory(chunked, c, 1), estimate_memory(fused, c, 1)
+    assert b.total - a.total == pytest.approx(loss_bytes(fused) - loss_bytes(chunked))
+    sp = load_config([*base, "parallel=tp2", "parallel.sequence_parallel=true", "train.loss_chunk_tokens=100000"])
+    assert loss_bytes(sp) == t * (2 * 2 * h + 16) + 4 * h * V / 2 + t * V / 2 * 10  # the chunk capped at t
+    unfused = load_config([*base, "train.fusions=false"])
+    assert loss_bytes(unfused) == t * (2 * h + 16) + 4 * h * V + 4096 * V * 6
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_context_parallel_divides_the_activations_and_adds_the_gathered_keys_and_values(cp):
     """The hook context parallelism relies on (the trainer does not run CP > 1 yet): per rank, the layers'
     activations and the logits follow seq_length / CP, plus the other ranks' K and V per layer."""
-    base = ["recipe=nosa_1b_cpt", "attention=dense", NR]
+    base = ["recipe=nosa_1b_cpt", "attention=dense", NR, WHOLE_FUSED]
     one, many = load_config(base), load_config([*base, f"parallel.context_parallel_size={cp}"])
     assert context_parallel_kv_bytes(one) == 0 and "context-parallel k, v" not in layer_bytes(one, "dense")
     gathered = 2 * 2 * 2 * 128 * (cp - 1)  # K and V, bf16, 2 KV heads of 128 channels, from CP-1 ranks
@@ -97,7 +118,7 @@ def test_context_parallel_divides_the_activations_and_adds_the_gathered_keys_and
     (a,), (b,) = estimate_memory(one, c, 1), estimate_memory(many, c, cp)
     tokens = 16384 // cp
     assert b.parts["activations"] == pytest.approx(a.parts["activations"] / cp + 28 * tokens * gathered)
-    assert b.parts["logits"] == pytest.approx(a.parts["logits"] / cp)
+    assert b.parts["loss"] == pytest.approx(a.parts["loss"] / cp)
 
 
 def test_parameters_are_counted_from_the_shapes_as_megatron_builds_them(tmp_path):
