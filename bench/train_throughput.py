@@ -27,8 +27,24 @@ largest kernels of the rest from ``profile.*`` of the trainer. Both runs of a pa
 profiled steps are left out of the measured steps (``tokens_per_s_with_profiled_steps`` keeps them). Usage::
 
     python -m bench.train_throughput --out DIR [--steps 20] [--warmup 3] [--recipe nosa_1b_cpt] [--layers 28]
-        [--seq 16384] [--global-batch 2] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
-        [--profile-step N] [--extra key=value ...] [--source CHECKOUT]
+        [--seq 16384[,32768]] [--global-batch 2] [--data PREFIX --tokenizer DIR] [--runs nosa_1gpu,dense_1gpu,nosa_tp2]
+        [--loss-impl fused,chunked] [--quick] [--profile-step N] [--extra key=value ...] [--source CHECKOUT]
+
+Comparing losses (``train.loss_impl``): ``--loss-impl fused,chunked`` runs every run once per loss, and ``--seq``
+takes several lengths (``--seq 16384,32768``): every run once per length. Such a run is named
+``<run>_<seq/1024>k_<loss>`` (``<run>_<seq>_<loss>`` below 1K; each part only when several lengths or a
+``--loss-impl`` are given), and a table
+compares each loss with the first one of its run and length: tokens/s, peak memory, the largest loss difference
+over the steps both reached, and out-of-memory failures (also in ``loss_impl_comparison`` of the JSON). The 1B
+shape with 14 layers at 16K and 32K, 4 sequences per step, NOSA and dense, megatron-core's fused whole-logit loss
+against the chunked one, without activation recompute (8 runs of about a minute each on one GPU)::
+
+    python -m bench.train_throughput --out OUT --layers 14 --seq 16384,32768 --global-batch 4 --steps 4 \
+        --warmup 2 --runs nosa_1gpu_nr,dense_1gpu_nr --loss-impl fused,chunked \
+        --extra model.max_position_embeddings=32768
+
+``--quick``: the same comparison on a CPU, about a minute per run (``tiny_cpt``, 2 layers, 128 and 256 tokens,
+3 steps, ``nosa_1gpu``, ``--loss-impl standard,chunked``); options given explicitly win.
 
 Runs log every step (``train.log_interval=1``); with ``--extra train.log_interval=N`` each row's interval
 means count for the N steps it covers (e.g. to time ``train.step_reads=at_log``, whose host reads wait for the
@@ -61,12 +77,23 @@ from data.demo_corpus import DEFAULT_OUT
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
+# --quick: the CPU-sized comparison (options given explicitly win)
+QUICK = {"recipe": "tiny_cpt", "layers": 2, "seq": "128,256", "steps": 3, "warmup": 1, "global_batch": 2,
+         "runs": "nosa_1gpu", "loss_impl": "standard,chunked", "timeout": 300}
+DEFAULTS = {"recipe": "nosa_1b_cpt", "layers": 28, "seq": "16384", "steps": 20, "warmup": 3, "global_batch": 2,
+            "runs": "nosa_1gpu,dense_1gpu,nosa_tp2", "loss_impl": None, "timeout": 420}
+
+
+def run_config(name: str, a: argparse.Namespace, label: str | None = None) -> tuple[list[str], int]:
+    """Overrides and process count of run ``name`` (``nosa_1gpu``, ``dense_1gpu``, ... with an optional ``_nr``)
+    at ``a.seq`` tokens with loss ``a.loss_impl`` (None: the trainer's default), in ``OUT/<label>``."""
     common = [f"recipe={a.recipe}", f"data.paths=[{a.data}]", f"data.tokenizer={a.tokenizer}",
               f"train.max_steps={a.steps}", f"train.global_batch_size={a.global_batch}", "train.micro_batch_size=1",
               f"train.seq_length={a.seq}", "train.eval_interval=0", "train.eval_iters=0", "train.log_interval=1",
               "optim.warmup_steps=2", "checkpoint.save=false", "checkpoint.resume=none", "logging.plot=false",
-              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{name}"]
+              "run.cpu_init=true", f"model.num_layers={a.layers}", f"run.dir={a.out}/{label or name}"]
+    if getattr(a, "loss_impl", None):
+        common.append(f"train.loss_impl={a.loss_impl}")
     if a.profile_step:
         common += [f"profile.start_step={a.profile_step}", "profile.num_steps=2"]
     if name.endswith("_nr"):
@@ -84,8 +111,25 @@ def run_config(name: str, a: argparse.Namespace) -> tuple[list[str], int]:
     raise ValueError(f"unknown run {name!r}")
 
 
-def launch(name: str, a: argparse.Namespace) -> dict:
-    args, nproc = run_config(name, a)
+def variants(a: argparse.Namespace) -> list[tuple[str, str, int, str | None]]:
+    """``(label, run, seq, loss_impl)`` of every run to launch: each of ``a.runs`` at each of ``a.seq`` (comma
+    lists) with each of ``a.loss_impl`` (None: the trainer's default); labels as the module docstring says."""
+    seqs = [int(x) for x in str(a.seq).split(",")]
+    impls = a.loss_impl.split(",") if a.loss_impl else [None]
+    out = []
+    for name in a.runs.split(","):
+        for seq in seqs:
+            for impl in impls:
+                length = f"_{seq // 1024}k" if seq % 1024 == 0 else f"_{seq}"
+                label = name + (length if len(seqs) > 1 else "") + (f"_{impl}" if impl else "")
+                out.append((label, name, seq, impl))
+    return out
+
+
+def launch(name: str, a: argparse.Namespace, label: str | None = None) -> dict:
+    """Train run ``name`` (its settings: ``a``) as ``label`` (default ``name``) and measure it."""
+    label = label or name
+    args, nproc = run_config(name, a, label)
     source = Path(a.source)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "WANDB_MODE": "disabled"}
@@ -96,16 +140,19 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(source / "train" / "main.py"), *args]
     t0 = time.time()
-    log = Path(a.out) / f"{name}.log"
-    metrics = Path(a.out) / name / "metrics.jsonl"
+    log = Path(a.out) / f"{label}.log"
+    metrics = Path(a.out) / label / "metrics.jsonl"
     with log.open("w") as f, GpuSampler() as gpu:
         proc = subprocess.Popen(cmd, cwd=source, env=env, stdout=f, stderr=subprocess.STDOUT)
         arrived = step_arrivals(proc, metrics, a.timeout)
         rc = proc.returncode
-    out = {"run": name, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc}
+    out = {"run": label, "returncode": rc, "wall_s": round(time.time() - t0, 1), "gpus": nproc, "base_run": name,
+           "seq": a.seq, "loss_impl": getattr(a, "loss_impl", None)}
     out["gpu_clocks"] = None
     if rc != 0 or not metrics.exists():
-        out["error_tail"] = log.read_text()[-2500:]
+        text = log.read_text(errors="replace")
+        out["error_tail"] = text[-2500:]
+        out["out_of_memory"] = "OutOfMemoryError" in text or "CUDA out of memory" in text
         return out
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     rows = with_steps_covered([r for r in rows if r.get("loss") is not None])
@@ -125,7 +172,7 @@ def launch(name: str, a: argparse.Namespace) -> dict:
     tokens, seconds = tokens_and_seconds(steady, a.global_batch * a.seq)
     with_profiled = tokens_and_seconds(after_warmup, a.global_batch * a.seq)
     fit = _fit([r.get("attention_work") for r in steady], [r["step_time_s"] for r in steady])
-    profile = Path(a.out) / name / "profile" / "summary.json"
+    profile = Path(a.out) / label / "profile" / "summary.json"
     out.update({
         "steps": len(rows), "losses": [round(r["loss"], 5) for r in rows],
         "grad_norms": [None if r.get("grad_norm") is None else round(r["grad_norm"], 4) for r in rows],
@@ -147,6 +194,50 @@ def launch(name: str, a: argparse.Namespace) -> dict:
         "nosa_gamma_mean": next((r["nosa_gamma_mean"] for r in reversed(rows) if "nosa_gamma_mean" in r), None),
     })
     return out
+
+
+def compare_loss_impls(results: list[dict]) -> list[dict]:
+    """Per run of several losses (``--loss-impl``), at each length, each loss against the first one given:
+    tokens/s and their ratio, peak memory and what it saves, the largest loss difference over the steps both
+    reached; ``status``: ok, ``out of memory`` or ``failed rc=N``."""
+    groups: dict = {}
+    for r in results:
+        if r.get("loss_impl") and "base_run" in r:
+            groups.setdefault((r["base_run"], r["seq"]), []).append(r)
+    rows = []
+    for (run, seq), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        base = rs[0]
+        for r in rs:
+            ok = "tokens_per_s" in r
+            row = {"run": run, "seq": seq, "loss_impl": r["loss_impl"], "vs": base["loss_impl"],
+                   "status": "ok" if ok else ("out of memory" if r.get("out_of_memory")
+                                              else f"failed rc={r.get('returncode')}"),
+                   "tokens_per_s": r.get("tokens_per_s"), "peak_mem_gib": r.get("peak_mem_gib"),
+                   "tokens_per_s_ratio": None, "peak_mem_saved_gib": None, "max_abs_loss_diff": None,
+                   "steps_compared": 0}
+            if ok and "tokens_per_s" in base:
+                row["tokens_per_s_ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
+                row["peak_mem_saved_gib"] = base["peak_mem_gib"] - r["peak_mem_gib"]
+                n = min(len(r["losses"]), len(base["losses"]))
+                row["steps_compared"] = n
+                row["max_abs_loss_diff"] = max(abs(x - y) for x, y in zip(r["losses"][:n], base["losses"][:n]))
+            rows.append(row)
+    return rows
+
+
+def _print_loss_comparison(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\nLosses compared (each against the first --loss-impl of its run and length):\n"
+          "| run | seq | loss | status | tokens/s | vs first | peak GiB | saved GiB | max loss diff (steps) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        print(f"| {r['run']} | {r['seq']} | {r['loss_impl']} | {r['status']} | {num(r['tokens_per_s'], '.0f')} | "
+              f"{num(r['tokens_per_s_ratio'], '.3f')} | {num(r['peak_mem_gib'], '.2f')} | "
+              f"{num(r['peak_mem_saved_gib'], '.2f')} | {num(r['max_abs_loss_diff'], '.2e')} ({r['steps_compared']}) |")
 
 
 def step_arrivals(proc: subprocess.Popen, metrics: Path, timeout: float, poll_s: float = 0.1) -> dict[int, float]:
@@ -251,28 +342,41 @@ def corpus_identity(prefix: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--recipe", default="nosa_1b_cpt", help="e.g. nosa_8b_cpt with --extra parallel=single")
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--seq", type=int, default=16384, help="tokens per sequence")
-    p.add_argument("--global-batch", type=int, default=2,
-                   help="sequences per optimizer step (micro-batches of one; per GPU: this / data-parallel size)")
+    quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    p.add_argument("--quick", action="store_true", help=f"the CPU-sized loss comparison: {quick}")
+    p.add_argument("--steps", type=int, help=f"default {DEFAULTS['steps']}")
+    p.add_argument("--warmup", type=int, help=f"default {DEFAULTS['warmup']}")
+    p.add_argument("--recipe", help=f"default {DEFAULTS['recipe']}; e.g. nosa_8b_cpt with --extra parallel=single")
+    p.add_argument("--layers", type=int, help=f"default {DEFAULTS['layers']}")
+    p.add_argument("--seq", help=f"tokens per sequence, or several: 16384,32768 (default {DEFAULTS['seq']})")
+    p.add_argument("--global-batch", type=int,
+                   help=f"sequences per optimizer step (micro-batches of one; per GPU: this / data-parallel size; "
+                        f"default {DEFAULTS['global_batch']})")
     p.add_argument("--profile-step", type=int, default=0, help="profile this step and the next (0: off)")
     p.add_argument("--data", default=os.path.join(DEFAULT_OUT, "corpus_text_document"))
     p.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer"))
     p.add_argument("--source", default=str(ROOT), help="checkout whose train/main.py runs (default: this one)")
-    p.add_argument("--runs", default="nosa_1gpu,dense_1gpu,nosa_tp2")
-    p.add_argument("--timeout", type=int, default=420)
+    p.add_argument("--runs", help=f"default {DEFAULTS['runs']}")
+    p.add_argument("--loss-impl", help="train.loss_impl of each run, or several to compare: fused,chunked "
+                                       "(default: the trainer's)")
+    p.add_argument("--timeout", type=int, help=f"seconds per run (default {DEFAULTS['timeout']})")
     p.add_argument("--extra", nargs="*", action="extend", default=[],
                    help="more overrides for every run, e.g. train.recompute=none (repeatable: the lists add up)")
     a = p.parse_args()
+    for key, value in (QUICK if a.quick else DEFAULTS).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     # the runs start in --source: every path they are given is absolute
     a.out, a.data, a.tokenizer, a.source = (os.path.abspath(x) for x in (a.out, a.data, a.tokenizer, a.source))
     if not (Path(a.source) / "train" / "main.py").is_file():
         print(f"error: --source {a.source} has no train/main.py", file=sys.stderr)
         sys.exit(2)
-    taken = [n for n in a.runs.split(",") if (Path(a.out) / n).exists() or (Path(a.out) / f"{n}.log").exists()]
+    try:
+        todo = variants(a)
+    except ValueError:
+        print(f"error: --seq {a.seq} must be tokens per sequence, or several separated by commas", file=sys.stderr)
+        sys.exit(2)
+    taken = [n for n, *_ in todo if (Path(a.out) / n).exists() or (Path(a.out) / f"{n}.log").exists()]
     if taken:  # a run's metrics, profile and checkpoints would mix with the earlier run's
         print(f"error: --out {a.out} already holds run(s) {', '.join(taken)}; choose a new --out", file=sys.stderr)
         sys.exit(2)
@@ -290,11 +394,11 @@ def main() -> None:
     except ImportError:
         pass
     results = []
-    for name in a.runs.split(","):
+    for label, name, seq, impl in todo:
         if name == "nosa_tp2" and gpus < 2:
-            results.append({"run": name, "skipped": f"needs 2 GPUs, found {gpus}"})
+            results.append({"run": label, "skipped": f"needs 2 GPUs, found {gpus}"})
             continue
-        r = launch(name, a)
+        r = launch(name, argparse.Namespace(**{**vars(a), "seq": seq, "loss_impl": impl}), label)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("losses", "grad_norms", "gpu_samples")}), flush=True)
     by = {r["run"]: r for r in results}
@@ -309,7 +413,9 @@ def main() -> None:
             d = by.get(f"{base}{suffix}", {})
             if "tokens_per_s" in n and "tokens_per_s" in d:
                 env[f"{ratio}{suffix}"] = n["tokens_per_s"] / d["tokens_per_s"]
-    (Path(a.out) / "train_throughput.json").write_text(json.dumps({"env": env, "results": results}, indent=2))
+    comparison = compare_loss_impls(results)
+    (Path(a.out) / "train_throughput.json").write_text(json.dumps(
+        {"env": env, "results": results, "loss_impl_comparison": comparison}, indent=2))
     print("\n| run | GPUs | tokens/s (total/time) | median-step tokens/s | p90/median | slowest s | MFU | "
           "peak GiB | gamma | losses (first, last) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -366,6 +472,7 @@ def main() -> None:
                   "in ops; top self: "
                   + ", ".join(f"{o['op']} {o['self_ms_per_step']} ({o['calls_per_step']})" for o in h["top_ops"][:6]))
     print(json.dumps(env, indent=1))
+    _print_loss_comparison(comparison)
     for r in results:
         if "error_tail" in r:
             print(f"--- {r['run']} failed:\n{r['error_tail']}")

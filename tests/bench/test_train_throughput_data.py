@@ -75,3 +75,41 @@ def test_rows_of_several_steps_count_every_step_they_cover():
     assert [r["steps_covered"] for r in logged] == [4, 4, 4]
     tokens, seconds = bench.tokens_and_seconds(logged[1:], 100)
     assert (tokens, seconds) == (800, pytest.approx(4 * 1.5 + 4 * 1.0))
+
+
+def test_every_run_is_launched_at_each_length_with_each_loss():
+    import argparse
+
+    a = argparse.Namespace(runs="nosa_1gpu_nr,dense_1gpu", seq="16384,32768,300", loss_impl="fused,chunked")
+    got = train_throughput.variants(a)
+    assert [v[0] for v in got[:6]] == ["nosa_1gpu_nr_16k_fused", "nosa_1gpu_nr_16k_chunked", "nosa_1gpu_nr_32k_fused",
+                                       "nosa_1gpu_nr_32k_chunked", "nosa_1gpu_nr_300_fused", "nosa_1gpu_nr_300_chunked"]
+    assert got[7] == ("dense_1gpu_16k_chunked", "dense_1gpu", 16384, "chunked") and len(got) == 12
+    # one length and no --loss-impl: the names as before (bench.probes.ab_throughput and speed_report read them)
+    assert train_throughput.variants(argparse.Namespace(runs="nosa_1gpu", seq="16384", loss_impl=None)) == [
+        ("nosa_1gpu", "nosa_1gpu", 16384, None)]
+    args, _ = train_throughput.run_config("dense_1gpu_nr", argparse.Namespace(
+        recipe="r", data="d", tokenizer="t", steps=4, global_batch=4, seq=32768, layers=14, out="o", profile_step=0,
+        extra=[], loss_impl="chunked"), "dense_1gpu_nr_32k_chunked")
+    assert {"train.loss_impl=chunked", "train.seq_length=32768", "run.dir=o/dense_1gpu_nr_32k_chunked",
+            "train.recompute=none", "attention=dense"} <= set(args)
+
+
+def test_losses_are_compared_with_the_first_loss_of_their_run_and_length():
+    def ok(impl, seq, tps, peak, losses):
+        return {"run": f"nosa_{seq}_{impl}", "base_run": "nosa", "seq": seq, "loss_impl": impl, "tokens_per_s": tps,
+                "peak_mem_gib": peak, "losses": losses}
+
+    results = [ok("fused", 16, 100.0, 70.0, [9.0, 8.5, 8.0]), ok("chunked", 16, 101.0, 60.0, [9.0, 8.5, 8.0001]),
+               {"run": "nosa_32_fused", "base_run": "nosa", "seq": 32, "loss_impl": "fused", "returncode": 1,
+                "out_of_memory": True},
+               ok("chunked", 32, 50.0, 75.0, [9.0, 8.4]),
+               {"run": "dense_32_chunked", "base_run": "dense", "seq": 32, "loss_impl": "chunked", "returncode": 3},
+               {"run": "other", "skipped": "needs 2 GPUs"}]
+    rows = train_throughput.compare_loss_impls(results)
+    assert [(r["seq"], r["loss_impl"], r["status"]) for r in rows] == [
+        (16, "fused", "ok"), (16, "chunked", "ok"), (32, "fused", "out of memory"), (32, "chunked", "ok")]
+    assert rows[1]["tokens_per_s_ratio"] == pytest.approx(1.01) and rows[1]["peak_mem_saved_gib"] == 10.0
+    assert rows[1]["max_abs_loss_diff"] == pytest.approx(1e-4) and rows[1]["steps_compared"] == 3
+    assert rows[3]["tokens_per_s_ratio"] is None and rows[3]["peak_mem_gib"] == 75.0  # its base ran out of memory
+    assert all(r["run"] != "dense" for r in rows)  # one loss only: nothing to compare

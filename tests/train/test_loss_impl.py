@@ -57,3 +57,33 @@ def test_the_model_line_says_which_loss_ran(runs):
     assert "loss=standard (fused needs a bf16 GPU run), " in runs["fused"][1]
     assert "loss=chunked (50 tokens), " in runs["chunked"][1]
     assert "loss=chunked (50 tokens), " in runs["chunked_tp2"][1] and "TP=2" in runs["chunked_tp2"][1]
+
+
+def test_the_benchmark_compares_the_losses_in_one_command(tmp_path, demo_data):
+    """``bench.train_throughput --quick`` on the CPU (one length here, to keep it to two runs): both losses
+    train, the comparison table has a row per loss with the same losses step by step."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.subproc import REPO, child_env
+
+    out = tmp_path / "bench"
+    p = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--quick", "--out", str(out), "--seq", "256",
+                        "--data", demo_data["indexed_prefix"], "--tokenizer", demo_data["tokenizer"],
+                        "--extra", "train.loss_chunk_tokens=100"],
+                       capture_output=True, text=True, timeout=600, env=child_env(), cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "train_throughput.json").read_text())
+    assert [r["run"] for r in doc["results"]] == ["nosa_1gpu_standard", "nosa_1gpu_chunked"]
+    assert all(r["returncode"] == 0 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in doc["results"])
+    rows = doc["loss_impl_comparison"]
+    assert [(r["run"], r["seq"], r["loss_impl"], r["status"]) for r in rows] == [
+        ("nosa_1gpu", 256, "standard", "ok"), ("nosa_1gpu", 256, "chunked", "ok")]
+    assert rows[1]["steps_compared"] == 3 and rows[1]["max_abs_loss_diff"] <= 1e-4
+    assert rows[1]["tokens_per_s_ratio"] > 0
+    import yaml
+
+    train = yaml.safe_load((out / "nosa_1gpu_chunked" / "config.yaml").read_text())["train"]
+    assert (train["loss_impl"], train["loss_chunk_tokens"], train["seq_length"]) == ("chunked", 100, 256)
+    assert "| nosa_1gpu | 256 | chunked | ok |" in p.stdout
