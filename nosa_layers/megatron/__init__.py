@@ -4,7 +4,8 @@ Public API::
 
     from nosa_layers.megatron import (ModelConfig, AttentionConfig, ParallelConfig, validate,
         build_model, build_transformer_config, get_nosa_layer_spec,
-        get_nosa_decoder_block_spec, NOSAMegatronSelfAttention, NOSACoreAttention, DenseCoreAttention)
+        get_nosa_decoder_block_spec, NOSAMegatronSelfAttention, NOSACoreAttention, DenseCoreAttention,
+        chunked_lm_loss, ChunkedLMLossProcessor, reference_lm_loss)
 
 Names that need megatron-core are imported lazily, so the configs import without it.
 """
@@ -21,6 +22,9 @@ _LAZY = {
     "NOSACoreAttention": "nosa_layers.megatron.core_attention",
     "DenseCoreAttention": "nosa_layers.megatron.core_attention",
     "LongRoPERotaryEmbedding": "nosa_layers.megatron.rope",
+    "chunked_lm_loss": "nosa_layers.megatron.lm_loss",
+    "ChunkedLMLossProcessor": "nosa_layers.megatron.lm_loss",
+    "reference_lm_loss": "nosa_layers.megatron.lm_loss",
 }
 
 __all__ = ["ModelConfig", "AttentionConfig", "ParallelConfig", "validate", *_LAZY]

@@ -178,6 +178,34 @@ def test_bad_arguments_are_refused():
                                   labels=None, loss_mask=None, config=None)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", [False, True])
+def test_on_the_gpu_the_chunked_loss_needs_a_fraction_of_the_whole_logit_memory(fused):
+    """The 1B shape's output layer in bf16 on 16K tokens (``fused``: megatron-core's compiled helpers per chunk):
+    the same loss and gradients as the whole-logit bf16 loss up to bf16 rounding, and a peak above the inputs
+    of at most the kept gradients plus one chunk's logits at 10 bytes per entry, where the whole-logit
+    loss needs more than 6 bytes per token and vocabulary entry."""
+    n, h, vocab, chunk = 16384, 2048, 73448, 4096
+    hidden, weight, labels, mask = (t.cuda() for t in _inputs(112, n, h, vocab, torch.bfloat16))
+    weight = weight * 0.05
+
+    def run(fn, *args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        got = _grads(fn, hidden, weight, labels, mask, *args, **kwargs)
+        torch.cuda.synchronize()
+        return got, torch.cuda.max_memory_allocated() - base
+
+    whole, whole_peak = run(reference_lm_loss)
+    got, peak = run(chunked_lm_loss, chunk_tokens=chunk, fused=fused)
+    assert abs(got[0] - whole[0]) / whole[0] < 1e-3
+    assert _rel(got[1], whole[1]) < 2e-2 and _rel(got[2], whole[2]) < 2e-2
+    assert whole_peak > 6 * n * vocab
+    assert peak <= 2 * (2 * n * h + 2 * vocab * h) + 4 * vocab * h + 10 * chunk * vocab + 64 * 2**20, (peak, whole_peak)
+
+
 # ---------------------------------------------------------------- tensor parallelism 2 (2 rank processes)
 
 @pytest.fixture(scope="module")
