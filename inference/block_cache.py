@@ -244,8 +244,8 @@ class NOSABlockCache(Cache):
         self.version += 1
 
     def window_index(self, cfg: NOSAConfig, NB: int, NW: int, device) -> Tensor:
-        """``block_window_index(cfg, NB, NW)``, made once per capacity."""
-        key = (id(cfg), NB, NW)
+        """``block_window_index(cfg, NB, NW)``, made once per capacity and geometry."""
+        key = (cfg.block_size, cfg.kernel_size, cfg.kernel_stride, NB, NW)
         if key not in self._window_index:
             self._window_index[key] = block_window_index(cfg, NB, NW, device=device)
         return self._window_index[key]

@@ -63,7 +63,9 @@ class StepGrid:
         return self._once(("win", cfg.kernel_size, cfg.kernel_stride, sink), make)
 
     def masks(self, cfg: NOSAConfig, NB: int, NW: int) -> dict:
-        return self._once(("masks", id(cfg), NB, NW), lambda: decode_masks(self.pos, cfg, NB, NW))
+        """``decode_masks``, once per step for all layers of one geometry (each layer has its own config)."""
+        key = ("masks", cfg.block_size, cfg.kernel_size, cfg.kernel_stride, cfg.init_blocks, cfg.local_blocks, NB, NW)
+        return self._once(key, lambda: decode_masks(self.pos, cfg, NB, NW))
 
 
 def decode_layer(cache, st: LayerState, q: Tensor, k: Tensor, v: Tensor, score: Tensor | None, bias: Tensor | None,

@@ -131,7 +131,11 @@ class NOSALlamaModel(NOSALlamaPreTrainedModel):
             return self._decode_body
         backend = "inductor" if mode is True else str(mode)
         if backend not in self._compiled:
-            self._compiled[backend] = torch.compile(self._decode_body, backend=backend, dynamic=False)
+            try:
+                self._compiled[backend] = torch.compile(self._decode_body, backend=backend, dynamic=False)
+            except Exception as e:  # noqa: BLE001 (no torch.compile here: the plain body)
+                self._compile_failed(e, "decoding uncompiled from now on")
+                return self._decode_body
         cache.prepare_compiled_decode()
         return self._compiled[backend]
 
