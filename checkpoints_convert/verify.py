@@ -264,7 +264,7 @@ def main(argv=None) -> int:
                     help="run the export's modeling code even if it differs from the code this project ships")
     args = ap.parse_args(argv)
     from runtime.process_exit import freeze_at_exit
-    from runtime.third_party_noise import quiet_third_party
+    from data.third_party_noise import quiet_third_party
 
     freeze_at_exit()
     quiet_third_party(note_stream=sys.stderr)  # stdout is the JSON report

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from data.third_party_noise import quiet_third_party
+
 
 def _time_loader(loader, steps: int) -> dict:
     next(loader)  # warm-up (index mmap, first page faults)
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args(argv)
+    quiet_third_party()
     res = run(args.out, args.steps)
     print(f"CPU: {res['cpu']} ({res['cores']} cores) | python {res['python']} | torch {res['torch']} | "
           f"megatron-core {res['megatron_core']} | tokenizers {res['tokenizers']}")

@@ -25,6 +25,8 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 
+from data.third_party_noise import quiet_third_party
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, ".cache", "demo_data")
 BUILD_VERSION = 3  # bump when the build logic changes, to invalidate caches
@@ -308,6 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild even if the cache matches")
     ap.add_argument("--json", action="store_true", help="print the manifest as JSON")
     args = ap.parse_args(argv)
+    quiet_third_party(note_stream=sys.stderr)  # stdout is the name=path lines
     man = build_demo(args.out, SMALL if args.small else DemoSpec(), force=args.force,
                      log=lambda m: print(m, file=sys.stderr))
     if args.json:

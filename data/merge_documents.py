@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 from data import disk_space
+from data.third_party_noise import quiet_third_party
 
 
 def merged_spans(lengths: np.ndarray, min_tokens: int) -> list[tuple[int, int]]:
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="prefix of the merged copy")
     p.add_argument("--min-tokens", type=int, required=True, help="tokens per merged document, at least")
     a = p.parse_args(argv)
+    quiet_third_party()
     try:
         s = merge_documents(a.src, a.out, a.min_tokens)
     except (ValueError, FileNotFoundError) as e:

@@ -22,6 +22,7 @@ import numpy as np
 
 from data import disk_space
 from data.sources import ReadStats, iter_texts
+from data.third_party_noise import quiet_third_party
 from data.tokenizer import Tokenizer
 
 PIECE_CHARS = 1 << 18  # longest text handed to the tokenizer at once (it needs ~200 bytes per char)
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
                     help="refuse tokenizers larger than the model's vocabulary")
     ap.add_argument("--strict", action="store_true", help="stop at the first bad row instead of skipping and counting")
     args = ap.parse_args(argv)
+    quiet_third_party()  # megatron-core's import warnings (the indexed writer): one note
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: temp files go
     try:
         s = preprocess(args.input, args.tokenizer, args.out, args.text_key, args.split, args.batch_docs,

@@ -10,10 +10,10 @@ def run_cli(prog: str, fn, *args, interrupted: str = "") -> int:
     the commands' one-message errors) or a file it cannot read or write (``OSError``: a missing input, no
     permission, a full disk) is one ``<prog>: error: ...`` line on stderr and exit code 2, with no traceback;
     Ctrl-C is one ``<prog>: interrupted (Ctrl-C)`` line (``interrupted``: what that leaves, appended) and exit
-    code 130. Known third-party warnings are one line (``runtime.third_party_noise``)."""
+    code 130. Known third-party warnings are one line (``data.third_party_noise``)."""
     from runtime.megatron_cpu import lean_megatron_import
     from runtime.process_exit import freeze_at_exit
-    from runtime.third_party_noise import quiet_third_party
+    from data.third_party_noise import quiet_third_party
 
     freeze_at_exit()
     quiet_third_party()

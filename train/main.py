@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `python train/main.py` / `torchrun train/main.p
 def main(argv: list[str] | None = None) -> int:
     from runtime.megatron_cpu import lean_megatron_import
     from runtime.process_exit import freeze_at_exit
-    from runtime.third_party_noise import quiet_third_party
+    from data.third_party_noise import quiet_third_party
     from train.cli import CliError, help_text, parse_cli
     from train.compose import group_options
 

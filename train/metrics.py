@@ -186,6 +186,22 @@ def wandb_run_id(run_dir: str, name: str, resumed: bool) -> str:
     return rid
 
 
+WANDB_OUTPUT_ENV = ("WANDB_SILENT", "WANDB_QUIET", "WANDB_SHOW_INFO")
+
+
+def wandb_silent(mode: str) -> bool:
+    """Whether an offline W&B session runs silent (no banner, run history or summary: about 20 lines per job,
+    none asking for anything; W&B's warnings and errors still show) with :func:`wandb_offline_line` instead:
+    not online (the run's page is W&B's own line) and not when the user set how W&B prints (``WANDB_SILENT``,
+    ``WANDB_QUIET``, ``WANDB_SHOW_INFO``)."""
+    return mode == "offline" and not any(k in os.environ for k in WANDB_OUTPUT_ENV)
+
+
+def wandb_offline_line(sync_dir: str) -> str:
+    """The one line left of an offline W&B session: where the run lives and how to upload it."""
+    return f"wandb: offline run in {sync_dir} (upload it with: wandb sync {sync_dir})"
+
+
 def tensorboard_missing() -> str | None:
     """Why ``logging.tensorboard=true`` cannot work here (one line), or None."""
     import importlib.util
@@ -238,8 +254,12 @@ class MetricsLogger:
             import wandb
 
             self.wandb_id = wandb_run_id(run_dir, run_name, resumed=resume_step > 0)
+            silent = wandb_silent(wandb_mode)
             self._wandb = wandb.init(project=wandb_project, name=f"{run_name} ({Path(run_dir).name})",
-                                     mode=wandb_mode, dir=run_dir, config=config, resume="allow", id=self.wandb_id)
+                                     mode=wandb_mode, dir=run_dir, config=config, resume="allow", id=self.wandb_id,
+                                     settings=wandb.Settings(silent=True) if silent else None)
+            if silent:
+                print(wandb_offline_line(self._wandb.settings.sync_dir), flush=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -246,3 +246,27 @@ def test_the_token_id_range_is_recorded_once_and_read_again_only_when_the_data_c
     assert indexed.token_id_range(prefix)[1] == 60000  # read again: the record describes another file
     with pytest.raises(ValueError, match="token id 60000"):
         indexed.check_token_ids(prefix, tok.vocab_size, "data.paths entry")
+
+
+def test_the_command_folds_megatron_cores_import_warnings_into_one_note(tmp_path):
+    """``python -m data.preprocess`` imports megatron-core (its indexed writer), which warns once per module
+    without Transformer Engine / Apex and logs that no CUDA runtime is found: one note line on stdout instead;
+    stderr keeps only the progress bar."""
+    import subprocess
+    import sys
+
+    from data.third_party_noise import missing_optional, note_line
+    from data.tokenizer import train_bpe
+    from tests.subproc import REPO, child_env
+
+    tok = train_bpe(DOCS * 10, 300, str(tmp_path / "tok"), min_frequency=1)
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": t} for t in DOCS])
+    p = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(src), "--tokenizer", tok, "--out",
+                        str(tmp_path / "out")], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    out, note = p.stdout.splitlines(), [note_line()] if missing_optional() else []
+    assert out[:len(note)] == note and out.count(note_line()) == len(note), out
+    assert f"{len(DOCS)} documents" in out[len(note)]
+    noise = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("preprocess:")]
+    assert noise == [], noise  # was 9 lines: 4 UserWarnings (2 lines each) and torch's CUDA runtime line

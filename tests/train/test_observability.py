@@ -61,6 +61,41 @@ def test_wandb_id_is_unique_per_run_and_kept_across_a_resume(tmp_path):
     assert sorted(os.listdir(tmp_path / "a")) == ["wandb_id"]  # written atomically, no temporary left
 
 
+WANDB_SCRIPT = """
+import sys
+from train.metrics import MetricsLogger
+m = MetricsLogger(sys.argv[1], enabled=True, wandb_mode="offline", run_name="tiny", config={"a": 1})
+for step in (1, 2):
+    m.log({"step": step, "loss": 1.0 / step, "lr": 1e-3, "tokens_per_s": 10.0})
+m.close()
+print("closed")
+"""
+
+
+def test_an_offline_wandb_session_is_one_line_naming_the_run_and_its_sync_command(tmp_path, monkeypatch):
+    """W&B offline prints its banner, run history and summary (about 20 lines a job, 27 for a training run): one
+    line instead, where the run lives and how to upload it; not when the user set how W&B prints."""
+    import subprocess
+    import sys
+
+    from tests.subproc import REPO, child_env
+    from train.metrics import wandb_offline_line, wandb_silent
+
+    env = {k: v for k, v in child_env().items() if k not in ("WANDB_SILENT", "WANDB_QUIET", "WANDB_SHOW_INFO")}
+    p = subprocess.run([sys.executable, "-c", WANDB_SCRIPT, str(tmp_path / "run")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and (runs[0] / f"run-{(tmp_path / 'run' / 'wandb_id').read_text().strip()}.wandb").is_file()
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert lines == [wandb_offline_line(str(runs[0])), "closed"], lines
+    for k in ("WANDB_SILENT", "WANDB_QUIET", "WANDB_SHOW_INFO"):
+        monkeypatch.delenv(k, raising=False)
+    assert wandb_silent("offline") and not wandb_silent("online") and not wandb_silent("disabled")
+    monkeypatch.setenv("WANDB_QUIET", "false")  # the user chose how W&B prints: its own output
+    assert not wandb_silent("offline")
+
+
 def _max_rank(rank, init, out):
     import torch
     import torch.distributed as dist

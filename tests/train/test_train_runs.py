@@ -2,11 +2,14 @@
 
 import json
 import math
+import re
 import sys
 
 import pytest
 
+from data.third_party_noise import missing_optional, note_line
 from tests.train.conftest import losses, metrics, run_main, train_here
+from train.metrics import wandb_offline_line
 
 PRETRAIN = ["recipe=tiny_pretrain", "train.seq_length=128", "train.global_batch_size=2",
             "train.micro_batch_size=1", "train.eval_interval=2", "train.eval_iters=1", "optim.warmup_steps=1"]
@@ -92,7 +95,7 @@ def cpt_runs(tmp_path_factory, data_args, wrapper_run):
            "cpt_pp": run_main([*cpt, f"run.dir={dirs['cpt_pp']}", "parallel.pipeline_model_parallel_size=2",
                                "parallel.virtual_pipeline_model_parallel_size=2", "train.recompute=full",
                                "logging.wandb=offline", "profile.start_step=2", "profile.num_steps=1", NO_SAVE],
-                              nproc=2, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}).stdout}
+                              nproc=2, env={"WANDB_MODE": "offline"}).stdout}
     out["sft"] = run_main(["recipe=tiny_sft", *data_args, f"run.dir={dirs['sft']}", f"init_from={dirs['cpt_tp']}",
                            "train.seq_length=256", "train.global_batch_size=2", "train.max_steps=2",
                            "optim.warmup_steps=1", "checkpoint.interval=0", "parallel.pipeline_model_parallel_size=2",
@@ -117,6 +120,9 @@ def test_stage_chain_with_tensor_and_pipeline_parallel(cpt_runs, wrapper_run):
     assert cfg["attention"]["variant"] == "nosa" and cfg["model"]["rope_type"] == "longrope"
     assert len(losses(sft)) == 2 and all(math.isfinite(v) for v in losses(sft).values())
     assert len(work(sft)) == 2 and all(0 < w < 0.5 for w in work(sft))  # rows packed with short conversations
+    for name in ("cpt_tp", "cpt_pp", "sft"):  # 2 processes: third-party warnings folded (TP: the CUDA advice too)
+        assert not re.search(r"Warning|warnings\.warn\(", out[name]), out[name][-3000:]
+        assert out[name].count(note_line()) == (1 if missing_optional() else 0)
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
@@ -179,7 +185,10 @@ def test_interleaved_pipeline_full_recompute_and_wandb_offline(cpt_runs):
     runs, out = cpt_runs
     run = runs["cpt_pp"]
     assert len(losses(run)) == 2 and all(math.isfinite(v) for v in losses(run).values()), out["cpt_pp"][-2000:]
-    assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, "no offline W&B run written"
+    said = [ln for ln in out["cpt_pp"].splitlines() if ln.startswith("wandb:")]
+    assert said == [wandb_offline_line(str(offline[0]))], said  # W&B's own ~27 lines folded into one
     summary = json.loads((run / "profile" / "summary.json").read_text())
     assert summary["steps"] == [2, 2] and (run / "profile" / "trace.json").stat().st_size > 0
     assert {"attention_forward", "attention_backward", "nosa_selection", "nosa_index", "everything_else"} <= \

@@ -6,14 +6,17 @@ Torch Norm"), and megatron-core, torch and torch.distributed.checkpoint add depr
 their own internals (``GPTModel IS DEPRECATED``, "MCore's async save is deprecated", "full scope is
 deprecated", ShardedTensor, ``dcp.load``'s argument order, single-process loading, the collectives
 megatron-core calls by their old names, its experimental MIMO config, and torch's note on a non-leaf ``.grad``
-read by megatron-core's gradient buffers on CPU). None of them
+read by megatron-core's gradient buffers on CPU); in a single-process tool its rank lookup says it
+found no process group, and on a CPU its tensor-parallel layers recommend a CUDA setting. None of them
 asks the user to do anything. :func:`quiet_third_party` drops them and prints, once and on rank 0
 only, one line naming the optional packages that are missing (on stdout with the program's other
 progress lines, so stderr keeps only errors)::
 
     note: optional packages not installed: Transformer Engine, Apex (megatron-core runs its PyTorch fallbacks)
 
-Every other warning is shown as usual. ``NOSA_THIRD_PARTY_WARNINGS=1`` shows them all.
+Every other warning is shown as usual. ``NOSA_THIRD_PARTY_WARNINGS=1`` shows them all. It lives in
+``data`` because the data tools import megatron-core too (its indexed-dataset writer), and every package
+may import ``data``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ DEPRECATIONS = re.compile("|".join([
     r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
     r"MimoModelConfig is experimental",
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    # a single-process tool (eval, converters): megatron-core's rank lookup before any process group
+    r"Could not determine rank from torch\.distributed, RANK, or SLURM_PROCID",
 ]))
+# advice for GPUs that megatron-core gives on a CPU too (tensor parallelism, per rank): dropped where CUDA is absent
+CUDA_ONLY = re.compile(r"recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS")
 # logging records (logger name -> message) of the same kind
 LOGGED = {
     "megatron.core.models.gpt.gpt_model": re.compile(r"GPTModel IS DEPRECATED"),
@@ -60,6 +67,12 @@ def note_line() -> str:
     missing = missing_optional() or ["Transformer Engine / Apex features"]
     return (f"note: optional packages not installed: {', '.join(missing)} (megatron-core runs its PyTorch "
             f"fallbacks)")
+
+
+def _without_cuda() -> bool:
+    """torch is loaded and sees no CUDA device (the warning came from megatron-core, which imports torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and not torch.cuda.is_available()
 
 
 def _note_once() -> None:
@@ -92,7 +105,7 @@ def quiet_third_party(note_stream=None) -> None:
         text = str(message)
         if MISSING_ACCELERATORS.search(text):
             _note_once()
-        elif not DEPRECATIONS.search(text):
+        elif not DEPRECATIONS.search(text) and not (CUDA_ONLY.search(text) and _without_cuda()):
             shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = showwarning

@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from runtime.third_party_noise import missing_optional, note_line
+import torch
+
+from data.third_party_noise import missing_optional, note_line
 from tests.subproc import REPO, child_env
 
 SCRIPT = """
 import logging, warnings
-from runtime.third_party_noise import quiet_third_party
+from data.third_party_noise import quiet_third_party
 quiet_third_party()
 quiet_third_party()  # idempotent
 warnings.warn("Transformer Engine and Apex are not installed. Falling back to local implementations of x")
@@ -22,6 +24,10 @@ logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").warning("
 warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
 warnings.warn("MimoModelConfig is experimental and still under active development.", UserWarning)
 warnings.warn("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad ...")
+warnings.warn("Could not determine rank from torch.distributed, RANK, or SLURM_PROCID. Defaulting to rank 0.")
+import torch  # loaded, as megatron-core loads it: the CUDA-only advice is dropped where CUDA is absent
+warnings.warn("When using sequence parallelism it is recommended to set the environment variable "
+              "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
 warnings.warn("a warning of our own that must stay", UserWarning)
 logging.getLogger("megatron.core.models.gpt.gpt_model").warning("another megatron warning")
 """
@@ -40,17 +46,19 @@ def test_known_warnings_become_one_line_and_others_stay():
     rest = "\n".join(err)
     assert "a warning of our own that must stay" in rest and "another megatron warning" in rest
     assert not any(k in rest for k in ("not installed", "deprecated", "DEPRECATED", "experimental", "non-leaf",
-                                       "not a leaf"))
+                                       "not a leaf", "Could not determine rank"))
+    assert ("CUDA_DEVICE_MAX_CONNECTIONS" in rest) == torch.cuda.is_available()
     assert _output(SCRIPT, RANK="1")[0] == []  # other ranks: no note
     out, err = _output(SCRIPT, NOSA_THIRD_PARTY_WARNINGS="1")
     every = "\n".join(err)
     assert out == [] and "GPTModel IS DEPRECATED" in every and "Falling back to Torch Norm" in every
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in every and "Could not determine rank" in every
 
 
 MEGATRON = """
 import warnings
 warnings.simplefilter("default")
-from runtime.third_party_noise import quiet_third_party
+from data.third_party_noise import quiet_third_party
 quiet_third_party()
 import megatron.core.optimizer, megatron.core.models.backends, megatron.core.models.gpt.gpt_layer_specs
 from megatron.core.transformer.transformer_config import TransformerConfig
