@@ -4,9 +4,11 @@
 ``StaticCache`` of ``n + steps + 8`` positions, then times ``steps`` greedy decode steps of
 ``model.forward`` compiled with ``mode="reduce-overhead"`` (CUDA graphs; ``compiled=False``: the same
 static cache, eager); a model whose forward has a data-dependent branch (transformers' LongRoPE compares
-the length with the original context every call) compiles with graph breaks (``fullgraph: false`` in the
-row). The first steps after compiling are warm-up (compilation, graph capture) and
-not timed. Returns tokens/s and ms per step like ``bench.inference``'s decode rows.
+the length with the original context every call) has that choice made once when the prompt is already
+past the original context (every step then takes the long factors: ``rope: "pinned_long"`` in the row,
+exact), else compiles with graph breaks where its transformers version does not trace the choice
+(``fullgraph: false`` in the row). The first steps after compiling are warm-up (compilation, graph
+capture) and not timed. Returns tokens/s and ms per step like ``bench.inference``'s decode rows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,24 @@ def static_cache(model, batch: int, max_len: int, device: torch.device, dtype: t
     return StaticCache(**kw)
 
 
+def pin_longrope(model, prompt_len: int) -> str | None:
+    """After a prefill of ``prompt_len`` tokens, fix a LongRoPE rotary embedding to the frequencies it uses
+    from then on when every later position is past the original context (the long factors, which the
+    prefill put in ``inv_freq``): the per-call length check then leaves the compiled step. Returns
+    ``"pinned_long"`` when pinned, None when the model has no LongRoPE or the prompt is within the original
+    context (the check stays: a decode may cross the boundary)."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) != "longrope":
+        return None
+    rope = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
+    original = rope.get("original_max_position_embeddings") or getattr(
+        model.config, "original_max_position_embeddings", None)
+    if original is None or prompt_len <= original:
+        return None
+    rotary.rope_type = "pinned_long"  # neither "dynamic" nor "longrope": the update hook returns at once
+    return "pinned_long"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -46,6 +66,17 @@ def static_decode(model, prompt: torch.Tensor, steps: int, compiled: bool = True
     out = model(prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=device),
                 logits_to_keep=1)
     tok = out.logits[:, -1:].argmax(-1)
+    rope = pin_longrope(model, n)
+    try:
+        return _timed_steps(model, cache, tok, n, steps, compiled, rope)
+    finally:
+        if rope:  # the next row's prompt may be within the original context: the check comes back
+            model.model.rotary_emb.rope_type = "longrope"
+
+
+def _timed_steps(model, cache, tok, n: int, steps: int, compiled: bool, rope: str | None) -> dict:
+    device = tok.device
+    B = tok.shape[0]
     fullgraph = compiled
     if compiled:  # a fresh compile per row: rows of other shapes must not exhaust the recompile limit (eager then)
         torch._dynamo.reset()
@@ -70,4 +101,5 @@ def static_decode(model, prompt: torch.Tensor, steps: int, compiled: bool = True
             times.append(time.perf_counter() - t0)
     total = sum(times)
     return {"batch": B, "steps": steps, "step_ms": round(1e3 * total / steps, 3),
-            "tok_per_s": round(B * steps / total, 1), "cache": "static", "compiled": compiled, "fullgraph": fullgraph}
+            "tok_per_s": round(B * steps / total, 1), "cache": "static", "compiled": compiled, "fullgraph": fullgraph,
+            **({"rope": rope} if rope else {})}

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: device budget = the dense export's GPU-resident peak at this batch")
     p.add_argument("--baseline", default="static", choices=("static", "none"),
                    help="dense models: also decode with a static KV cache + torch.compile (compile on CUDA only)")
+    p.add_argument("--shape", default=None,
+                   help="the random models' shape: a model YAML (recipes/model/*.yaml fields, LongRoPE included) or "
+                        "an export's config.json (default: recipes/model/llama3_1b.yaml)")
+    p.add_argument("--models", default="llama,nosa",
+                   help="comma list of the random models to measure: llama (stock transformers), nosa")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads")
     return p
@@ -157,8 +162,36 @@ def parse_cells(text: str | None) -> tuple:
     return tuple(cells)
 
 
+def load_shape(path: str) -> ModelConfig:
+    """``ModelConfig`` from a model YAML (its fields; ``longrope`` a mapping) or an export's ``config.json``."""
+    from checkpoints_convert.from_hf import configs_from_hf
+    from nosa_layers.megatron.config import validate
+    from nosa_layers.rope.longrope import LongRoPEConfig
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--shape {path}: no such file")
+    if p.suffix == ".json":
+        return configs_from_hf(json.loads(p.read_text()))[0]
+    import yaml
+
+    fields = yaml.safe_load(p.read_text())
+    if not isinstance(fields, dict):
+        raise ValueError(f"--shape {path}: expected a mapping of model fields")
+    if isinstance(fields.get("longrope"), dict):
+        fields["longrope"] = LongRoPEConfig(**fields["longrope"])
+    try:
+        m = ModelConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"--shape {path}: {e}") from None
+    validate(m, AttentionConfig(variant="dense"))
+    return m
+
+
 def model_shape(args) -> ModelConfig:
-    if args.quick:
+    if args.shape:
+        m = load_shape(args.shape)
+    elif args.quick:
         m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                         ffn_hidden_size=128, vocab_size=512, max_position_embeddings=4096)
     else:
@@ -316,7 +349,10 @@ class Bench(BatchSearch, DecodeChecks):
             f"{self.dtype}, shape {self.shape.num_layers}L h{self.shape.hidden_size} "
             f"{self.shape.num_attention_heads}/{self.shape.num_kv_heads} heads d{self.shape.kv_channels}, "
             f"geometry {dataclasses.asdict(self.geo)}")
+        chosen = set(self.args.models.split(","))
         for kind, build in (("llama_sdpa", self.build_llama), ("nosa", self.build_nosa)):
+            if kind.split("_")[0] not in chosen:
+                continue
             if not only & {"prefill", "decode"} and kind == "llama_sdpa":
                 continue
             log(f"building {kind} (random weights)")
@@ -533,8 +569,17 @@ def main(argv=None) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return 2
+    bad = set(args.models.split(",")) - {"llama", "nosa"}
+    if bad:
+        print(f"error: --models: unknown model(s) {sorted(bad)}; use llama, nosa", file=sys.stderr)
+        return 2
+    if args.shape and (args.model or args.quick):
+        print("error: --shape sets the random models' shape; not with --model (exports) or --quick", file=sys.stderr)
+        return 2
     try:
         parse_cells(args.decode_cells)
+        if args.shape:
+            load_shape(args.shape)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,14 +44,15 @@ def load_random_model(path, dtype=torch.float32, device="cpu", eviction_scale: f
 
 
 def stock_llama(model, dtype=torch.float32, device="cpu"):
-    """transformers' ``LlamaForCausalLM`` (SDPA) with the shape of ``model`` (a ``ModelConfig``)."""
+    """transformers' ``LlamaForCausalLM`` (SDPA, random weights) with the shape of ``model`` (a
+    ``ModelConfig``) and the ``config.json`` a dense export of it would ship (its RoPE, LongRoPE included)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-                      intermediate_size=model.ffn_hidden_size, num_hidden_layers=model.num_layers,
-                      num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
-                      head_dim=model.kv_channels, max_position_embeddings=model.max_position_embeddings,
-                      rope_theta=model.rope_theta, rms_norm_eps=model.norm_eps, tie_word_embeddings=False)
+    from nosa_layers.megatron.config import AttentionConfig
+
+    fields = hf_config(model, AttentionConfig(variant="dense"), dtype)
+    fields.pop("torch_dtype", None)
+    cfg = LlamaConfig(**fields)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         m = LlamaForCausalLM(cfg).to(dtype)

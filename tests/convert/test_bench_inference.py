@@ -28,6 +28,33 @@ def test_quick_offload_rows(tmp_path):
         assert inference.main(["--out", str(tmp_path), "--quick", "--memory-profile"]) == 2
 
 
+def test_shape_file_and_model_choice(tmp_path):
+    """``--shape`` (a model YAML with LongRoPE) and ``--models llama``: only the stock Llama's decode rows, with
+    the export's RoPE; bad values are one-line usage errors."""
+    shape = tmp_path / "shape.yaml"
+    shape.write_text("family: llama3\nsize: tiny\nnum_layers: 2\nhidden_size: 96\nnum_attention_heads: 6\n"
+                     "num_kv_heads: 2\nhead_dim: 16\nffn_hidden_size: 96\nvocab_size: 300\n"
+                     "max_position_embeddings: 256\nrope_type: longrope\nlongrope:\n"
+                     "  short_factor: [1, 1, 1, 1, 1, 1, 1, 1]\n  long_factor: [1, 1, 1, 1, 2, 2, 2, 2]\n"
+                     "  original_max_position_embeddings: 128\n")
+    out = tmp_path / "out"
+    assert inference.main(["--out", str(out), "--shape", str(shape), "--models", "llama", "--only", "decode",
+                           "--decode-cells", "160x1,96x2", "--steps", "2"]) == 0
+    doc = json.loads((out / "inference.json").read_text())
+    rows = {r["row"]: r for r in doc["rows"]}
+    assert doc["meta"]["shape"]["num_attention_heads"] == 6 and doc["meta"]["shape"]["rope_type"] == "longrope"
+    assert sorted(rows) == ["decode llama_sdpa ctx160 b1", "decode llama_sdpa ctx96 b2",
+                            "decode llama_sdpa static ctx160 b1", "decode llama_sdpa static ctx96 b2"]
+    assert not [r for r in rows.values() if "error" in r], rows
+    assert rows["decode llama_sdpa static ctx160 b1"]["rope"] == "pinned_long"  # past the original 128
+    assert "rope" not in rows["decode llama_sdpa static ctx96 b2"]
+    assert inference.main(["--out", str(out), "--models", "llama,gpt"]) == 2
+    assert inference.main(["--out", str(out), "--shape", str(tmp_path / "none.yaml")]) == 2
+    assert inference.main(["--out", str(out), "--shape", str(shape), "--quick"]) == 2
+    shape.write_text("num_layers: 2\nhidden: 64\n")
+    assert inference.main(["--out", str(out), "--shape", str(shape)]) == 2
+
+
 def test_batch_search_finds_the_largest_batch_under_a_nonlinear_memory_curve():
     """The largest-batch search against synthetic peaks: a per-sequence cost that the batch 1 -> 2
     slope overstates (so the first prediction is low) and a step above some batch (so a re-prediction
