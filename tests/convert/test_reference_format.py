@@ -103,7 +103,8 @@ def test_reference_checkpoint_round_trip(pipeline):
     # 300 tokens are dense at the reference geometry (budget 64 blocks of 64): verify says so
     assert report["sparse"] == {"share": 0.0, "from_position": 4096, "sparse_layers": LAYERS, "layers": LAYERS}
     log = (p.root / "worker.log").read_text()
-    assert "0.0% of them attend sparsely (positions >= 4096 in 2 of 2 layers) (use --seq-len 8192 for half)" in log
+    assert ("0.0% of them attend sparsely (positions >= 4096 in 2 of 2 layers; --long checks 2 x 8192 tokens, "
+            "50% sparse)") in log
     # the import says what config.json did not: the geometry the reference code hard-codes
     assert (f"assumed (not in {p.ref / 'config.json'}): NOSA geometry block_size=64,kernel_size=32,kernel_stride=16,"
             "init_blocks=1,local_blocks=16,select_blocks=16,topk=64, eviction head ed_dma (reference format, "
@@ -313,16 +314,24 @@ def test_reference_geometry_is_the_framework_default():
 
 
 def test_verify_default_length_and_progress(capsys):
-    """verify's default is one row of the budget + 8 blocks (4608 tokens at the released geometry, so its last
-    512 positions attend sparsely), ``--long`` twice the budget; each forward prints a line with an ETA."""
-    from checkpoints_convert.verify import Progress, default_seq_len
+    """verify's default is one row of the budget + 2 blocks (4224 tokens at the released geometry, so its last
+    128 positions attend sparsely and the selection drops blocks), ``--long`` twice the budget, named by the
+    coverage line; each forward prints a line with an ETA."""
+    import torch
+
+    from checkpoints_convert.verify import Progress, default_seq_len, sparse_line, sparse_share
     from nosa_layers.megatron.config import AttentionConfig, ModelConfig
 
-    model, nosa = ModelConfig(max_position_embeddings=32768), AttentionConfig(variant="nosa")
-    assert default_seq_len(model, nosa) == 4608 and default_seq_len(model, nosa, long=True) == 8192
+    model, nosa = ModelConfig(max_position_embeddings=32768, num_layers=2), AttentionConfig(variant="nosa")
+    assert default_seq_len(model, nosa) == 4224 and default_seq_len(model, nosa, long=True) == 8192
     assert default_seq_len(ModelConfig(max_position_embeddings=4200), nosa) == 4200
-    assert default_seq_len(model, AttentionConfig(variant="nosa", nosa=NOSAConfig(**TINY))) == 192  # 2 x budget
+    assert default_seq_len(model, AttentionConfig(variant="nosa", nosa=NOSAConfig(**TINY))) == 128  # 96 + 2 x 16
     assert default_seq_len(model, AttentionConfig()) == 256  # dense
+    row = torch.zeros(1, 4224)
+    line = sparse_line(sparse_share(model, nosa, 4224), row, long_len=8192)
+    assert line == ("verify: 1 x 4224 tokens checked; 3.0% of them attend sparsely (positions >= 4096 in 2 of 2 "
+                    "layers; --long checks 2 x 8192 tokens, 50% sparse)")
+    assert sparse_line(sparse_share(model, nosa, 8192), torch.zeros(2, 8192), long_len=None).endswith("2 layers)")
     progress = Progress(3)
     progress.clock = iter([10.0, 40.0, 70.0, 130.0]).__next__
     progress.start = progress.clock()
@@ -331,3 +340,22 @@ def test_verify_default_length_and_progress(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "verify: [1/3] a (30s so far; ETA 1m00s)", "verify: [2/3] b (1m00s so far; ETA 30s)",
         "verify: [3/3] c (2m00s so far)"]
+
+
+def test_verify_compares_logits_a_chunk_of_positions_at_a_time():
+    """The chunked comparison (memory: a few copies of one chunk, not of ``[T, vocab]`` in fp64) gives what the
+    whole-tensor formulas give."""
+    import torch
+
+    from checkpoints_convert.common import max_abs, rel_err
+    from checkpoints_convert.verify import compare_logits
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 150, 97, generator=gen)
+    b = a + 0.01 * torch.randn(2, 150, 97, generator=gen)
+    la, lb = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    want = {"rel": rel_err(a, b), "max_abs": max_abs(a, b), "kl": float((lb.exp() * (lb - la)).sum(-1).mean()),
+            "top1": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+    got = compare_logits(a, b, chunk=64)  # 300 positions: 4 whole chunks and a partial one
+    assert got.keys() == want.keys() and 0.9 < got["top1"] < 1.0
+    assert all(abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])) for k in want), (got, want)
