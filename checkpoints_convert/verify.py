@@ -324,6 +324,8 @@ def run_checks(args) -> dict:
     hf_dir = Path(args.hf)
     report: dict = {"hf": str(hf_dir)}
     ckpt = resolve_checkpoint(args.ckpt) if args.ckpt else None
+    if not is_reference_export(hf_dir):
+        trust_remote_code(hf_dir, args.trust_remote_code)  # modeling code this project did not ship: refused first
     start = time.perf_counter()
     fails = tensor_roundtrip(hf_dir, ckpt)
     print(f"verify: tensor round trip {'ok' if not fails else f'FAILED ({len(fails)})'} "

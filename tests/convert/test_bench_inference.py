@@ -98,7 +98,7 @@ def test_trained_exports_rows(tmp_path):
     tok = train_bpe(texts, 400, str(tmp_path / "tok"))
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in texts))
-    args = inference.main.__globals__["argparse"].Namespace(quick=True, layers=None, kv_heads=None)
+    args = inference.main.__globals__["argparse"].Namespace(quick=True, shape=None, layers=None, kv_heads=None)
     shape = inference.model_shape(args)
     nosa = write_random_export(tmp_path / "nosa", shape, AttentionConfig(variant="nosa", nosa=tiny_geometry()))
     save_file({k: v.contiguous() for k, v in load_random_model(nosa, eviction_scale=1.0).state_dict().items()},

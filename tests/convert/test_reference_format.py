@@ -175,11 +175,11 @@ def test_geometry_override(pipeline):
     out = export(str(p.work / "tiny"), str(p.root / "hf_tiny"), **QUIET)
     got = _logits(_load_remote(out), tokens)
     assert _record("--geometry tiny: to_hf nosa", got, want) <= FP32_REL
-    # verify's default length is twice the selection budget (6 blocks of 16 tokens): half of it is sparse
+    # verify's default length is the selection budget (6 blocks of 16 tokens) + 2 blocks: its last quarter is sparse
     report = p.root / "verify_tiny.json"
     assert verify_main(["--hf", str(out), "--random", "1", "--decode-steps", "4", "--json", str(report)]) == 0
     rep = json.loads(report.read_text())
-    assert rep["tokens"] == [1, 192] and rep["sparse"]["share"] == 0.5 and rep["sparse"]["from_position"] == 96
+    assert rep["tokens"] == [1, 128] and rep["sparse"]["share"] == 0.25 and rep["sparse"]["from_position"] == 96
     assert rep["decode_vs_forward"]["rel"] <= 1e-4
     assert _record("--geometry tiny: Megatron import", p.megatron["tiny"], want) <= FP32_REL
     with pytest.raises(ConversionError) as e:
