@@ -10,7 +10,7 @@
    (one per line of ``--prompts``, tokenised with ``--tokenizer`` or the export's tokenizer) or on
    random token rows; reports the relative L2 error, max |diff|, KL and top-1 agreement. The default
    is one row of ``topk x block_size + 2 x block_size`` tokens for a sparse model (at most
-   ``max_position_embeddings``; 4224 at the released geometry, about 5 minutes and 5 GB on 2 CPU cores for
+   ``max_position_embeddings``; 4224 at the released geometry, about 270 CPU-s and 5.5 GiB for
    a 135M model; 256 for dense ones), so its last two blocks attend sparsely and the selection drops
    blocks; ``--long`` checks two rows of twice the budget (half of the tokens sparse; 8192 at the released
    geometry). The report gives the sparse share (``sparse``).

@@ -2,10 +2,12 @@
 
 The reference attention allocates and frees temporaries of hundreds of MB per layer (``[heads, T, T]`` at a few
 thousand tokens). glibc serves blocks that large with ``mmap`` and unmaps them when freed, so every layer's
-temporaries are page-faulted and zeroed afresh: on 2 CPU cores that is half of the CPU time of a forward.
+temporaries are page-faulted and zeroed afresh.
 :func:`reused_heap` serves them from the heap instead and keeps up to 1 GiB of freed memory at its top, so the
-next layer reuses the pages (half the CPU time, about a third more peak memory); afterwards glibc's defaults
-are back and the free memory goes back to the system. Elsewhere (musl, macOS, Windows) it does nothing.
+next layer reuses the pages. Measured on ``checkpoints_convert.verify`` of a 135M-parameter NOSA export at 2048
+tokens (2 cores): 83 CPU-s instead of 124 (minor page faults 0.7M instead of 14.3M), peak RSS 3.6 GB instead
+of 2.5. Afterwards glibc's defaults are back and the free memory goes back to the system. Elsewhere (musl,
+macOS, Windows) it does nothing.
 """
 
 from __future__ import annotations
