@@ -167,6 +167,42 @@ class Progress:
               flush=True)
 
 
+class LayerProgress:
+    """Within a long forward: at most every ``every_s`` seconds a stderr line with the decoder layer reached and
+    the forward's ETA (layers take about the same time). Hooks on ``model.model.layers``; a forward starts at
+    layer 0. Use as a context manager (the hooks are removed on exit)."""
+
+    def __init__(self, model, every_s: float = 20.0, stream=None) -> None:
+        self.layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
+        self.every_s, self.stream, self.clock = every_s, stream or sys.stderr, time.perf_counter
+        self.handles: list = []
+        self.begun = self.last = self.clock()
+
+    def __enter__(self) -> "LayerProgress":
+        n = len(self.layers)
+        if n:
+            self.handles.append(self.layers[0].register_forward_pre_hook(lambda *_: self._begin()))
+        for i, layer in enumerate(self.layers[:-1]):
+            self.handles.append(layer.register_forward_hook(lambda *_, i=i: self._after(i, n)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _begin(self) -> None:
+        self.begun = self.clock()
+
+    def _after(self, i: int, n: int) -> None:
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        spent = now - self.begun
+        print(f"verify:   layer {i + 1} of {n} of this forward ({_duration(spent)}; "
+              f"ETA {_duration(spent / (i + 1) * (n - i - 1))})", file=self.stream, flush=True)
+
+
 def _duration(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -340,6 +376,11 @@ def run_checks(args) -> dict:
     long_len = None if args.prompts or args.long else default_seq_len(*geo, long=True)
     print(sparse_line(report["sparse"], tokens, long_len), file=sys.stderr, flush=True)
     rows = int(tokens.shape[0])
+    with LayerProgress(model):
+        return _logit_checks(args, report, ok, model, ckpt, tokens, rows)
+
+
+def _logit_checks(args, report: dict, ok: bool, model, ckpt, tokens: torch.Tensor, rows: int) -> dict:
     decode = args.decode_steps > 0 and tokens.shape[1] > args.decode_steps + 1
     progress = Progress(rows * ((ckpt is not None) * 2 + decode))
     got = None

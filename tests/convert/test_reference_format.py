@@ -359,3 +359,38 @@ def test_verify_compares_logits_a_chunk_of_positions_at_a_time():
     got = compare_logits(a, b, chunk=64)  # 300 positions: 4 whole chunks and a partial one
     assert got.keys() == want.keys() and 0.9 < got["top1"] < 1.0
     assert all(abs(got[k] - want[k]) <= 1e-12 * max(1.0, abs(want[k])) for k in want), (got, want)
+
+
+def test_verify_reports_layers_within_a_long_forward(capsys):
+    """Within a forward, verify prints the layer reached and the forward's ETA at most every ``every_s`` seconds
+    (a 6-minute forward of a 135M model otherwise prints nothing); the hooks go with the context."""
+    import torch
+
+    from checkpoints_convert.verify import LayerProgress
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.model.layers:
+                x = layer(x)
+            return x
+
+    net = Net()
+    ticks = iter([0.0, 0.0, 10.0, 30.0, 50.0, 55.0, 100.0, 110.0, 160.0, 170.0])
+    progress = LayerProgress(net, every_s=20.0)
+    progress.clock = ticks.__next__
+    with progress:
+        progress.begun = progress.last = progress.clock()  # 0.0
+        net(torch.ones(1, 4))  # begin 0; layers 1-3 end at 10, 30, 50: lines after layers 2 (30 s) and 3 (50 s)
+        net(torch.ones(1, 4))  # begin 55; layers 1-3 end at 100 (a line: 50 s since the last), 110, 160 (a line)
+    assert capsys.readouterr().err.splitlines() == [
+        "verify:   layer 2 of 4 of this forward (30s; ETA 30s)",
+        "verify:   layer 3 of 4 of this forward (50s; ETA 17s)",
+        "verify:   layer 1 of 4 of this forward (45s; ETA 2m15s)",
+        "verify:   layer 3 of 4 of this forward (1m45s; ETA 35s)"]
+    net(torch.ones(1, 4))  # hooks removed: no line, no clock read
+    assert capsys.readouterr().err == "" and next(ticks) == 170.0
