@@ -79,14 +79,15 @@ def _deterministic_torch():
 TESTS = Path(__file__).resolve().parent
 
 
-# The longest work groups first (as measured on 2 cores, both workers busy): pytest-xdist hands the groups
-# out in collection order, so the long ones start early and the short ones fill the end of the run
-# (its default order, by number of tests, started the longest file of tests/train last). Groups not
-# listed follow, in their own order.
-SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "train/test_context_parallel.py", "eval",
-               "train/test_reliability.py", "train/test_preemption.py", "train/test_sft_run.py",
-               "train/test_ab_throughput_run.py",
-               "train/test_config_recipes.py", "nosa", "train/test_hydra_cli.py", "train/test_sizing.py"]
+# The longest work groups first (by their CPU seconds with child processes, NOSA_TEST_CPU_REPORT): pytest-xdist
+# hands the groups out in collection order, so the long ones start early and the short ones fill the end of the
+# run (its default order, by number of tests, started the longest file of tests/train last). Groups not listed
+# follow, in their own order.
+SLOW_GROUPS = ["convert", "ops", "eval", "train/test_preemption.py", "megatron", "train/test_context_parallel.py",
+               "train/test_train_runs.py", "train/test_memory_model.py", "train/test_ab_throughput_run.py", "data",
+               "train/test_reliability.py", "train/test_loss_impl.py", "train/test_hydra_cli.py",
+               "train/test_sizing.py", "train/test_step_reads.py", "train/test_config_recipes.py", "bench", "nosa",
+               "test_startup_imports.py", "train/test_sft_run.py"]
 
 
 def _group(item) -> str:
