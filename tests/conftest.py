@@ -1,6 +1,7 @@
 """Session-wide test settings: offline, deterministic, small thread pools."""
 
 import os
+import sys
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -145,3 +146,23 @@ def _no_process_group_environment_left():
     if left:
         pytest.fail(f"the test left process-group variables in os.environ: {left} (run train/main.py in-process "
                     f"through tests.train.conftest.train_here, which restores them)", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A default process group that a test's in-process call left (``checkpoints_convert.megatron_io`` keeps its
+    world-size-1 group, and megatron-core's model-parallel state on it, for the rest of a command) is destroyed
+    after the test: a later test of the same worker that forks ranks (``tests/data/test_sft_scale.py``) would
+    inherit it and fail to start its own. Groups that existed before the test (a module's fixture) stay."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if before or not (dist.is_available() and dist.is_initialized()):
+        return
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    dist.destroy_process_group()
