@@ -1,6 +1,7 @@
 """Session-wide test settings: offline, deterministic, small thread pools."""
 
 import os
+import sys
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,14 +80,15 @@ def _deterministic_torch():
 TESTS = Path(__file__).resolve().parent
 
 
-# The longest work groups first (as measured on 2 cores, both workers busy): pytest-xdist hands the groups
-# out in collection order, so the long ones start early and the short ones fill the end of the run
-# (its default order, by number of tests, started the longest file of tests/train last). Groups not
-# listed follow, in their own order.
-SLOW_GROUPS = ["train/test_train_runs.py", "ops", "convert", "megatron", "train/test_context_parallel.py", "eval",
-               "train/test_reliability.py", "train/test_preemption.py", "train/test_sft_run.py",
-               "train/test_ab_throughput_run.py",
-               "train/test_config_recipes.py", "nosa", "train/test_hydra_cli.py", "train/test_sizing.py"]
+# The longest work groups first (by their CPU seconds with child processes, NOSA_TEST_CPU_REPORT): pytest-xdist
+# hands the groups out in collection order, so the long ones start early and the short ones fill the end of the
+# run (its default order, by number of tests, started the longest file of tests/train last). Groups not listed
+# follow, in their own order.
+SLOW_GROUPS = ["convert", "ops", "eval", "train/test_preemption.py", "megatron", "train/test_context_parallel.py",
+               "train/test_train_runs.py", "train/test_memory_model.py", "train/test_ab_throughput_run.py", "data",
+               "train/test_reliability.py", "train/test_loss_impl.py", "train/test_hydra_cli.py",
+               "train/test_sizing.py", "train/test_step_reads.py", "train/test_config_recipes.py", "bench", "nosa",
+               "test_startup_imports.py", "train/test_sft_run.py"]
 
 
 def _group(item) -> str:
@@ -144,3 +146,23 @@ def _no_process_group_environment_left():
     if left:
         pytest.fail(f"the test left process-group variables in os.environ: {left} (run train/main.py in-process "
                     f"through tests.train.conftest.train_here, which restores them)", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A default process group that a test's in-process call left (``checkpoints_convert.megatron_io`` keeps its
+    world-size-1 group, and megatron-core's model-parallel state on it, for the rest of a command) is destroyed
+    after the test: a later test of the same worker that forks ranks (``tests/data/test_sft_scale.py``) would
+    inherit it and fail to start its own. Groups that existed before the test (a module's fixture) stay."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if before or not (dist.is_available() and dist.is_initialized()):
+        return
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -135,7 +135,9 @@ def count(overrides: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    from runtime.megatron_cpu import apply_cpu_shim
+    from runtime.megatron_cpu import apply_cpu_shim, lean_megatron_import
+
+    lean_megatron_import()  # megatron-core's import without its compile machinery (its fusions run eagerly anyway)
 
     apply_cpu_shim(force=True)
     with open(sys.argv[2]) as fh:

@@ -43,9 +43,10 @@ def meta_counts(overrides: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from runtime.megatron_cpu import apply_cpu_shim, lean_megatron_import
 
-    from runtime.megatron_cpu import apply_cpu_shim
+    lean_megatron_import()  # before anything imports megatron-core: a meta build needs none of its GPU machinery
+    import torch.distributed as dist
 
     apply_cpu_shim(force=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,5 +1,6 @@
 """``bench.probes.ab_throughput`` end to end on the CPU: each side trains from its own checkout under the same
-harness, and the summary tells the sides apart (a baseline whose recipe differs logs other losses)."""
+harness, and the summary tells the sides apart (a baseline whose recipe differs logs other losses). Each run
+is one layer at 128 tokens: what is compared is the harness's bookkeeping, not the model."""
 
 import json
 import subprocess
@@ -20,7 +21,7 @@ def test_each_side_runs_its_own_checkout(tmp_path, demo_data):
     out = tmp_path / "ab"
     p = subprocess.run(
         [sys.executable, "-m", "bench.probes.ab_throughput", "--baseline-src", str(baseline), "--out", str(out),
-         "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt", "--layers", "2", "--seq", "256",
+         "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt", "--layers", "1", "--seq", "128",
          "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"], "--tokenizer", demo_data["tokenizer"]],
         capture_output=True, text=True, timeout=600, env=child_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -45,7 +46,7 @@ def test_a_failed_run_stops_the_comparison_and_keeps_the_runs_before_it(tmp_path
     p = subprocess.run(
         [sys.executable, "-m", "bench.probes.ab_throughput", "--baseline-src", str(REPO), "--candidate-src",
          str(broken), "--out", str(out), "--repeats", "1", "--runs", "nosa_1gpu", "--", "--recipe", "tiny_cpt",
-         "--layers", "2", "--seq", "256", "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"],
+         "--layers", "1", "--seq", "128", "--steps", "3", "--warmup", "1", "--data", demo_data["indexed_prefix"],
          "--tokenizer", demo_data["tokenizer"]], capture_output=True, text=True, timeout=600, env=child_env(), cwd=REPO)
     assert p.returncode == 1 and "candidate repeat 1 failed" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads((out / "ab_throughput.json").read_text())

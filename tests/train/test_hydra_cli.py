@@ -6,7 +6,7 @@ import math
 import pytest
 import yaml
 
-from tests.train.conftest import losses, metrics, run_main
+from tests.train.conftest import losses, metrics, run_main, train_here
 from train.cli import CliError, job_run_dir, parse_cli
 from train.main import main
 
@@ -63,8 +63,8 @@ def test_multirun_trains_each_job_in_its_own_dir_with_interval_means(tmp_path, d
     """-m over train.log_interval: the log_interval=2 job logs the mean of the two steps the
     log_interval=1 job logs one by one (same seed, same data); a torch.profiler trace of step 3."""
     sweep = tmp_path / "sweep"
-    p = run_main(["-m", *TINY, *data_args, "train.max_steps=4", "train.log_interval=1,2", f"run.dir={sweep}",
-                  "profile.start_step=3", "profile.num_steps=1", "checkpoint.save=false"])  # no test reads one
+    p = train_here(["-m", *TINY, *data_args, "train.max_steps=4", "train.log_interval=1,2", f"run.dir={sweep}",
+                    "profile.start_step=3", "profile.num_steps=1", "checkpoint.save=false"])  # no test reads one
     assert p.stdout.count("[multirun] job") == 2 and "ETA" in p.stdout
     one, two = sweep / "train.log_interval=1", sweep / "train.log_interval=2"
     assert yaml.safe_load((two / "config.yaml").read_text())["train"]["log_interval"] == 2
@@ -92,7 +92,8 @@ def _wandb_runs(run_dir) -> list[str]:
 def test_multirun_headers_summary_and_a_rerun_skips_finished_jobs(tmp_path, data_args):
     """Each job gets a header (overrides, run dir) and the sweep ends with a table of every job's final loss,
     validation loss and tokens/s; re-running the sweep skips the finished jobs (nothing trained or validated,
-    no W&B session); raising train.max_steps resumes each job in its own W&B run."""
+    no W&B session); raising train.max_steps resumes each job in its own W&B run. The sweeps that train run in
+    their own processes (W&B's service and console capture), the rerun in this one."""
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, *data_args, "train.max_steps=2", "run.seed=1,2", f"run.dir={sweep}", "logging.wandb=offline",
             "train.eval_iters=1"]
@@ -115,7 +116,7 @@ def test_multirun_headers_summary_and_a_rerun_skips_finished_jobs(tmp_path, data
     ids = [(d / "wandb_id").read_text().strip() for d in jobs]
     logged = [(d / "metrics.jsonl").read_text() for d in jobs]
 
-    again = run_main(args).stdout
+    again = train_here(args).stdout  # in this process: a rerun that trains nothing starts no W&B session
     assert again.count("already finished: its checkpoint is at step 2 = train.max_steps") == 2
     assert "training tiny_pretrain" not in again and "val_loss" not in again
     assert [(d / "metrics.jsonl").read_text() for d in jobs] == logged  # no validation pass appended

@@ -41,16 +41,24 @@ def test_updates_read_at_the_logs_train_as_those_read_each_step(each_step_and_at
     assert any(each[s]["grad_norm"] > 0.5 for s in each)  # clipping took part
 
 
-@pytest.mark.parametrize("parallel", [["parallel.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
-def test_reads_at_the_logs_with_two_ranks(tmp_path, data_args, each_step_and_at_log, parallel):
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, data_args):
+    """The 6 steps read at the logs on 2 ranks at TP=2 and at TP=1 (DP=2): the two jobs of one multirun
+    launch (the process group kept between them). ``{tp: run dir}``."""
+    root = tmp_path_factory.mktemp("reads2")
+    common = [*PRETRAIN, *data_args, "train.max_steps=6", "optim.clip_grad=0.5"]
+    run_main(["-m", *common, "parallel.tensor_model_parallel_size=2,1", f"run.dir={root}", "train.step_reads=at_log",
+              "train.log_interval=3"], nproc=2)
+    return {tp: root / f"parallel.tensor_model_parallel_size={tp}" for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
+def test_reads_at_the_logs_with_two_ranks(each_step_and_at_log, two_rank_runs, tp):
     """TP=2 (the norm summed over the model-parallel group) and DP=2 (the distributed optimizer's shards,
     summed over the world) reading at the logs: the interval means of the losses and the norm of the
     one-process run read each step (the module's reference), within the rounding of the reduction order."""
     each, _, _ = each_step_and_at_log
-    run = tmp_path / "log"
-    common = [*PRETRAIN, *data_args, "train.max_steps=6", "optim.clip_grad=0.5"]
-    run_main([*common, *parallel, f"run.dir={run}", "train.step_reads=at_log", "train.log_interval=3"], nproc=2)
-    at_log = _rows(run)
+    at_log = _rows(two_rank_runs[tp])
     assert sorted(at_log) == [3, 6]
     for step in (3, 6):
         mean = math.fsum(each[s]["loss"] for s in (step - 2, step - 1, step)) / 3

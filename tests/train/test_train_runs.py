@@ -199,7 +199,8 @@ def test_overlap_param_gather_syncs_before_eval_and_save(tmp_path, data_args):
     """DP=2 with the distributed optimizer: gathering the updated parameters lazily in the next
     step's forward (``overlap_param_gather``) trains and saves exactly as the eager gather does:
     the checkpoints hold the weights of their step (what exports and the next stage read), because
-    checkpointing (and evaluation) force the gather first."""
+    checkpointing (and evaluation) force the gather first. Both runs are the two jobs of one 2-rank multirun
+    launch (eager first: a lazy gather left pending by the first job could not make the second one stale)."""
     import torch
 
     from checkpoints_convert.common import load_megatron_tensors
@@ -207,9 +208,8 @@ def test_overlap_param_gather_syncs_before_eval_and_save(tmp_path, data_args):
     # no validation: its forward would run the gather hooks before each save and hide a stale save
     common = [*PRETRAIN, *data_args, "train.max_steps=4", "checkpoint.interval=2", "train.global_batch_size=4",
               "parallel.overlap_grad_reduce=true", "train.eval_iters=0"]
-    eager, lazy = tmp_path / "eager", tmp_path / "lazy"
-    run_main([*common, f"run.dir={eager}"], nproc=2)
-    run_main([*common, f"run.dir={lazy}", "parallel.overlap_param_gather=true"], nproc=2)
+    run_main(["-m", *common, f"run.dir={tmp_path}", "parallel.overlap_param_gather=false,true"], nproc=2)
+    eager, lazy = (tmp_path / f"parallel.overlap_param_gather={v}" for v in ("False", "True"))
     assert losses(eager) == losses(lazy) and len(losses(eager)) == 4
     for it in ("iter_0000002", "iter_0000004"):
         a, b = (load_megatron_tensors(d / "checkpoints" / it) for d in (eager, lazy))
