@@ -136,11 +136,11 @@ if triton is not None:
         return tl.reshape(h, [2 ** LOG_K])
 
     @triton.jit
-    def _block_keys(scores_row, wsc_row, sw_w, INDEX, blk, NB, w_end, qb, cut, WPB: tl.constexpr,
-                    INIT: tl.constexpr, LOCAL: tl.constexpr, SECOND: tl.constexpr):
+    def _block_keys(scores_row, wsc_row, sw_w, INDEX, blk, NB, w_end, qb, cut, second, WPB: tl.constexpr,
+                    INIT: tl.constexpr, LOCAL: tl.constexpr, HAS_WSC: tl.constexpr):
         """Ranking keys of blocks ``blk``: the query-aware stage's (pooled window scores, forced ``+inf``,
-        future ``-inf``) or, with ``SECOND``, the final stage's (``+inf`` also where the first key is ``>= cut``,
-        the query-aware picks; the others by their pooled ``wsc``)."""
+        future ``-inf``) or, where ``second``, the final stage's (``+inf`` also where the first key is
+        ``>= cut``: the query-aware picks; the others by their pooled ``wsc``)."""
         real = blk < NB
         b_qa = tl.full(blk.shape, float("-inf"), tl.float32)
         b_qg = tl.full(blk.shape, float("-inf"), tl.float32)
@@ -148,30 +148,30 @@ if triton is not None:
             idx = tl.load(INDEX + blk * WPB + j, mask=real, other=0)
             seen = real & (idx < w_end)
             b_qa = tl.maximum(b_qa, tl.load(scores_row + idx, mask=seen, other=float("-inf")))
-            if SECOND:
+            if HAS_WSC:
                 b_qg = tl.maximum(b_qg, tl.load(wsc_row + idx * sw_w, mask=seen, other=float("-inf")).to(tl.float32))
         future = blk > qb
         forced = (blk < INIT) | ((blk >= qb - LOCAL) & (blk <= qb))
         key = _rank_keys(tl.where(future, float("-inf"), tl.where(forced, float("inf"), b_qa)), blk, real)
-        if SECOND:
-            key = _rank_keys(tl.where(future, float("-inf"), tl.where(forced | (key >= cut), float("inf"), b_qg)),
-                             blk, real)
+        if HAS_WSC:
+            final = _rank_keys(tl.where(future, float("-inf"), tl.where(forced | (key >= cut), float("inf"), b_qg)),
+                               blk, real)
+            key = tl.where(second, final, key)
         return key
 
     @triton.jit
-    def _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, WPB: tl.constexpr, INIT: tl.constexpr,
-                    LOCAL: tl.constexpr, SECOND: tl.constexpr, CB: tl.constexpr, LOG_CB: tl.constexpr,
-                    LOG_KP: tl.constexpr):
-        """The ``2 ** LOG_KP`` largest keys of a stage, descending: the top of each chunk of ``CB`` blocks merged
-        into the running top (the elementwise max of the running top, descending, and the chunk's, ascending,
-        is the top of both as a bitonic sequence, sorted by one merge)."""
+    def _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, second, WPB: tl.constexpr,
+                    INIT: tl.constexpr, LOCAL: tl.constexpr, HAS_WSC: tl.constexpr, CB: tl.constexpr,
+                    LOG_CB: tl.constexpr, LOG_KP: tl.constexpr):
+        """The ``2 ** LOG_KP`` largest keys of a stage, descending: the top of each chunk of ``CB`` blocks
+        (ascending) merged into the running top (descending; their elementwise max is the top of both as a
+        bitonic sequence, sorted by one merge)."""
         blk = tl.arange(0, CB)
-        best = _topk(_block_keys(scores_row, wsc_row, sw_w, INDEX, blk, NB, w_end, qb, cut, WPB, INIT, LOCAL,
-                                 SECOND), LOG_CB, LOG_KP, 0)
         i = tl.reshape(tl.arange(0, 2 ** LOG_KP), [2] * LOG_KP)
-        for c0 in range(CB, NB, CB):
-            top = _topk(_block_keys(scores_row, wsc_row, sw_w, INDEX, c0 + blk, NB, w_end, qb, cut, WPB, INIT,
-                                    LOCAL, SECOND), LOG_CB, LOG_KP, 1)
+        best = tl.full([2 ** LOG_KP], -9223372036854775807, tl.int64)
+        for c0 in range(0, NB, CB):
+            top = _topk(_block_keys(scores_row, wsc_row, sw_w, INDEX, c0 + blk, NB, w_end, qb, cut, second, WPB,
+                                    INIT, LOCAL, HAS_WSC), LOG_CB, LOG_KP, 1)
             h = tl.reshape(tl.maximum(best, top), [2] * LOG_KP)
             for u in tl.static_range(LOG_KP):  # partners differ in bit LOG_KP - 1 - u: axis u
                 hi = tl.reduce(h, u, _MAX, keep_dims=True)
@@ -230,17 +230,16 @@ def _build() -> dict:
             p = tl.exp(x - m_use[:, None]) * inv[:, None]
             tl.store(scores_row + w, tl.reduce(p, 0, _SUM), mask=vis)
         tl.debug_barrier()  # the row is read back below at other windows (other threads)
-        # 3. the two stages, over chunks of CB blocks: the top KP >= K keys of each, descending
+        # 3. the two stages (one code path: its compile time), over chunks of CB blocks: the top KP >= K keys
         qb = pos // BLOCK_SIZE
         wsc_row = WSC + b * sw_b + h * sw_h
         j = tl.arange(0, KP)
-        cut = -9223372036854775807
-        if HAS_WSC:
-            first = _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, WPB, INIT, LOCAL, False, CB,
-                                LOG_CB, LOG_KP)
-            cut = tl.reduce(tl.where(j == QA - 1, first, -9223372036854775807), 0, _MAX)  # the QA-th largest
-        order = _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, WPB, INIT, LOCAL, HAS_WSC, CB,
-                            LOG_CB, LOG_KP)
+        cut = tl.full([], -9223372036854775807, tl.int64)
+        order = tl.full([KP], -9223372036854775807, tl.int64)
+        for stage in range(0, 1 + HAS_WSC):
+            order = _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, stage > 0, WPB, INIT, LOCAL,
+                                HAS_WSC, CB, LOG_CB, LOG_KP)
+            cut = tl.reduce(tl.where(j == QA - 1, order, -9223372036854775807), 0, _MAX)  # the QA-th largest
         chosen = 0x7FFFFFFF - (order - ((order >> 32) << 32))
         tl.store(BLOCKS + bh * K + j, chosen, mask=j < K)
         tl.store(OK + bh * K + j, (chosen <= qb).to(tl.uint8), mask=j < K)
