@@ -3,11 +3,12 @@
 ``step_profile(model, cache, tok, device)`` profiles one eager step of the plain decode body under
 ``torch.profiler`` with a range per decoder layer and per part of a layer's NOSA step (``eviction_head``:
 the new token's score; ``window_update``: the ring / compressed-key writes; ``selection``:
-``select_decode_fast``; ``attention``: the token's store and the attention over its blocks; ``other``:
-norms, projections, RoPE, MLP, the step's position masks). The unit is a device kernel on CUDA (its device
-time) and on a CPU an innermost ATen compute op (views and allocations left out; its CPU time). The
-captured CUDA graph replays the same kernels without their launch cost. Then one eager step of the
-``torch.compile``-d body (Inductor; ``aot_eager`` on a CPU; no graph): its kernels, to compare counts.
+``select_decode_fast``, or the selection kernel with the Triton attention; ``attention``: the token's store
+and the attention over its blocks; ``other``: norms, projections, RoPE, MLP, the step's position masks). The
+unit is a device kernel on CUDA (its device time) and on a CPU an innermost ATen compute op (views and
+allocations left out; its CPU time). The captured CUDA graph replays the same kernels without their launch
+cost. Then one eager step of the ``torch.compile``-d body (Inductor; ``aot_eager`` on a CPU; no graph): its
+kernels, to compare counts.
 
 Returns ``profile_step`` (units, time, host synchronisations), ``profile_sections`` (per part, all layers),
 ``profile_layers`` (per layer: units, time, the selection's share) and ``profile_layer_table`` (the kernels
@@ -78,7 +79,8 @@ class _Ranges:
             self.saved.append((attn, "_new_token_scores", attn.__dict__.get("_new_token_scores")))
             attn._new_token_scores = _ranged("eviction_head", attn._new_token_scores)
         for fn, name in (("_update_windows", "window_update"), ("select_decode_fast", "selection"),
-                         ("_attend_in_place", "attention"), ("_attend_gathered", "attention")):
+                         ("select_decode_kernel", "selection"), ("_attend_in_place", "attention"),
+                         ("_attend_gathered", "attention")):
             self.saved.append((self.step, fn, getattr(self.step, fn)))
             setattr(self.step, fn, _ranged(name, getattr(self.step, fn)))
         return self

@@ -27,6 +27,7 @@ from inference.transfers import HostTransfers
 from nosa_layers.config import NOSAConfig
 from nosa_layers.ops.decode_attention import available as attn_kernel_available
 from nosa_layers.ops.decode_attention import define_kernels as define_attention_kernels
+from nosa_layers.ops.decode_selection import define_kernels as define_selection_kernels
 from nosa_layers.ops.offload_copy import define_kernels as define_offload_kernels
 from nosa_layers.selection import block_window_index
 
@@ -48,7 +49,8 @@ class NOSABlockCache(Cache):
     every step (more host-to-device traffic for a smaller device footprint). ``fetch``: how offloaded
     blocks move (``inference.transfers``). ``attention``: how a decode step's token attends to its
     selected blocks, ``triton`` = the kernel of ``nosa_layers.ops.decode_attention`` reading them in place
-    (cache, slots, or the pinned host store for blocks without a slot), ``torch`` = gathered copies and
+    (cache, slots, or the pinned host store for blocks without a slot), and the block selection in one launch
+    (``nosa_layers.ops.decode_selection``, where it takes the shape), ``torch`` = gathered copies and
     ``attend``, ``auto`` = ``triton`` on a CUDA device when Triton is installed. ``decode_streams`` > 1 splits
     a decode step's batch into that many contiguous parts that run layer by layer on their own CUDA streams,
     so one part's host-to-device fetch can overlap another part's compute (:meth:`decode_parts`; results
@@ -284,6 +286,7 @@ class NOSABlockCache(Cache):
         cannot be traced)."""
         if self.attention == "triton":
             define_attention_kernels()
+            define_selection_kernels()
         if self.offload and self.fetch == "uva":
             define_offload_kernels()
 

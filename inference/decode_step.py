@@ -5,7 +5,8 @@ synchronisation in the GPU-resident mode: the new key / value / score are writte
 length, a window that the token completes is added to the compressed keys and window score means, the
 reference selection of that row (``nosa_layers.selection.select_rows``) is recomputed from them for all
 sequences (``inference.decode_select.select_decode_fast``, tested against the plain batched reference
-``select_decode_batched``), and the token attends to the selected blocks: read in place by the
+``select_decode_batched``; with the Triton attention, one kernel launch: ``nosa_layers.ops.decode_selection``),
+and the token attends to the selected blocks: read in place by the
 Triton kernel (``nosa_layers.ops.decode_attention``) or gathered and ``attend``-ed. An offloaded layer first
 brings the selected blocks into its GPU slots (``inference.transfers``).
 """
@@ -20,6 +21,8 @@ from inference.storage import LayerState
 from nosa_layers.config import NOSAConfig
 from nosa_layers.ops.decode_attention import decode_attention
 from nosa_layers.ops.decode_attention import supported as attn_kernel_supported
+from nosa_layers.ops.decode_selection import select_decode_kernel
+from nosa_layers.ops.decode_selection import supported as select_kernel_supported
 
 
 class StepGrid:
@@ -100,8 +103,12 @@ def decode_layer(cache, st: LayerState, q: Tensor, k: Tensor, v: Tensor, score: 
     _update_windows(st, grid, cfg, k1, s1, cache.state_dtype)
     NW = st.kc.shape[2] - 1  # windows; column NW is the sink of windows not complete yet
     index = cache.window_index(cfg, st.num_blocks, NW, q.device)
-    masks = grid.masks(cfg, index.shape[0], NW + 1)
-    sel, sel_ok = select_decode_fast(qg, st.kc, None if st.score is None else st.wsc, cfg, index, scale, masks)
+    wsc = None if st.score is None else st.wsc
+    if cache.attention == "triton" and select_kernel_supported(qg, st.kc, wsc, index):  # one launch
+        sel, sel_ok = select_decode_kernel(qg, st.kc, wsc, pos, cfg, index, scale)
+    else:
+        masks = grid.masks(cfg, index.shape[0], NW + 1)
+        sel, sel_ok = select_decode_fast(qg, st.kc, wsc, cfg, index, scale, masks)
     tok = (k1, v1, s1, b1)
     if _kernel_applies(cache, st, qg, sel):
         out = _attend_in_place(cache, st, qg, sel, sel_ok, tok, scale)

@@ -36,7 +36,8 @@ AUTO_MAP = {"AutoConfig": f"configuration_nosa.{CONFIG_CLASS}", "AutoModelForCau
 SHIPPED = (
     "nosa_layers.config", "nosa_layers.eviction", "nosa_layers.selection", "nosa_layers.reference",
     "nosa_layers.dispatch", "nosa_layers.decode", "nosa_layers.query_chunks",  # the NOSA reference
-    "nosa_layers.ops.decode_attention", "nosa_layers.ops.offload_copy",  # the decode kernels (optional Triton)
+    "nosa_layers.ops.decode_attention", "nosa_layers.ops.decode_selection",  # the decode kernels (optional Triton)
+    "nosa_layers.ops.offload_copy",
     "inference.storage", "inference.stats", "inference.streams", "inference.transfers", "inference.decode_select",
     "inference.decode_step", "inference.decode_graph", "inference.block_cache",  # the decode engine
 )

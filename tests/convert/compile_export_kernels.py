@@ -1,4 +1,4 @@
-"""Compile the Triton kernels shipped with sparse exports (decode attention, host-store transfers) for
+"""Compile the Triton kernels shipped with sparse exports (decode attention and selection, host-store transfers) for
 the sm80 and sm90 targets, without a GPU; prints one JSON line per kernel variant and target. Run by
 ``test_export_kernels.py`` in a process without ``TRITON_INTERPRET``."""
 
@@ -8,7 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nosa_layers.ops import decode_attention, offload_copy
+from nosa_layers.ops import decode_attention, decode_selection, offload_copy
 
 
 def variants():
@@ -24,6 +24,16 @@ def variants():
                            BLOCKS="*i64", OK="*u8", POS="*i64", M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32",
                            scale="fp32", Hkv="i32", K="i32", n_split="i32")
                 yield f"decode_attn fp32={fp32} bias={has_bias} host={has_host}", attn, ptr, const
+    select = decode_selection._build()["select"]
+    for kc, has_wsc in (("*bf16", True), ("*fp32", False)):  # both dtypes and both stage counts
+        # the released geometry, G 8, D 128; 64 blocks ranked at a time for a top 16 (the halving and merging
+        # code of the top-k; the cache's own 256 / 64 take longer to compile, not other code)
+        const = dict(G=8, GP=16, D=128, BW=64, CB=64, LOG_CB=6, KP=16, LOG_KP=4, WPB=6, QA=16, K=16, BLOCK_SIZE=64,
+                     KERNEL_SIZE=32, KERNEL_STRIDE=16, INIT=1, LOCAL=16, HAS_WSC=has_wsc)
+        ptr = dict(Q=kc, KC=kc, WSC="*fp32", POS="*i64", INDEX="*i64", SCORES="*fp32", BLOCKS="*i64", OK="*u8",
+                   scale="fp32", **{n: "i32" for n in ("Hkv", "NW1", "NB", "sq_b", "sq_h", "sq_g", "sq_d", "sk_b",
+                                                       "sk_h", "sk_w", "sk_d", "sw_b", "sw_h", "sw_w")})
+        yield f"decode_select kc={kc[1:]} wsc={has_wsc}", select, ptr, const
     for has_b in (False, True):
         ptr = dict(src_k="*bf16", src_v="*bf16", src_b="*fp32", dst_k="*bf16", dst_v="*bf16", dst_b="*fp32",
                    src_row="*i64", dst_row="*i64", n="i32")

@@ -8,7 +8,8 @@
 * ``generate`` (greedy at batch > 1, beam search) with the default block cache;
 * the packed Triton prefill (interpreter, tiny shapes) equals the reference prefill;
 * the Triton decode attention (blocks read in place: cache pool, slots, host store) equals the
-  gathered PyTorch ``attend``, alone and inside the cache.
+  gathered PyTorch ``attend``, alone and inside the cache; the selection kernel inside the cache decodes as
+  the PyTorch selection.
 """
 
 from __future__ import annotations
@@ -383,6 +384,26 @@ def test_triton_decode_attention_in_the_cache(export_dirs):
     assert fetched["offload_3slots"] == fetched["offload_3slots_torch"] > fetched["offload"] > 0
     with pytest.raises(ValueError, match="attention must be"):
         model.new_cache(attention="fast")
+
+
+def test_selection_kernel_in_the_cache(export_dirs, monkeypatch):
+    """attention='triton' selects the blocks with the selection kernel (one launch per layer and step) and
+    decodes exactly as the same cache with the PyTorch selection (``select_decode_fast``): logits, greedy
+    tokens and selections; a short sequence (below the budget) and a long one in one batch."""
+    dev = _kernel_device()
+    model = _load(export_dirs["triton"], torch.float32).to(dev)
+    step = _shipped(model, "nosa_decode_step")
+    ids, mask = (t.to(dev) for t in _batch([103, 61], seed=5))
+    new = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(9)).to(dev)
+    kernel, calls = step.select_decode_kernel, []
+    monkeypatch.setattr(step, "select_decode_kernel", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    logits, sels, _ = _run(model, model.new_cache(attention="triton"), ids, mask, new)
+    assert len(calls) == new.shape[1] * len(sels[0])  # every decode step of every NOSA layer
+    monkeypatch.setattr(step, "select_kernel_supported", lambda *a: False)
+    want_logits, want_sels, _ = _run(model, model.new_cache(attention="triton"), ids, mask, new)
+    assert len(calls) == new.shape[1] * len(sels[0])
+    assert torch.equal(logits, want_logits) and torch.equal(logits.argmax(-1), want_logits.argmax(-1))
+    assert all(torch.equal(a[i][b], c[i][b]) for a, c in zip(sels, want_sels) for i in a for b in range(2))
 
 
 def test_decode_streams_are_shared_by_caches(export_dirs, monkeypatch):

@@ -22,5 +22,6 @@ def test_export_kernels_compile_for_ampere_and_hopper():
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     for arch in ("sm80", "sm90"):
         names = {row["kernel"] for row in rows if row["arch"] == arch}
-        assert len(names) == 12
-        assert {"store_values", "fetch_rows bias=True", "decode_attn fp32=False bias=True host=True"} <= names
+        assert len(names) == 14
+        assert {"store_values", "fetch_rows bias=True", "decode_attn fp32=False bias=True host=True",
+                "decode_select kc=bf16 wsc=True", "decode_select kc=fp32 wsc=False"} <= names
