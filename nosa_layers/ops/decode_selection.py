@@ -80,24 +80,11 @@ def define_kernels() -> None:
 
 
 if triton is not None:
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _min_combine(a, b):
-        return tl.minimum(a, b)
-
-    @triton.jit
-    def _sum_combine(a, b):
-        return a + b
-
-    # The kernel reduces with ``tl.reduce`` and tl.standard's own combine functions where present: the same code
-    # on a GPU as ``tl.max`` / ``tl.sum``, and under the interpreter one numpy call each (a call of a jitted
-    # function such as ``tl.max`` or ``tl.sort`` costs milliseconds there, a combine of our own runs per element).
-    _MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
-    _MIN = getattr(tl.standard, "_elementwise_min", _min_combine)
-    _SUM = getattr(tl.standard, "_sum_combine", _sum_combine)
+    # Reductions: ``tl.reduce`` with tl.standard's own combine functions (``tl.max`` / ``tl.sum`` call them): the
+    # same code on a GPU, and one numpy call each under the interpreter, where a call of a jitted function such
+    # as ``tl.max`` or ``tl.sort`` costs milliseconds and a combine function of our own runs element by element.
+    # Named in full in the kernels (no module-level alias): ``torch.compile`` copies the kernels' source with
+    # the jitted functions they name, each under its own name.
 
     @triton.jit
     def _rank_keys(x, blk, valid):
@@ -122,16 +109,16 @@ if triton is not None:
         for s in tl.static_range(1, LOG_K + 1):
             flip = ((i >> s) & 1) ^ ASC  # runs of 2 ** s alternate (all one way when s == LOG_N)
             for u in tl.static_range(s):  # partners differ in bit s - 1 - u: axis LOG_N - s + u
-                hi = tl.reduce(h, LOG_N - s + u, _MAX, keep_dims=True)
-                lo = tl.reduce(h, LOG_N - s + u, _MIN, keep_dims=True)
+                hi = tl.reduce(h, LOG_N - s + u, tl.standard._elementwise_max, keep_dims=True)
+                lo = tl.reduce(h, LOG_N - s + u, tl.standard._elementwise_min, keep_dims=True)
                 h = tl.where((((i >> (s - 1 - u)) & 1) ^ flip) != 0, lo, hi)
         for r in tl.static_range(1, LOG_N - LOG_K + 1):  # rank LOG_N - r after halving over bit LOG_K
-            h = tl.reduce(h, LOG_N - r - LOG_K, _MAX)
+            h = tl.reduce(h, LOG_N - r - LOG_K, tl.standard._elementwise_max)
             i = tl.reshape(tl.arange(0, 2 ** (LOG_N - r)), [2] * (LOG_N - r))
             flip = ((i >> LOG_K) & 1) ^ ASC
             for u in tl.static_range(LOG_K):
-                hi = tl.reduce(h, LOG_N - r - LOG_K + u, _MAX, keep_dims=True)
-                lo = tl.reduce(h, LOG_N - r - LOG_K + u, _MIN, keep_dims=True)
+                hi = tl.reduce(h, LOG_N - r - LOG_K + u, tl.standard._elementwise_max, keep_dims=True)
+                lo = tl.reduce(h, LOG_N - r - LOG_K + u, tl.standard._elementwise_min, keep_dims=True)
                 h = tl.where((((i >> (LOG_K - 1 - u)) & 1) ^ flip) != 0, lo, hi)
         return tl.reshape(h, [2 ** LOG_K])
 
@@ -174,8 +161,8 @@ if triton is not None:
                                     INIT, LOCAL, HAS_WSC), LOG_CB, LOG_KP, 1)
             h = tl.reshape(tl.maximum(best, top), [2] * LOG_KP)
             for u in tl.static_range(LOG_KP):  # partners differ in bit LOG_KP - 1 - u: axis u
-                hi = tl.reduce(h, u, _MAX, keep_dims=True)
-                lo = tl.reduce(h, u, _MIN, keep_dims=True)
+                hi = tl.reduce(h, u, tl.standard._elementwise_max, keep_dims=True)
+                lo = tl.reduce(h, u, tl.standard._elementwise_min, keep_dims=True)
                 h = tl.where(((i >> (LOG_KP - 1 - u)) & 1) != 0, lo, hi)
             best = tl.reshape(h, [2 ** LOG_KP])
         return best
@@ -214,9 +201,9 @@ def _build() -> dict:
             k = tl.load(kc_row + w[:, None] * sk_w + d[None, :] * sk_d, mask=vis[:, None], other=0.0)
             x = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, BW]
             x = tl.where(vis[None, :], x, float("-inf"))
-            m_new = tl.maximum(m, tl.reduce(x, 1, _MAX))
+            m_new = tl.maximum(m, tl.reduce(x, 1, tl.standard._elementwise_max))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            lsum = lsum * tl.exp(m - m_use) + tl.reduce(tl.exp(x - m_use[:, None]), 1, _SUM)
+            lsum = lsum * tl.exp(m - m_use) + tl.reduce(tl.exp(x - m_use[:, None]), 1, tl.standard._sum_combine)
             m = m_new
         # 2. the group-summed probabilities of the complete windows, to the program's scratch row
         m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -228,7 +215,7 @@ def _build() -> dict:
             k = tl.load(kc_row + w[:, None] * sk_w + d[None, :] * sk_d, mask=vis[:, None], other=0.0)
             x = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             p = tl.exp(x - m_use[:, None]) * inv[:, None]
-            tl.store(scores_row + w, tl.reduce(p, 0, _SUM), mask=vis)
+            tl.store(scores_row + w, tl.reduce(p, 0, tl.standard._sum_combine), mask=vis)
         tl.debug_barrier()  # the row is read back below at other windows (other threads)
         # 3. the two stages (one code path: its compile time), over chunks of CB blocks: the top KP >= K keys
         qb = pos // BLOCK_SIZE
@@ -239,7 +226,8 @@ def _build() -> dict:
         for stage in range(0, 1 + HAS_WSC):
             order = _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, stage > 0, WPB, INIT, LOCAL,
                                 HAS_WSC, CB, LOG_CB, LOG_KP)
-            cut = tl.reduce(tl.where(j == QA - 1, order, -9223372036854775807), 0, _MAX)  # the QA-th largest
+            # the QA-th largest key: the cut of the query-aware stage
+            cut = tl.reduce(tl.where(j == QA - 1, order, -9223372036854775807), 0, tl.standard._elementwise_max)
         chosen = 0x7FFFFFFF - (order - ((order >> 32) << 32))
         tl.store(BLOCKS + bh * K + j, chosen, mask=j < K)
         tl.store(OK + bh * K + j, (chosen <= qb).to(tl.uint8), mask=j < K)

@@ -230,4 +230,3 @@ def test_supported_shapes(monkeypatch):
     assert not ok(torch.zeros(1, 2, 65, 64), kc, wsc, index)
     monkeypatch.setattr(decode_selection, "triton", None)
     assert not ok(q, kc, wsc, index) and not decode_selection.available()
-
