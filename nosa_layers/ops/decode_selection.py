@@ -2,8 +2,9 @@
 ``inference.decode_select.select_decode_fast`` does in about 20 small launches (fp32 casts, matmul, scale,
 ``where``, softmax, sum, gather by ``index`` + ``amax``, ``where``, a stable descending sort for the
 query-aware stage, ``zeros_like`` + ``scatter``, ``where``s, a second sort, slice, compare). A decode step in
-a CUDA graph is bound by its kernel count, not by this work; the effect is measured on a GPU by
-``python -m bench.inference --only decode`` (no timing is claimed here). Shipped into sparse exports (a
+a CUDA graph is bound by its kernel count rather than by this work; the effect on a step is measured on a GPU
+by ``python -m bench.inference --only decode`` (no timing is claimed here: written and tested without a GPU,
+under the Triton interpreter, and compiled for sm80 / sm90 by the tests). Shipped into sparse exports (a
 copy next to ``modeling_nosa.py``, which runs without this package): there Triton may be missing, then
 ``available()`` is False and the cache runs ``select_decode_fast``.
 
@@ -12,12 +13,12 @@ K] int64, ok [B, Hkv, K] bool)`` with ``K = min(topk, NB)``, the same blocks in 
 reference's stable descending sort: equal scores keep the lower block index first).
 
 1. Softmax statistics: the query rows ``[G, D]`` (``G`` padded to a power of two of at least 16 and masked)
-   against the complete windows of ``kc`` in chunks of ``BW`` (fp32 products, IEEE: no tf32), per query
+   against the complete windows of ``kc`` in chunks of ``BW`` (both in fp32, IEEE products: no tf32), per query
    head the running max and sum of ``exp`` over the windows complete at ``pos`` (``decode_masks``' hidden
    windows, the sink column among them, are left out).
-2. The same logits again, ``exp(x - max) / sum`` summed over the group: the query-aware window scores, to a
-   fp32 scratch row ``[NW + 1]`` of the program (only the complete windows are written; the others read as
-   ``-inf``).
+2. The same logits again (``kc`` read twice), ``exp(x - max) / sum`` summed over the group: the query-aware
+   window scores, to a fp32 scratch row ``[NW + 1]`` of the program (only the complete windows are written;
+   the others read as ``-inf``), read back after a barrier.
 3. Per block, the max over its windows (``index [NB, WPB]``) of those scores and of the window score means
    ``wsc``; the forced blocks (sink, the query's own block and the ``local_blocks`` before it) pinned to
    ``+inf`` and the future ones to ``-inf``, from ``pos`` and the ``NOSAConfig`` alone.
@@ -33,7 +34,8 @@ reference's stable descending sort: equal scores keep the lower block index firs
 
 Scores are fp32 as in the reference; the summation order differs from torch's in the last bits, so a block
 whose score is within a rounding of the one at the budget's cut may be swapped for it (exact ties, pinned
-blocks and the order by index among equal scores are exact).
+blocks and the order by index among equal scores are exact). Inputs are finite (NaN keys rank as torch's
+sort ranks them, but a NaN is not propagated through the max-pooling as ``amax`` would).
 """
 
 from __future__ import annotations
