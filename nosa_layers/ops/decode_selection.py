@@ -256,6 +256,8 @@ def select_decode_kernel(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor,
     ``chunk_blocks`` (a power of two) blocks are ranked at a time and ``num_warps`` are launch settings: the
     result does not depend on them.
     """
+    if chunk_blocks < 1 or chunk_blocks & (chunk_blocks - 1):
+        raise ValueError(f"chunk_blocks must be a power of two, got {chunk_blocks}")
     B, Hkv, G, D = q.shape
     NW1 = kc.shape[2]
     NB, WPB = index.shape
