@@ -2,8 +2,9 @@
 ``inference.decode_select.select_decode_fast`` does in about 20 small launches (fp32 casts, matmul, scale,
 ``where``, softmax, sum, gather by ``index`` + ``amax``, ``where``, a stable descending sort for the
 query-aware stage, ``zeros_like`` + ``scatter``, ``where``s, a second sort, slice, compare). A decode step in
-a CUDA graph is bound by its kernel count, not by this work; the effect is measured on a GPU by
-``python -m bench.inference --only decode`` (no timing is claimed here). Shipped into sparse exports (a
+a CUDA graph is bound by its kernel count rather than by this work; the effect on a step is measured on a GPU
+by ``python -m bench.inference --only decode`` (no timing is claimed here: written and tested without a GPU,
+under the Triton interpreter, and compiled for sm80 / sm90 by the tests). Shipped into sparse exports (a
 copy next to ``modeling_nosa.py``, which runs without this package): there Triton may be missing, then
 ``available()`` is False and the cache runs ``select_decode_fast``.
 
@@ -12,12 +13,12 @@ K] int64, ok [B, Hkv, K] bool)`` with ``K = min(topk, NB)``, the same blocks in 
 reference's stable descending sort: equal scores keep the lower block index first).
 
 1. Softmax statistics: the query rows ``[G, D]`` (``G`` padded to a power of two of at least 16 and masked)
-   against the complete windows of ``kc`` in chunks of ``BW`` (fp32 products, IEEE: no tf32), per query
+   against the complete windows of ``kc`` in chunks of ``BW`` (both in fp32, IEEE products: no tf32), per query
    head the running max and sum of ``exp`` over the windows complete at ``pos`` (``decode_masks``' hidden
    windows, the sink column among them, are left out).
-2. The same logits again, ``exp(x - max) / sum`` summed over the group: the query-aware window scores, to a
-   fp32 scratch row ``[NW + 1]`` of the program (only the complete windows are written; the others read as
-   ``-inf``).
+2. The same logits again (``kc`` read twice), ``exp(x - max) / sum`` summed over the group: the query-aware
+   window scores, to a fp32 scratch row ``[NW + 1]`` of the program (only the complete windows are written;
+   the others read as ``-inf``), read back after a barrier.
 3. Per block, the max over its windows (``index [NB, WPB]``) of those scores and of the window score means
    ``wsc``; the forced blocks (sink, the query's own block and the ``local_blocks`` before it) pinned to
    ``+inf`` and the future ones to ``-inf``, from ``pos`` and the ``NOSAConfig`` alone.
@@ -33,7 +34,8 @@ reference's stable descending sort: equal scores keep the lower block index firs
 
 Scores are fp32 as in the reference; the summation order differs from torch's in the last bits, so a block
 whose score is within a rounding of the one at the budget's cut may be swapped for it (exact ties, pinned
-blocks and the order by index among equal scores are exact).
+blocks and the order by index among equal scores are exact). Inputs are finite (NaN keys rank as torch's
+sort ranks them, but a NaN is not propagated through the max-pooling as ``amax`` would).
 """
 
 from __future__ import annotations
@@ -80,24 +82,11 @@ def define_kernels() -> None:
 
 
 if triton is not None:
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _min_combine(a, b):
-        return tl.minimum(a, b)
-
-    @triton.jit
-    def _sum_combine(a, b):
-        return a + b
-
-    # The kernel reduces with ``tl.reduce`` and tl.standard's own combine functions where present: the same code
-    # on a GPU as ``tl.max`` / ``tl.sum``, and under the interpreter one numpy call each (a call of a jitted
-    # function such as ``tl.max`` or ``tl.sort`` costs milliseconds there, a combine of our own runs per element).
-    _MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
-    _MIN = getattr(tl.standard, "_elementwise_min", _min_combine)
-    _SUM = getattr(tl.standard, "_sum_combine", _sum_combine)
+    # Reductions: ``tl.reduce`` with tl.standard's own combine functions (``tl.max`` / ``tl.sum`` call them): the
+    # same code on a GPU, and one numpy call each under the interpreter, where a call of a jitted function such
+    # as ``tl.max`` or ``tl.sort`` costs milliseconds and a combine function of our own runs element by element.
+    # Named in full in the kernels (no module-level alias): ``torch.compile`` copies the kernels' source with
+    # the jitted functions they name, each under its own name.
 
     @triton.jit
     def _rank_keys(x, blk, valid):
@@ -122,16 +111,16 @@ if triton is not None:
         for s in tl.static_range(1, LOG_K + 1):
             flip = ((i >> s) & 1) ^ ASC  # runs of 2 ** s alternate (all one way when s == LOG_N)
             for u in tl.static_range(s):  # partners differ in bit s - 1 - u: axis LOG_N - s + u
-                hi = tl.reduce(h, LOG_N - s + u, _MAX, keep_dims=True)
-                lo = tl.reduce(h, LOG_N - s + u, _MIN, keep_dims=True)
+                hi = tl.reduce(h, LOG_N - s + u, tl.standard._elementwise_max, keep_dims=True)
+                lo = tl.reduce(h, LOG_N - s + u, tl.standard._elementwise_min, keep_dims=True)
                 h = tl.where((((i >> (s - 1 - u)) & 1) ^ flip) != 0, lo, hi)
         for r in tl.static_range(1, LOG_N - LOG_K + 1):  # rank LOG_N - r after halving over bit LOG_K
-            h = tl.reduce(h, LOG_N - r - LOG_K, _MAX)
+            h = tl.reduce(h, LOG_N - r - LOG_K, tl.standard._elementwise_max)
             i = tl.reshape(tl.arange(0, 2 ** (LOG_N - r)), [2] * (LOG_N - r))
             flip = ((i >> LOG_K) & 1) ^ ASC
             for u in tl.static_range(LOG_K):
-                hi = tl.reduce(h, LOG_N - r - LOG_K + u, _MAX, keep_dims=True)
-                lo = tl.reduce(h, LOG_N - r - LOG_K + u, _MIN, keep_dims=True)
+                hi = tl.reduce(h, LOG_N - r - LOG_K + u, tl.standard._elementwise_max, keep_dims=True)
+                lo = tl.reduce(h, LOG_N - r - LOG_K + u, tl.standard._elementwise_min, keep_dims=True)
                 h = tl.where((((i >> (LOG_K - 1 - u)) & 1) ^ flip) != 0, lo, hi)
         return tl.reshape(h, [2 ** LOG_K])
 
@@ -174,8 +163,8 @@ if triton is not None:
                                     INIT, LOCAL, HAS_WSC), LOG_CB, LOG_KP, 1)
             h = tl.reshape(tl.maximum(best, top), [2] * LOG_KP)
             for u in tl.static_range(LOG_KP):  # partners differ in bit LOG_KP - 1 - u: axis u
-                hi = tl.reduce(h, u, _MAX, keep_dims=True)
-                lo = tl.reduce(h, u, _MIN, keep_dims=True)
+                hi = tl.reduce(h, u, tl.standard._elementwise_max, keep_dims=True)
+                lo = tl.reduce(h, u, tl.standard._elementwise_min, keep_dims=True)
                 h = tl.where(((i >> (LOG_KP - 1 - u)) & 1) != 0, lo, hi)
             best = tl.reshape(h, [2 ** LOG_KP])
         return best
@@ -214,9 +203,9 @@ def _build() -> dict:
             k = tl.load(kc_row + w[:, None] * sk_w + d[None, :] * sk_d, mask=vis[:, None], other=0.0)
             x = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, BW]
             x = tl.where(vis[None, :], x, float("-inf"))
-            m_new = tl.maximum(m, tl.reduce(x, 1, _MAX))
+            m_new = tl.maximum(m, tl.reduce(x, 1, tl.standard._elementwise_max))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            lsum = lsum * tl.exp(m - m_use) + tl.reduce(tl.exp(x - m_use[:, None]), 1, _SUM)
+            lsum = lsum * tl.exp(m - m_use) + tl.reduce(tl.exp(x - m_use[:, None]), 1, tl.standard._sum_combine)
             m = m_new
         # 2. the group-summed probabilities of the complete windows, to the program's scratch row
         m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -228,7 +217,7 @@ def _build() -> dict:
             k = tl.load(kc_row + w[:, None] * sk_w + d[None, :] * sk_d, mask=vis[:, None], other=0.0)
             x = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             p = tl.exp(x - m_use[:, None]) * inv[:, None]
-            tl.store(scores_row + w, tl.reduce(p, 0, _SUM), mask=vis)
+            tl.store(scores_row + w, tl.reduce(p, 0, tl.standard._sum_combine), mask=vis)
         tl.debug_barrier()  # the row is read back below at other windows (other threads)
         # 3. the two stages (one code path: its compile time), over chunks of CB blocks: the top KP >= K keys
         qb = pos // BLOCK_SIZE
@@ -239,7 +228,8 @@ def _build() -> dict:
         for stage in range(0, 1 + HAS_WSC):
             order = _top_blocks(scores_row, wsc_row, sw_w, INDEX, NB, w_end, qb, cut, stage > 0, WPB, INIT, LOCAL,
                                 HAS_WSC, CB, LOG_CB, LOG_KP)
-            cut = tl.reduce(tl.where(j == QA - 1, order, -9223372036854775807), 0, _MAX)  # the QA-th largest
+            # the QA-th largest key: the cut of the query-aware stage
+            cut = tl.reduce(tl.where(j == QA - 1, order, -9223372036854775807), 0, tl.standard._elementwise_max)
         chosen = 0x7FFFFFFF - (order - ((order >> 32) << 32))
         tl.store(BLOCKS + bh * K + j, chosen, mask=j < K)
         tl.store(OK + bh * K + j, (chosen <= qb).to(tl.uint8), mask=j < K)
@@ -266,6 +256,8 @@ def select_decode_kernel(q: Tensor, kc: Tensor, wsc: Tensor | None, pos: Tensor,
     ``chunk_blocks`` (a power of two) blocks are ranked at a time and ``num_warps`` are launch settings: the
     result does not depend on them.
     """
+    if chunk_blocks < 1 or chunk_blocks & (chunk_blocks - 1):
+        raise ValueError(f"chunk_blocks must be a power of two, got {chunk_blocks}")
     B, Hkv, G, D = q.shape
     NW1 = kc.shape[2]
     NB, WPB = index.shape

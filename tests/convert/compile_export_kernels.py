@@ -1,14 +1,36 @@
 """Compile the Triton kernels shipped with sparse exports (decode attention and selection, host-store transfers) for
-the sm80 and sm90 targets, without a GPU; prints one JSON line per kernel variant and target. Run by
+the sm80 and sm90 targets, without a GPU (the selection kernel also as ``torch.compile`` copies it); prints one
+JSON line per kernel variant and target. Run by
 ``test_export_kernels.py`` in a process without ``TRITON_INTERPRET``."""
 
+import importlib.util
 import json
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nosa_layers.ops import decode_attention, decode_selection, offload_copy
+
+
+def as_torch_compile_runs_it(fn):
+    """``fn`` as ``torch.compile`` (Inductor) runs a user's kernel: from a copy of its source and of the jitted
+    functions it names, each under its own name (a module-level alias of a jitted function would be missing
+    there); ``fn`` itself where this torch has no such code generator."""
+    try:
+        from torch._inductor.codegen.wrapper import (
+            user_defined_triton_kernel_transitive_closure_source_code as closure,
+        )
+    except ImportError:
+        return fn
+    path = Path(tempfile.mkdtemp()) / "copied_kernel.py"
+    path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n" + closure(fn))
+    spec = importlib.util.spec_from_file_location("copied_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, fn.__name__)
 
 
 def variants():
@@ -25,7 +47,8 @@ def variants():
                            scale="fp32", Hkv="i32", K="i32", n_split="i32")
                 yield f"decode_attn fp32={fp32} bias={has_bias} host={has_host}", attn, ptr, const
     select = decode_selection._build()["select"]
-    for kc, has_wsc in (("*bf16", True), ("*fp32", False)):  # both dtypes and both stage counts
+    copied = as_torch_compile_runs_it(select)
+    for kc, has_wsc in (("*bf16", True), ("*fp32", False)):  # both dtypes and stage counts, compiled and eager
         # the released geometry, G 8, D 128; 64 blocks ranked at a time for a top 16 (the halving and merging
         # code of the top-k; the cache's own 256 / 64 take longer to compile, not other code)
         const = dict(G=8, GP=16, D=128, BW=64, CB=64, LOG_CB=6, KP=16, LOG_KP=4, WPB=6, QA=16, K=16, BLOCK_SIZE=64,
@@ -33,7 +56,7 @@ def variants():
         ptr = dict(Q=kc, KC=kc, WSC="*fp32", POS="*i64", INDEX="*i64", SCORES="*fp32", BLOCKS="*i64", OK="*u8",
                    scale="fp32", **{n: "i32" for n in ("Hkv", "NW1", "NB", "sq_b", "sq_h", "sq_g", "sq_d", "sk_b",
                                                        "sk_h", "sk_w", "sk_d", "sw_b", "sw_h", "sw_w")})
-        yield f"decode_select kc={kc[1:]} wsc={has_wsc}", select, ptr, const
+        yield f"decode_select kc={kc[1:]} wsc={has_wsc}", copied if has_wsc else select, ptr, const
     for has_b in (False, True):
         ptr = dict(src_k="*bf16", src_v="*bf16", src_b="*fp32", dst_k="*bf16", dst_v="*bf16", dst_b="*fp32",
                    src_row="*i64", dst_row="*i64", n="i32")

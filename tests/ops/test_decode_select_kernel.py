@@ -228,6 +228,8 @@ def test_supported_shapes(monkeypatch):
     assert not ok(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 9, 8), wsc, index)  # D < 16
     assert not ok(q, kc, wsc.double(), index) and not ok(q, kc.double(), wsc, index)
     assert not ok(torch.zeros(1, 2, 65, 64), kc, wsc, index)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_selection.select_decode_kernel(q, kc, wsc, torch.zeros(1, dtype=torch.long), tiny_geometry(), index,
+                                              0.125, chunk_blocks=48)
     monkeypatch.setattr(decode_selection, "triton", None)
     assert not ok(q, kc, wsc, index) and not decode_selection.available()
-
