@@ -90,8 +90,9 @@ class TrainSection:
     precision: str = "bf16"  # fp32 is used on CPU whatever this says
     recompute: str = "none"
     transformer_impl: str = "local"  # layer spec: local (megatron-core local layers) | te (Transformer Engine)
-    # GPU runs: fused RMSNorm, RoPE and eviction score (Triton), megatron-core's fused SwiGLU and cross entropy
-    # (same formulas, fewer passes over memory) and its gradient accumulation fusion (weight gradient GEMMs add
+    # GPU runs: fused RMSNorm, RoPE and eviction score (Triton), megatron-core's fused SwiGLU and, in the chunked
+    # loss, its fused cross-entropy helpers (same formulas, fewer passes over memory) and its gradient accumulation
+    # fusion (weight gradient GEMMs add
     # into the fp32 main grads; runtime.megatron_compat gives it a torch GEMM where Apex is missing);
     # CPU runs always take the unfused reference path
     fusions: bool = True
