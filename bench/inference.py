@@ -166,7 +166,7 @@ def load_shape(path: str) -> ModelConfig:
     """``ModelConfig`` from a model YAML (its fields; ``longrope`` a mapping) or an export's ``config.json``."""
     from checkpoints_convert.from_hf import configs_from_hf
     from nosa_layers.megatron.config import validate
-    from nosa_layers.rope.longrope import LongRoPEConfig
+    from runtime.dataclass_io import from_dict
 
     p = Path(path)
     if not p.is_file():
@@ -175,15 +175,7 @@ def load_shape(path: str) -> ModelConfig:
         return configs_from_hf(json.loads(p.read_text()))[0]
     import yaml
 
-    fields = yaml.safe_load(p.read_text())
-    if not isinstance(fields, dict):
-        raise ValueError(f"--shape {path}: expected a mapping of model fields")
-    if isinstance(fields.get("longrope"), dict):
-        fields["longrope"] = LongRoPEConfig(**fields["longrope"])
-    try:
-        m = ModelConfig(**fields)
-    except TypeError as e:
-        raise ValueError(f"--shape {path}: {e}") from None
+    m = from_dict(ModelConfig, yaml.safe_load(p.read_text()), "--shape")
     validate(m, AttentionConfig(variant="dense"))
     return m
 
